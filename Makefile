@@ -1,0 +1,32 @@
+# pdeformer: the two commands are `make run` and `make test`; each sets up what is missing.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+NP ?= 2
+CONFIG ?= runs/default.toml
+PYTEST_ARGS ?=
+# Open MPI refuses root and more ranks than cores unless told; other MPIs get no flags.
+MPIRUN = mpirun $(shell mpirun --version 2>/dev/null | grep -q "Open MPI" && echo "--oversubscribe $$([ $$(id -u) = 0 ] && echo --allow-run-as-root)")
+
+.PHONY: setup run test test-slow test-mpi clean help
+
+help:
+	@echo "make setup      install what is missing (Debian packages, .venv, pdeformer)"
+	@echo "make run        forward pass of $(CONFIG) under mpirun -n $(NP)"
+	@echo "make test       the test suite (serial and mpirun -n 2 cases)"
+	@echo "make test-slow  the slow convergence studies"
+
+setup:
+	@bash .ci/bootstrap.sh
+
+run: setup
+	$(MPIRUN) -n $(NP) $(VENV)/bin/pdeformer forward $(CONFIG)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-slow: setup
+	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+clean:
+	rm -rf runs/output output .pytest_cache

@@ -1,0 +1,125 @@
+"""The dolfinx version layer: the only module that knows dolfinx 0.5 from 0.9.
+
+Debian 12 ships dolfinx 0.5.2 (PETSc 3.18, pybind11 wrappers, ``FunctionSpace`` class,
+``Function.vector``, ``Expression.eval(cells)``, no ADIOS2); Debian 13 ships 0.9.0
+(``functionspace``, ``Function.x.petsc_vec``, ``Expression.eval(mesh, cells)``,
+``VTXWriter``). Everything else in pdeformer calls these helpers instead of branching
+on the version itself.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import dolfinx
+import dolfinx.fem
+import dolfinx.fem.petsc  # noqa: F401  (registers the PETSc assemblers)
+import dolfinx.io
+import dolfinx.mesh
+
+VERSION = tuple(int(p) for p in dolfinx.__version__.split(".")[:2])
+NEW_API = VERSION >= (0, 8)
+
+
+def function_space(mesh, family: str, degree: int, shape: tuple | None = None):
+    """A (vector) Lagrange/DG space: ``function_space(mesh, "DG", 1)``,
+    ``function_space(mesh, "Lagrange", 2, (d,))``."""
+    if NEW_API:
+        element = (family, degree) if shape is None else (family, degree, shape)
+        return dolfinx.fem.functionspace(mesh, element)
+    if shape is None:
+        return dolfinx.fem.FunctionSpace(mesh, (family, degree))
+    return dolfinx.fem.VectorFunctionSpace(mesh, (family, degree), dim=shape[0])
+
+
+def petsc_vector(u):
+    """The PETSc Vec that shares memory with Function u (owned + ghost entries)."""
+    return u.x.petsc_vec if NEW_API else u.vector
+
+
+def expression(ufl_expr, points: np.ndarray):
+    """Compile a UFL expression for evaluation at reference points (num_points, tdim)."""
+    return dolfinx.fem.Expression(ufl_expr, points)
+
+
+def evaluate(expr, mesh, cells: np.ndarray) -> np.ndarray:
+    """Values of a compiled expression on the given cells, (num_cells, num_points * size)."""
+    cells = np.asarray(cells, dtype=np.int32)
+    if NEW_API:
+        return expr.eval(mesh, cells)
+    return expr.eval(cells)
+
+
+def cell_dofs(V) -> np.ndarray:
+    """Dof indices (local, unblocked) of every local cell, (num_cells, dofs_per_cell)."""
+    dl = V.dofmap.list
+    if NEW_API:
+        return np.asarray(dl)
+    return dl.array.reshape(-1, V.dofmap.cell_dofs(0).size)
+
+
+def owned_node_coordinates(W) -> np.ndarray:
+    """Coordinates of the owned nodes of a vector Lagrange space, (n_nodes, d), in the
+    order of its blocked dof array. (Interpolating x works where
+    ``tabulate_dof_coordinates`` does not: 0.5 treats a 1-component vector as mixed.)"""
+    d = W.mesh.topology.dim
+    f = dolfinx.fem.Function(W)
+    f.interpolate(lambda x: x[:d])
+    n = W.dofmap.index_map.size_local * W.dofmap.index_map_bs
+    return f.x.array[:n].reshape(-1, d).copy()
+
+
+def cell_type_name(mesh) -> str:
+    return mesh.topology.cell_type.name
+
+
+def owned_cells(mesh) -> np.ndarray:
+    tdim = mesh.topology.dim
+    return np.arange(mesh.topology.index_map(tdim).size_local, dtype=np.int32)
+
+
+def global_cells(mesh) -> int:
+    return mesh.topology.index_map(mesh.topology.dim).size_global
+
+
+def has_vtx() -> bool:
+    return NEW_API and getattr(dolfinx, "has_adios2", False) and hasattr(dolfinx.io, "VTXWriter")
+
+
+class FieldSeries:
+    """A time series of one Function for ParaView: VTK (.pvd + .vtu/.pvtu per frame,
+    both versions) or VTX (.bp folder, dolfinx >= 0.8 with ADIOS2)."""
+
+    def __init__(self, comm, filename: str, u, fmt: str):
+        self.u = u
+        self.fmt = fmt
+        if fmt == "vtx":
+            self._file = dolfinx.io.VTXWriter(comm, filename, [u])
+        else:
+            self._file = dolfinx.io.VTKFile(comm, filename, "w")
+
+    def write(self, t: float) -> None:
+        if self.fmt == "vtx":
+            self._file.write(t)
+        else:
+            self._file.write_function(self.u, t)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def versions() -> dict:
+    """Versions of the numerical stack, for summary.json."""
+    import mpi4py
+    import petsc4py
+    from petsc4py import PETSc
+    out = {"dolfinx": dolfinx.__version__,
+           "petsc": ".".join(str(v) for v in PETSc.Sys.getVersion()),
+           "petsc4py": petsc4py.__version__, "mpi4py": mpi4py.__version__,
+           "numpy": np.__version__}
+    for name in ("ufl", "basix", "ffcx"):
+        try:
+            out[name] = __import__(name).__version__
+        except (ImportError, AttributeError):
+            pass
+    return out

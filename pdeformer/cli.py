@@ -1,0 +1,101 @@
+"""The ``pdeformer`` command.
+
+    mpirun -n P pdeformer forward RUN.toml [--set section.key=value ...]
+    pdeformer info
+
+Errors caused by the input are one line on stderr (``pdeformer: error: ...``), exit
+status 2 (3 for a numerical breakdown), no traceback, on every rank at once so the
+job ends. Anything unexpected prints its traceback and aborts the whole MPI job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import __version__
+from .errors import PdeformerError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdeformer",
+        description="Mean-field transformers as PDEs: attention transport of token densities "
+                    "with DG in dolfinx. Run under mpirun for parallel runs.",
+        epilog="example: mpirun -n 2 pdeformer forward runs/default.toml --set model.layers=4")
+    p.add_argument("--version", action="version", version=f"pdeformer {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    f = sub.add_parser(
+        "forward", help="forward pass: transport every prompt through the L layers",
+        description="Transport the token density of every prompt through the L attention layers "
+                    "(DG in space, SSP Runge-Kutta in depth). Writes diagnostics.csv, "
+                    "density/velocity fields for ParaView, pdeformer.log and summary.json "
+                    "into [output] dir.",
+        epilog="paths in the config are relative to the config file; paths given with --set "
+               "are relative to the current directory")
+    f.add_argument("config", help="run configuration (TOML)")
+    f.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", nargs="+",
+                   action="extend", default=[],
+                   help="override config values, e.g. --set mesh.cells=[32,32] model.seed=3 "
+                        "prompts[0].name=a (values are TOML: numbers, true/false, [lists], strings)")
+    f.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+
+    sub.add_parser("info", help="versions of pdeformer and its numerical stack",
+                   description="Print the versions pdeformer runs with (dolfinx, PETSc, ...).")
+    return p
+
+
+def _forward(args, comm) -> int:
+    import logging
+    from .config import load_config
+    from .parallel import setup_logging
+    from .run import run_forward
+    setup_logging(comm, logging.WARNING if args.quiet else logging.INFO)
+    cfg = load_config(args.config, args.overrides)
+    summary = run_forward(cfg, comm)
+    if comm.rank == 0:
+        outdir = cfg["output"]["dir"]
+        print(f"pdeformer: output in {outdir}")
+        print(f"  diagnostics.csv, summary.json, pdeformer.log"
+              + (f", {len(summary['files']['fields'])} field series (open the .pvd/.bp in ParaView)"
+                 if summary["files"]["fields"] else ""))
+    return 0
+
+
+def _info(args, comm) -> int:
+    from ._dolfinx import versions
+    if comm.rank == 0:
+        print(f"pdeformer {__version__}")
+        for k, v in versions().items():
+            print(f"{k:10s} {v}")
+        print(f"{'ranks':10s} {comm.size}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    try:
+        return {"forward": _forward, "info": _info}[args.command](args, comm)
+    except PdeformerError as e:
+        # raised on every rank at once (see pdeformer.errors): rank 0 reports
+        if comm.rank == 0:
+            print(f"pdeformer: error: {e}", file=sys.stderr, flush=True)
+        return e.exit_status
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        if comm.size > 1:
+            comm.Abort(130)
+        raise
+    except BaseException:
+        if comm.size > 1:
+            import traceback
+            traceback.print_exc()
+            sys.stderr.write(f"pdeformer: rank {comm.rank} failed; aborting the MPI job\n")
+            sys.stderr.flush()
+            comm.Abort(1)
+        raise

@@ -1,0 +1,410 @@
+"""Run configuration: TOML file -> checked, resolved dictionary.
+
+A run is described by a TOML file (see ``runs/default.toml`` and the README's tour).
+:func:`load_config` reads it, applies ``--set section.key=value`` overrides, checks
+every key against :data:`SCHEMA`, fills defaults and resolves paths relative to the
+config file. The result is a plain nested ``dict`` that is written verbatim into
+``summary.json``. Every problem is a :class:`~pdeformer.errors.ConfigError` whose
+message starts with the offending key (``mesh.cells: ...``). User strings are data
+only: nothing here is evaluated.
+
+Checks that need the mesh (the token dimension d of a mesh file, a prompt's shape)
+happen later, where d is known, and name their key the same way.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import math
+import os
+import re
+import tomllib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .errors import ConfigError
+
+REQUIRED = object()
+
+# ----------------------------------------------------------------------------------
+# value checkers: (key, value) -> normalised value, or ConfigError naming key
+
+
+def _typename(value) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "a list", dict: "a table"}.get(type(value), type(value).__name__)
+
+
+def integer(lo: int | None = None, hi: int | None = None) -> Callable:
+    def check(key, v):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(key, f"expected an integer, got {_typename(v)} ({v!r})")
+        if lo is not None and v < lo or hi is not None and v > hi:
+            rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+            raise ConfigError(key, f"expected an integer {rng}, got {v}")
+        return v
+    return check
+
+
+def number(positive: bool = False, nonnegative: bool = False) -> Callable:
+    def check(key, v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(key, f"expected a number, got {_typename(v)} ({v!r})")
+        v = float(v)
+        if not math.isfinite(v):
+            raise ConfigError(key, f"expected a finite number, got {v}")
+        if positive and v <= 0:
+            raise ConfigError(key, f"expected a positive number, got {v}")
+        if nonnegative and v < 0:
+            raise ConfigError(key, f"expected a non-negative number, got {v}")
+        return v
+    return check
+
+
+def boolean(key, v):
+    if not isinstance(v, bool):
+        raise ConfigError(key, f"expected true or false, got {_typename(v)} ({v!r})")
+    return v
+
+
+def string(choices: tuple[str, ...] | None = None, pattern: str | None = None) -> Callable:
+    def check(key, v):
+        if not isinstance(v, str):
+            raise ConfigError(key, f"expected a string, got {_typename(v)} ({v!r})")
+        if choices is not None and v not in choices:
+            raise ConfigError(key, f"expected one of {', '.join(map(repr, choices))}, got {v!r}")
+        if pattern is not None and not re.fullmatch(pattern, v):
+            raise ConfigError(key, f"{v!r} is not allowed (letters, digits, '_' and '-' only)")
+        return v
+    return check
+
+
+def path(key, v):
+    if not isinstance(v, str) or not v:
+        raise ConfigError(key, f"expected a file path (string), got {_typename(v)} ({v!r})")
+    return v
+
+
+def number_list(length: tuple[int, int] = (1, 3)) -> Callable:
+    """A list of finite numbers whose length lies in ``length``."""
+    def check(key, v):
+        if not isinstance(v, list) or not length[0] <= len(v) <= length[1]:
+            n = f"{length[0]}" if length[0] == length[1] else f"{length[0]} to {length[1]}"
+            raise ConfigError(key, f"expected a list of {n} numbers, got {v!r}")
+        return [number()(f"{key}[{i}]", x) for i, x in enumerate(v)]
+    return check
+
+
+def positive_int_list(key, v):
+    if not isinstance(v, list) or not 1 <= len(v) <= 3:
+        raise ConfigError(key, f"expected a list of 1 to 3 positive integers, got {v!r}")
+    for i, x in enumerate(v):
+        if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+            raise ConfigError(key, f"expected positive integers, got {v!r}")
+    return list(v)
+
+
+def array(key, v):
+    """A nested list of numbers (shape checked later, once d is known)."""
+    def walk(x, k):
+        if isinstance(x, list):
+            if not x:
+                raise ConfigError(key, "expected numbers, got an empty list")
+            return [walk(y, f"{k}[{i}]") for i, y in enumerate(x)]
+        return number()(k, x)
+    if not isinstance(v, list):
+        raise ConfigError(key, f"expected a list, got {_typename(v)} ({v!r})")
+    return walk(v, key)
+
+
+def petsc_options(key, v):
+    if not isinstance(v, dict):
+        raise ConfigError(key, f"expected a table of PETSc options, got {_typename(v)}")
+    out = {}
+    for k, x in v.items():
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", k):
+            raise ConfigError(f"{key}.{k}", "not a PETSc option name")
+        if isinstance(x, bool):
+            x = "true" if x else "false"
+        elif isinstance(x, (int, float, str)):
+            x = str(x)
+        else:
+            raise ConfigError(f"{key}.{k}", f"expected a string, number or boolean, got {_typename(x)}")
+        out[k] = x
+    return out
+
+
+@dataclass(frozen=True)
+class Key:
+    check: Callable
+    default: Any = REQUIRED
+    doc: str = ""
+
+
+CELLS = {1: ("interval",), 2: ("triangle", "quadrilateral"), 3: ("tetrahedron", "hexahedron")}
+SCHEMES = ("auto", "euler", "ssprk2", "ssprk3", "ssprk104")
+NAME = r"[A-Za-z0-9_-]+"
+
+SCHEMA: dict[str, dict[str, Key]] = {
+    "mesh": {
+        "file": Key(path, None, "mesh file (XDMF), instead of a built-in box"),
+        "name": Key(string(), "mesh", "name of the mesh grid in the XDMF file"),
+        "lower": Key(number_list(), None, "lower corner of the built-in box"),
+        "upper": Key(number_list(), None, "upper corner of the built-in box"),
+        "cells": Key(positive_int_list, None, "cells per direction of the built-in box"),
+        "cell": Key(string(tuple(c for cs in CELLS.values() for c in cs)), None,
+                    "cell type of the built-in box (default: simplices)"),
+    },
+    "discretisation": {
+        "degree": Key(integer(1, 3), 1, "DG degree of the density"),
+        "velocity_degree": Key(integer(1, 4), None, "Lagrange degree of the velocity (default: degree)"),
+        "scheme": Key(string(SCHEMES), "auto", "SSP Runge-Kutta scheme (auto: order degree+1)"),
+        "cfl": Key(number(positive=True), 0.5, "dt = cfl * min_K l_K / ((2k+1) |v|_K)"),
+        "steps_per_layer": Key(integer(1), None, "fixed steps per layer instead of the CFL step"),
+        "limiter": Key(boolean, True, "positivity limiter (keeps cell means)"),
+        "quadrature_degree": Key(integer(1, 12), None,
+                                 "quadrature of the attention sources (default: degree)"),
+        "prompt_quadrature_degree": Key(integer(1, 20), None,
+                                        "quadrature projecting prompts (default: 2*degree + 4)"),
+        "tail_tolerance": Key(number(nonnegative=True), 1e-6,
+                              "warn when more prompt mass than this lies outside the mesh"),
+    },
+    "model": {
+        "layers": Key(integer(1), None, "number of layers L"),
+        "heads": Key(integer(1), None, "heads per layer H"),
+        "key_dim": Key(integer(1), None, "key dimension k (default: d)"),
+        "params": Key(path, None, "head parameters .npz with Q (L,H,k,d), K (L,H,k,d), V (L,H,d,d)"),
+        "seed": Key(integer(0), 0, "seed of the random heads"),
+        "init_scale": Key(number(positive=True), 1.0, "Q, K, V entries ~ N(0, init_scale^2 / d)"),
+    },
+    "attention": {
+        "backend": Key(string(("direct",)), "direct", "how the attention velocity is summed"),
+        "chunk_mb": Key(number(positive=True), 2.0, "working memory of one kernel chunk (MB)"),
+    },
+    "output": {
+        "dir": Key(path, None, "output folder (default: output/<config name> beside the config)"),
+        "fields": Key(boolean, True, "write density (and velocity) fields for ParaView"),
+        "velocity": Key(boolean, True, "also write the velocity fields"),
+        "format": Key(string(("vtk", "vtx")), "vtk", "field format: vtk (.pvd) or vtx (.bp, dolfinx >= 0.7)"),
+        "frames_per_layer": Key(integer(1), 1, "field frames per layer"),
+    },
+    "petsc": {},  # free-form PETSc options for the DG mass solver, see petsc_options
+}
+
+PROMPT_KEYS: dict[str, dict[str, Key]] = {
+    "common": {
+        "name": Key(string(pattern=NAME), None, "prompt name (default: prompt<i>)"),
+        "kind": Key(string(("gaussian_mixture", "uniform", "file")), REQUIRED),
+    },
+    "gaussian_mixture": {
+        "weights": Key(array, None, "mixture weights (positive; normalised)"),
+        "means": Key(array, REQUIRED, "component means, one d-vector each"),
+        "covs": Key(array, REQUIRED, "component covariances: d x d matrices or variances"),
+    },
+    "uniform": {
+        "lower": Key(array, REQUIRED),
+        "upper": Key(array, REQUIRED),
+    },
+    "file": {
+        "path": Key(path, REQUIRED, ".npz (points, density) or .csv (x0..,density)"),
+    },
+}
+
+PATH_KEYS = (("mesh", "file"), ("model", "params"), ("output", "dir"))
+
+
+def _unknown(key: str, allowed) -> ConfigError:
+    name = key.rsplit(".", 1)[-1]
+    near = difflib.get_close_matches(name, list(allowed), n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else f" (allowed: {', '.join(sorted(allowed))})"
+    return ConfigError(key, f"unknown key{hint}")
+
+
+def _check_table(prefix: str, table: dict, keys: dict[str, Key]) -> dict:
+    out = {}
+    for k, v in table.items():
+        if k not in keys:
+            raise _unknown(f"{prefix}.{k}", keys)
+    for k, spec in keys.items():
+        key = f"{prefix}.{k}"
+        if k in table:
+            out[k] = spec.check(key, table[k])
+        elif spec.default is REQUIRED:
+            raise ConfigError(key, "missing (required)")
+        else:
+            out[k] = copy.deepcopy(spec.default)
+    return out
+
+
+def _check_prompt(i: int, p) -> dict:
+    prefix = f"prompts[{i}]"
+    if not isinstance(p, dict):
+        raise ConfigError(prefix, f"expected a table, got {_typename(p)}")
+    if "kind" not in p:
+        raise ConfigError(f"{prefix}.kind", "missing (required: gaussian_mixture, uniform or file)")
+    kind = PROMPT_KEYS["common"]["kind"].check(f"{prefix}.kind", p["kind"])
+    keys = {**PROMPT_KEYS["common"], **PROMPT_KEYS[kind]}
+    out = _check_table(prefix, p, keys)
+    if out["name"] is None:
+        out["name"] = f"prompt{i}"
+    return out
+
+
+def check_config(raw: dict, base_dir: str, stem: str = "run") -> dict:
+    """Check ``raw`` (parsed TOML) against the schema; fill defaults, resolve paths."""
+    allowed = set(SCHEMA) | {"prompts"}
+    for section in raw:
+        if section not in allowed:
+            raise _unknown(section, allowed)
+    cfg: dict[str, Any] = {}
+    for section, keys in SCHEMA.items():
+        table = raw.get(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(section, f"expected a table [{section}], got {_typename(table)}")
+        cfg[section] = petsc_options(section, table) if section == "petsc" \
+            else _check_table(section, table, keys)
+    prompts = raw.get("prompts", REQUIRED)
+    if prompts is REQUIRED:
+        raise ConfigError("prompts", "missing: give at least one [[prompts]] table")
+    if not isinstance(prompts, list) or not prompts:
+        raise ConfigError("prompts", "expected one or more [[prompts]] tables")
+    cfg["prompts"] = [_check_prompt(i, p) for i, p in enumerate(prompts)]
+    names = [p["name"] for p in cfg["prompts"]]
+    for i, n in enumerate(names):
+        if n in names[:i]:
+            raise ConfigError(f"prompts[{i}].name", f"{n!r} is used twice")
+
+    _check_mesh(cfg["mesh"])
+    _check_model(cfg["model"])
+    disc = cfg["discretisation"]
+    k = disc["degree"]
+    if disc["velocity_degree"] is None:
+        disc["velocity_degree"] = k
+    if disc["quadrature_degree"] is None:
+        disc["quadrature_degree"] = k
+    if disc["prompt_quadrature_degree"] is None:
+        disc["prompt_quadrature_degree"] = 2 * k + 4
+    if disc["scheme"] == "auto":
+        disc["scheme"] = {1: "ssprk2", 2: "ssprk3", 3: "ssprk104"}[k]
+
+    if cfg["output"]["dir"] is None:
+        cfg["output"]["dir"] = os.path.join("output", stem)
+    for section, key in PATH_KEYS:
+        if cfg[section][key] is not None:
+            cfg[section][key] = os.path.normpath(os.path.join(base_dir, cfg[section][key]))
+    for i, p in enumerate(cfg["prompts"]):
+        if p["kind"] == "file":
+            p["path"] = os.path.normpath(os.path.join(base_dir, p["path"]))
+    return cfg
+
+
+def _check_mesh(m: dict) -> None:
+    box = [k for k in ("lower", "upper", "cells") if m[k] is not None]
+    if m["file"] is not None:
+        if box or m["cell"] is not None:
+            k = box[0] if box else "cell"
+            raise ConfigError(f"mesh.{k}", "give either mesh.file or a built-in box, not both")
+        return
+    for k in ("lower", "upper", "cells"):
+        if m[k] is None:
+            raise ConfigError(f"mesh.{k}", "missing: give mesh.file or mesh.lower, mesh.upper and mesh.cells")
+    d = len(m["lower"])
+    for k in ("upper", "cells"):
+        if len(m[k]) != d:
+            raise ConfigError(f"mesh.{k}", f"expected {d} entries like mesh.lower, got {len(m[k])}")
+    for i, (a, b) in enumerate(zip(m["lower"], m["upper"])):
+        if not b > a:
+            raise ConfigError("mesh.upper", f"upper[{i}] = {b} is not above lower[{i}] = {a}")
+    if m["cell"] is None:
+        m["cell"] = CELLS[d][0]
+    elif m["cell"] not in CELLS[d]:
+        raise ConfigError("mesh.cell", f"{m['cell']!r} is not a {d}-D cell (use {' or '.join(CELLS[d])})")
+
+
+def _check_model(m: dict) -> None:
+    if m["params"] is None:
+        for k in ("layers", "heads"):
+            if m[k] is None:
+                raise ConfigError(f"model.{k}", "missing: give model.layers and model.heads, or model.params")
+
+
+# ----------------------------------------------------------------------------------
+# overrides and loading
+
+
+def parse_override(text: str) -> tuple[list[str | int], Any]:
+    """``'section.key=value'`` -> (path, value). The value is read as a TOML value
+    (``3``, ``0.5``, ``true``, ``[64, 64]``, ``"a"``); anything else is a bare string."""
+    if "=" not in text:
+        raise ConfigError("--set", f"expected section.key=value, got {text!r}")
+    lhs, rhs = text.split("=", 1)
+    parts: list[str | int] = []
+    for tok in re.split(r"\.", lhs.strip()):
+        m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*)(?:\[(\d+)\])?|(\d+)", tok)
+        if not m:
+            raise ConfigError("--set", f"bad key {lhs.strip()!r}")
+        if m.group(3) is not None:
+            parts.append(int(m.group(3)))
+        else:
+            parts.append(m.group(1))
+            if m.group(2) is not None:
+                parts.append(int(m.group(2)))
+    if len(parts) < 2:
+        raise ConfigError("--set", f"expected section.key=value, got {text!r}")
+    try:
+        value = tomllib.loads(f"v = {rhs.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = rhs.strip()
+    return parts, value
+
+
+def apply_override(raw: dict, parts: list, value, cwd: str, base_dir: str) -> None:
+    """Set ``raw[parts...] = value``. Paths given on the command line are relative to
+    the current directory; they are made relative to the config folder here so that
+    :func:`check_config` resolves them like the file's own paths."""
+    node = raw
+    where = ""
+    for i, p in enumerate(parts[:-1]):
+        where = f"{where}.{p}" if isinstance(p, str) else f"{where}[{p}]"
+        if isinstance(p, int):
+            if not isinstance(node, list) or p >= len(node):
+                raise ConfigError(where.lstrip("."), "no such entry to override")
+            node = node[p]
+        else:
+            if not isinstance(node, dict):
+                raise ConfigError(where.lstrip("."), "not a table")
+            node = node.setdefault(p, {} if isinstance(parts[i + 1], str) else [])
+    last = parts[-1]
+    is_path = (tuple(parts) in PATH_KEYS) or (parts[0] == "prompts" and last == "path")
+    if is_path and isinstance(value, str):
+        value = os.path.relpath(os.path.join(cwd, value), base_dir)
+    if isinstance(last, int):
+        raise ConfigError("--set", "the last part of a key must be a name")
+    if not isinstance(node, dict):
+        raise ConfigError(where.lstrip("."), "not a table")
+    node[last] = value
+
+
+def load_config(filename: str, overrides: list[str] = ()) -> dict:
+    """Read, override, check and resolve a run configuration."""
+    try:
+        with open(filename, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError("", f"{filename}: no such config file") from None
+    except IsADirectoryError:
+        raise ConfigError("", f"{filename}: is a folder, not a config file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError("", f"{filename}: not valid TOML ({e})") from None
+    except UnicodeDecodeError:
+        raise ConfigError("", f"{filename}: not a text file") from None
+    base_dir = os.path.dirname(os.path.abspath(filename))
+    for text in overrides:
+        parts, value = parse_override(text)
+        apply_override(raw, parts, value, os.getcwd(), base_dir)
+    stem = os.path.splitext(os.path.basename(filename))[0]
+    cfg = check_config(raw, base_dir, stem)
+    cfg["config_file"] = os.path.abspath(filename)
+    cfg["overrides"] = list(overrides)
+    return cfg

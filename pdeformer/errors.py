@@ -1,0 +1,32 @@
+"""Errors a user can act on.
+
+Every :class:`PdeformerError` is reported as one line (no traceback) and ends the
+program with its ``exit_status``; under MPI the whole job ends. They are raised on
+every rank at once (configuration checks are deterministic, files are read on rank 0
+and the outcome broadcast, numerical checks are all-reduced), so no rank is left
+waiting in a collective call.
+"""
+
+
+class PdeformerError(Exception):
+    """A failure caused by the input or the run, not by a bug."""
+
+    exit_status = 2
+
+
+class ConfigError(PdeformerError):
+    """Bad configuration: the message starts with the offending key."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"{key}: {message}" if key else message)
+
+
+class InputError(PdeformerError):
+    """Bad input file (mesh, parameter file, prompt data): the message names the file."""
+
+
+class SolverBreakdown(PdeformerError):
+    """NaN or overflow in the solution: the message names prompt, layer and t."""
+
+    exit_status = 3

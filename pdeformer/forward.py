@@ -1,0 +1,281 @@
+r"""The forward pass: token densities of every prompt transported through L layers.
+
+Per prompt s, on t in [0, 1] (design §1):
+
+.. math::
+
+    \partial_t \rho + \nabla\cdot(\rho\, v_t[\rho]) = 0, \qquad
+    v_t[\rho](x) = \frac1H \sum_h V_h \nabla\Lambda_\rho(A_h x), \qquad \rho(0) = \rho_0^s,
+
+discretised by :class:`~pdeformer.transport.DGTransport` in space and an SSP
+Runge-Kutta scheme in depth. The step is either CFL-based (recomputed every step
+from the current velocity, then shortened so that steps land exactly on every frame
+and layer boundary) or fixed (``steps_per_layer``, so the discrete solution is a
+smooth function of the head parameters). :class:`ForwardSolver` owns the loop;
+everything that watches it -- progress, diagnostics, fields -- is a tracker.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import ufl
+
+from .errors import ConfigError, InputError, SolverBreakdown
+from .heads import HeadMeasure
+from .mesh import bounding_box, make_mesh
+from .parallel import Timer, any_rank, on_root
+from .prompts import make_prompt
+from .timestepping import SCHEMES, ssp_step
+from .transport import DGTransport
+from .velocity import AttentionVelocity
+
+log = logging.getLogger("pdeformer")
+
+MAX_STEPS_PER_LAYER = 200_000
+
+
+@dataclass
+class Problem:
+    """What is solved: mesh, heads and prompts of a checked configuration."""
+
+    comm: object
+    cfg: dict
+    mesh: object
+    heads: HeadMeasure
+    prompts: list  # [(name, density object)]
+
+    @property
+    def dim(self) -> int:
+        return self.mesh.topology.dim
+
+
+def build_heads(comm, model: dict, d: int) -> HeadMeasure:
+    if model["params"] is not None:
+        heads = on_root(comm, HeadMeasure.load, model["params"], d, model["layers"],
+                        model["heads"], model["key_dim"])
+        model.update(layers=heads.layers, heads=heads.heads, key_dim=heads.key_dim)
+        return heads
+    if model["key_dim"] is None:
+        model["key_dim"] = d
+    return HeadMeasure.random(model["layers"], model["heads"], model["key_dim"], d,
+                              seed=model["seed"], scale=model["init_scale"])
+
+
+def build_problem(cfg: dict, comm) -> Problem:
+    mesh = make_mesh(comm, cfg["mesh"])
+    d = mesh.topology.dim
+    heads = build_heads(comm, cfg["model"], d)
+    prompts = on_root(comm, lambda: [(p["name"], make_prompt(p, d, i))
+                                     for i, p in enumerate(cfg["prompts"])])
+    disc, out = cfg["discretisation"], cfg["output"]
+    spl = disc["steps_per_layer"]
+    if spl is not None and spl % out["frames_per_layer"]:
+        raise ConfigError("output.frames_per_layer",
+                          f"{out['frames_per_layer']} does not divide discretisation.steps_per_layer = {spl}")
+    return Problem(comm, cfg, mesh, heads, prompts)
+
+
+@dataclass
+class Frame:
+    """The state of one prompt at an output time (t = 0 or the end of a frame)."""
+
+    prompt: str
+    prompt_index: int
+    t: float
+    layer: int            # layer just finished (-1 at t = 0)
+    layer_boundary: bool
+    steps: int            # steps taken so far for this prompt
+    dt: float             # last step size (nan at t = 0)
+    coeffs: np.ndarray
+    outflow: float
+    velocity: np.ndarray | None = None  # owned velocity nodes, heads of the layer starting at t
+    extra: dict = field(default_factory=dict)
+
+
+class Tracker:
+    """Watches a forward run: ``start`` once, ``frame`` at t = 0 and every frame end,
+    ``finish`` once. Set ``needs_velocity`` to get the velocity in every frame."""
+
+    needs_velocity = False
+
+    def start(self, solver: "ForwardSolver") -> None:
+        pass
+
+    def frame(self, solver: "ForwardSolver", frame: Frame) -> None:
+        pass
+
+    def finish(self, solver: "ForwardSolver") -> None:
+        pass
+
+
+class ForwardSolver:
+    def __init__(self, problem: Problem, timer: Timer | None = None):
+        self.problem = problem
+        self.comm = problem.comm
+        self.timer = timer or Timer()
+        cfg = problem.cfg
+        disc = cfg["discretisation"]
+        self.disc = disc
+        self.frames_per_layer = cfg["output"]["frames_per_layer"]
+        with self.timer.phase("setup"):
+            self.transport = DGTransport(problem.mesh, disc["degree"], disc["velocity_degree"],
+                                         disc["quadrature_degree"], cfg["petsc"])
+            self.velocity_field = AttentionVelocity(self.transport.W, problem.heads,
+                                                    cfg["attention"]["chunk_mb"])
+        self.scheme = SCHEMES[disc["scheme"]]
+        self.centre = np.mean(bounding_box(self.comm, problem.mesh), axis=0)
+        self.prompt_info: list[dict] = []
+        self.stats = {"steps": 0, "velocity_evaluations": 0}
+
+    # ------------------------------------------------------------ building blocks
+    def initial_state(self, index: int) -> tuple[np.ndarray, dict]:
+        """rho_0 projected onto DG-k and normalised to mass 1 on the mesh."""
+        name, prompt = self.problem.prompts[index]
+        tr = self.transport
+        disc = self.disc
+        x = ufl.SpatialCoordinate(self.problem.mesh)
+        if prompt.ufl_density is not None:
+            rho0 = prompt.ufl_density(x)
+        else:
+            rho0 = tr.interpolant(prompt.density, disc["degree"] + 2)
+        coeffs, mass = tr.project(rho0, disc["prompt_quadrature_degree"])
+        key = f"prompts[{index}]"
+        if prompt.kind == "uniform" and self.problem.cfg["mesh"]["file"] is None:
+            # the indicator's quadrature on cut cells is inexact; on a box mesh the
+            # truncation is known exactly
+            truncated = 1.0 - prompt.mass_inside(*bounding_box(self.comm, self.problem.mesh))
+        else:
+            truncated = 1.0 - mass
+        if not mass > 0.5 or truncated > 0.5:
+            raise InputError(f"{key} ({name!r}): the prompt lies outside the mesh "
+                             f"(only {1 - truncated:.3g} of its mass is on it)")
+        if truncated > disc["tail_tolerance"]:
+            log.warning("warning: %s (%r): %.3g of its mass lies outside the mesh and is cut off",
+                        key, name, truncated)
+        coeffs /= mass
+        if disc["limiter"]:
+            coeffs = tr.limit(coeffs)
+        return coeffs, {"name": name, "mass_on_mesh": mass, "truncated_mass": truncated}
+
+    def velocity(self, coeffs: np.ndarray, layer: int) -> np.ndarray:
+        """Attention velocity of ``layer`` for density ``coeffs``; also set as the
+        transport velocity. Returns the owned node values."""
+        tr = self.transport
+        with self.timer.phase("velocity"):
+            tr.set_state(coeffs)
+            vel = self.velocity_field(tr.current_sources(), layer)
+        self.stats["velocity_evaluations"] += 1
+        tr.set_velocity(vel)
+        return vel
+
+    def _check_finite(self, name, layer, t, what, arr):
+        if any_rank(self.comm, not np.all(np.isfinite(arr))):
+            raise SolverBreakdown(f"prompt {name!r}: {what} is NaN or overflows at layer {layer}, "
+                                  f"t = {t:.6g}")
+
+    # ------------------------------------------------------------ the loop
+    def run(self, trackers: list[Tracker] = ()) -> list[dict]:
+        for tr in trackers:
+            tr.start(self)
+        for i in range(len(self.problem.prompts)):
+            self.solve_prompt(i, trackers)
+        for tr in trackers:
+            tr.finish(self)
+        return self.prompt_info
+
+    def solve_prompt(self, index: int, trackers=()) -> tuple[np.ndarray, float]:
+        name = self.problem.prompts[index][0]
+        L = self.problem.heads.layers
+        F = self.frames_per_layer
+        want_v = any(tr.needs_velocity for tr in trackers)
+        with self.timer.phase("prompts"):
+            coeffs, info = self.initial_state(index)
+        outflow = np.zeros(1)
+        state = [coeffs, outflow]
+        steps, dt_last = 0, math.nan
+        cached = None  # (state list, layer, velocity) reused by the next step
+
+        def emit(t, layer, boundary):
+            nonlocal cached
+            vel = None
+            if want_v:
+                nxt = min(layer + 1, L - 1)
+                vel = self.velocity(state[0], nxt)
+                self._check_finite(name, nxt, t, "the velocity", vel)
+                cached = (state, nxt, vel)
+            frame = Frame(name, index, t, layer, boundary, steps, dt_last, state[0],
+                          float(state[1][0]), vel)
+            with self.timer.phase("output"):
+                for tr in trackers:
+                    tr.frame(self, frame)
+
+        emit(0.0, -1, True)
+        spl = self.disc["steps_per_layer"]
+        t = 0.0
+        for layer in range(L):
+            for f in range(1, F + 1):
+                t_end = (layer + f / F) / L
+                taken = 0
+                while t < t_end:
+                    if cached is not None and cached[0] is state and cached[1] == layer:
+                        vel0 = cached[2]
+                        self.transport.set_velocity(vel0)
+                    else:
+                        vel0 = self.velocity(state[0], layer)
+                        self._check_finite(name, layer, t, "the velocity", vel0)
+                    if spl is not None:
+                        n_left = spl // F - taken
+                    else:
+                        dt_cfl, vmax = self.transport.cfl_step(self.disc["cfl"])
+                        n_left = max(1, math.ceil((t_end - t) / dt_cfl - 1e-9))
+                        if n_left > MAX_STEPS_PER_LAYER:
+                            raise SolverBreakdown(
+                                f"prompt {name!r}: velocity too large (|v| = {vmax:.3g}) at layer "
+                                f"{layer}, t = {t:.6g}: the CFL step {dt_cfl:.3g} would need "
+                                f"{n_left} steps")
+                    dt = (t_end - t) / n_left
+                    state = self._step(state, dt, layer, vel0)
+                    taken += 1
+                    steps += 1
+                    dt_last = dt
+                    t = t_end if n_left == 1 else t + dt
+                    self._check_finite(name, layer, t, "the density", state[0])
+                emit(t, layer, f == F)
+        info["steps"] = steps
+        self.stats["steps"] += steps
+        self.prompt_info.append(info)
+        return state[0], float(state[1][0])
+
+    def _step(self, state, dt, layer, vel0):
+        tr = self.transport
+        limiter = self.disc["limiter"]
+
+        def rhs(Y, j):
+            if j > 0:
+                self.velocity(Y[0], layer)
+            else:
+                tr.set_velocity(vel0)
+            with self.timer.phase("transport"):
+                tr.set_state(Y[0])
+                du, rate = tr.rate()
+            return [du, np.array([rate])]
+
+        def limit(Y):
+            if not limiter:
+                return Y
+            with self.timer.phase("limiter"):
+                return [tr.limit(Y[0]), Y[1]]
+
+        return ssp_step(self.scheme, state, dt, rhs, limit)
+
+    # ------------------------------------------------------------ diagnostics
+    def diagnostics(self, frame: Frame) -> dict:
+        """mass, outflow, min rho and moments of the normalised density at a frame."""
+        with self.timer.phase("diagnostics"):
+            mass, mean, cov = self.transport.moments(frame.coeffs, self.centre)
+            return {"prompt": frame.prompt, "t": frame.t, "mass": mass, "outflow": frame.outflow,
+                    "min_rho": self.transport.min_value(frame.coeffs), "mean": mean, "cov": cov}

@@ -1,0 +1,118 @@
+"""The head measure: H head particles theta = (Q, K, V) in each of L layers.
+
+Layer l covers depth t in [l/L, (l+1)/L); its velocity averages its H heads with
+weight 1/H (design §1). Parameters are stored as arrays ``Q (L,H,k,d)``,
+``K (L,H,k,d)``, ``V (L,H,d,d)``, the same layout as the ``.npz`` files.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .attention import attention_matrices
+from .errors import InputError
+
+
+@dataclass
+class HeadMeasure:
+    Q: np.ndarray  # (L, H, k, d)
+    K: np.ndarray  # (L, H, k, d)
+    V: np.ndarray  # (L, H, d, d)
+
+    @property
+    def layers(self) -> int:
+        return self.Q.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.Q.shape[1]
+
+    @property
+    def key_dim(self) -> int:
+        return self.Q.shape[2]
+
+    @property
+    def dim(self) -> int:
+        return self.Q.shape[3]
+
+    def layer_of(self, t: float) -> int:
+        """The layer whose interval [l/L, (l+1)/L) holds depth t (t = 1 -> last layer)."""
+        return min(self.layers - 1, max(0, int(math.floor(t * self.layers + 1e-12))))
+
+    def attention_matrices(self, layer: int) -> np.ndarray:
+        """A_h = K_h^T Q_h of one layer, (H, d, d)."""
+        return attention_matrices(self.Q[layer], self.K[layer])
+
+    def values(self, layer: int) -> np.ndarray:
+        return self.V[layer]
+
+    @classmethod
+    def random(cls, layers: int, heads: int, key_dim: int, dim: int, *, seed: int = 0,
+               scale: float = 1.0) -> "HeadMeasure":
+        """i.i.d. heads: entries of Q, K, V ~ N(0, scale^2 / d).
+
+        Head (l, h) is drawn from its own stream seeded by (seed, l, h), so its value
+        depends neither on the number of ranks nor on L or H: the first H heads of a
+        larger draw are the same heads (a real mean-field sequence as H grows)."""
+        Q = np.empty((layers, heads, key_dim, dim))
+        K = np.empty_like(Q)
+        V = np.empty((layers, heads, dim, dim))
+        sd = scale / math.sqrt(dim)
+        for l in range(layers):
+            for h in range(heads):
+                rng = np.random.default_rng([seed, l, h])
+                Q[l, h] = sd * rng.standard_normal((key_dim, dim))
+                K[l, h] = sd * rng.standard_normal((key_dim, dim))
+                V[l, h] = sd * rng.standard_normal((dim, dim))
+        return cls(Q, K, V)
+
+    @classmethod
+    def load(cls, filename: str, dim: int, layers: int | None = None, heads: int | None = None,
+             key_dim: int | None = None, key: str = "model.params") -> "HeadMeasure":
+        """Read Q, K, V from an .npz file and check their shapes against the model
+        (errors name ``key`` and the file)."""
+        try:
+            return cls._load(filename, dim, layers, heads, key_dim)
+        except InputError as e:
+            raise InputError(f"{key}: {e}") from None
+
+    @classmethod
+    def _load(cls, filename, dim, layers, heads, key_dim) -> "HeadMeasure":
+        if not os.path.isfile(filename):
+            raise InputError(f"{filename}: no such parameter file")
+        try:
+            with np.load(filename, allow_pickle=False) as f:
+                arrays = {n: np.array(f[n], dtype=float) for n in ("Q", "K", "V") if n in f.files}
+        except (OSError, ValueError) as e:
+            raise InputError(f"{filename}: not a readable .npz file ({e})") from None
+        for n in ("Q", "K", "V"):
+            if n not in arrays:
+                raise InputError(f"{filename}: array {n!r} missing (need Q, K, V)")
+        Q, K, V = arrays["Q"], arrays["K"], arrays["V"]
+        if Q.ndim != 4:
+            raise InputError(f"{filename}: Q has shape {Q.shape}, expected (L,H,k,d)")
+        L, H, k, d = Q.shape
+        want = {"Q": (L, H, k, dim), "K": (L, H, k, dim), "V": (L, H, dim, dim)}
+        if layers is not None:
+            want = {n: (layers,) + s[1:] for n, s in want.items()}
+        if heads is not None:
+            want = {n: s[:1] + (heads,) + s[2:] for n, s in want.items()}
+        if key_dim is not None:
+            want["Q"] = want["Q"][:2] + (key_dim, dim)
+            want["K"] = want["K"][:2] + (key_dim, dim)
+        for n, a in arrays.items():
+            if a.shape != want[n]:
+                raise InputError(
+                    f"{filename}: {n} has shape {a.shape}, expected {want[n]} "
+                    f"(model: layers={want['V'][0]}, heads={want['V'][1]}, "
+                    f"key_dim={want['Q'][2]}, d={dim})")
+            if not np.all(np.isfinite(a)):
+                raise InputError(f"{filename}: {n} has non-finite entries")
+        return cls(Q, K, V)
+
+    def save(self, filename: str) -> None:
+        np.savez(filename, Q=self.Q, K=self.K, V=self.V)

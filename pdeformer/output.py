@@ -1,0 +1,182 @@
+"""Files a run writes and reads back: diagnostics CSV, summary.json, provenance, VTK.
+
+Only rank 0 writes the CSV and JSON files. :func:`read_pvd` and :func:`read_vtu` read
+the VTK field output back (serial .vtu and parallel .pvtu pieces, ASCII or base64
+binary), for tests and post-processing without ParaView.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+import zlib
+
+import numpy as np
+
+from . import __version__
+from .errors import InputError
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def diagnostics_header(d: int) -> list[str]:
+    return (["prompt", "t", "mass", "outflow", "min_rho"] + [f"mean_{i}" for i in range(d)]
+            + [f"cov_{i}{j}" for i in range(d) for j in range(d)])
+
+
+def diagnostics_row(diag: dict) -> list:
+    return ([diag["prompt"], diag["t"], diag["mass"], diag["outflow"], diag["min_rho"]]
+            + list(np.ravel(diag["mean"])) + list(np.ravel(diag["cov"])))
+
+
+def write_csv(filename: str, header: list[str], rows: list[list]) -> None:
+    tmp = filename + ".tmp"
+    with open(tmp, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        for r in rows:
+            w.writerow([repr(float(x)) if isinstance(x, (float, np.floating)) else x for x in r])
+    os.replace(tmp, filename)
+
+
+def read_diagnostics(filename: str) -> list[dict]:
+    """Rows of a diagnostics.csv as dicts (numbers as floats)."""
+    with open(filename, newline="") as f:
+        return [{k: (v if k == "prompt" else float(v)) for k, v in row.items()}
+                for row in csv.DictReader(f)]
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return _jsonable(x.tolist())
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, float) and not np.isfinite(x):
+        return None
+    return x
+
+
+def write_json(filename: str, data: dict) -> None:
+    tmp = filename + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(_jsonable(data), f, indent=2)
+        f.write("\n")
+    os.replace(tmp, filename)
+
+
+def git_commit() -> dict:
+    """Commit (and whether the tree has local changes) of the pdeformer source."""
+    def git(*args):
+        return subprocess.run(["git", "-C", PACKAGE_DIR, *args], capture_output=True,
+                              text=True, timeout=20)
+    try:
+        head = git("rev-parse", "HEAD")
+        if head.returncode != 0:
+            return {"commit": None, "dirty": None}
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip() != ""
+        return {"commit": head.stdout.strip(), "dirty": dirty}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def provenance(comm) -> dict:
+    """Who ran what where: versions, ranks, host, commit, time."""
+    from ._dolfinx import versions
+    return {"pdeformer": __version__, "python": sys.version.split()[0], **versions(),
+            "ranks": comm.size, "host": socket.gethostname(), "platform": platform.platform(),
+            "git": git_commit(), "argv": sys.argv,
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+# ------------------------------------------------------------------------- VTK reading
+
+def read_pvd(filename: str) -> list[tuple[float, str]]:
+    """(time, absolute data file) for every frame of a .pvd collection."""
+    try:
+        root = ET.parse(filename).getroot()
+    except (OSError, ET.ParseError) as e:
+        raise InputError(f"{filename}: cannot read ({e})") from None
+    base = os.path.dirname(filename)
+    return [(float(ds.get("timestep")), os.path.join(base, ds.get("file")))
+            for ds in root.iter("DataSet")]
+
+
+def _data_array(node, header_type: str, compressed: bool) -> np.ndarray:
+    dtype = np.dtype({"Float64": "f8", "Float32": "f4", "Int64": "i8", "Int32": "i4",
+                      "UInt8": "u1", "UInt32": "u4", "UInt64": "u8", "Int8": "i1"}[node.get("type")])
+    fmt = node.get("format", "ascii")
+    text = (node.text or "").strip()
+    if fmt == "ascii":
+        return np.array(text.split(), dtype=float).astype(dtype)
+    if fmt != "binary":
+        raise InputError(f"unsupported VTK DataArray format {fmt!r}")
+    hdt = np.dtype("u8" if header_type == "UInt64" else "u4")
+    raw = base64.b64decode(text)
+    if not compressed:
+        n = int(np.frombuffer(raw[:hdt.itemsize], hdt)[0])
+        return np.frombuffer(raw[hdt.itemsize:hdt.itemsize + n], dtype)
+    nblocks = int(np.frombuffer(raw[:hdt.itemsize], hdt)[0])
+    hsize = hdt.itemsize * (3 + nblocks)
+    header = np.frombuffer(raw[:hsize], hdt)
+    sizes = header[3:]
+    out, pos = [], hsize
+    for s in sizes:
+        out.append(zlib.decompress(raw[pos:pos + int(s)]))
+        pos += int(s)
+    return np.frombuffer(b"".join(out), dtype)
+
+
+def read_vtu(filename: str) -> dict:
+    """Points, cells and point/cell data of a .vtu file, or of all pieces of a .pvtu."""
+    root = ET.parse(filename).getroot()
+    if root.get("type") == "PUnstructuredGrid":
+        base = os.path.dirname(filename)
+        pieces = [read_vtu(os.path.join(base, p.get("Source"))) for p in root.iter("Piece")]
+        out = {"points": [], "connectivity": [], "offsets": [], "types": [],
+               "point_data": {}, "cell_data": {}}
+        shift = 0
+        for p in pieces:
+            out["points"].append(p["points"])
+            out["connectivity"].append(p["connectivity"] + shift)
+            out["offsets"].append(p["offsets"])
+            out["types"].append(p["types"])
+            for kind in ("point_data", "cell_data"):
+                for k, v in p[kind].items():
+                    out[kind].setdefault(k, []).append(v)
+            shift += p["points"].shape[0]
+        cat = {k: np.concatenate(v) for k, v in out.items() if k not in ("point_data", "cell_data")}
+        # offsets of concatenated pieces: rebuild from per-piece cell sizes
+        sizes = np.concatenate([np.diff(np.concatenate([[0], o])) for o in out["offsets"]])
+        cat["offsets"] = np.cumsum(sizes)
+        for kind in ("point_data", "cell_data"):
+            cat[kind] = {k: np.concatenate(v) for k, v in out[kind].items()}
+        return cat
+    header_type = root.get("header_type", "UInt32")
+    compressed = root.get("compressor") is not None
+    piece = root.find(".//Piece")
+    arrays = lambda node: {a.get("Name"): _as_components(a, _data_array(a, header_type, compressed))
+                           for a in (node.findall("DataArray") if node is not None else [])}
+    pts = arrays(piece.find("Points"))
+    cells = arrays(piece.find("Cells"))
+    return {"points": next(iter(pts.values())).reshape(-1, 3),
+            "connectivity": cells["connectivity"], "offsets": cells["offsets"],
+            "types": cells["types"],
+            "point_data": arrays(piece.find("PointData")),
+            "cell_data": arrays(piece.find("CellData"))}
+
+
+def _as_components(node, a):
+    n = int(node.get("NumberOfComponents", "1"))
+    return a.reshape(-1, n) if n > 1 else a

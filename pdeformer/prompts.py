@@ -1,0 +1,256 @@
+"""Prompts: token densities rho_0 on R^d, before they meet the mesh.
+
+Three kinds, each a small object with ``density(x)`` for points ``x`` of shape (N, d):
+
+* ``gaussian_mixture``: sum_c pi_c N(m_c, Sigma_c);
+* ``uniform``: the uniform density on a box [lower, upper];
+* ``file``: density values given at points, interpolated linearly (zero outside the
+  data's convex hull). Format: ``.npz`` with arrays ``points`` (n, d) and ``density``
+  (n,), or ``.csv`` with a header ``x0,...,x{d-1},density`` and one row per point.
+
+The closed-form kinds also give a UFL expression (``ufl_density``) so the projection
+onto the mesh integrates the exact function. Shapes are checked against the token
+dimension d here, with errors naming the config key (``prompts[1].covs[0]``).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+
+import numpy as np
+
+from .errors import ConfigError, InputError
+
+
+class GaussianMixture:
+    kind = "gaussian_mixture"
+
+    def __init__(self, weights, means, covs):
+        self.weights = np.asarray(weights, float) / np.sum(weights)
+        self.means = np.asarray(means, float)
+        self.covs = np.asarray(covs, float)
+        self.precisions = np.linalg.inv(self.covs)
+        d = self.means.shape[1]
+        self.norms = self.weights / np.sqrt((2 * math.pi) ** d * np.linalg.det(self.covs))
+
+    @property
+    def dim(self) -> int:
+        return self.means.shape[1]
+
+    def density(self, x: np.ndarray) -> np.ndarray:
+        x = np.atleast_2d(x)
+        out = np.zeros(x.shape[0])
+        for c, P, m in zip(self.norms, self.precisions, self.means):
+            r = x - m
+            out += c * np.exp(-0.5 * np.einsum("ni,ij,nj->n", r, P, r))
+        return out
+
+    def ufl_density(self, x):
+        import ufl
+        terms = []
+        for c, P, m in zip(self.norms, self.precisions, self.means):
+            r = x - ufl.as_vector([float(v) for v in m])
+            Pm = ufl.as_matrix([[float(v) for v in row] for row in P])
+            terms.append(float(c) * ufl.exp(-0.5 * ufl.dot(r, Pm * r)))
+        return sum(terms[1:], terms[0])
+
+    def mean(self) -> np.ndarray:
+        return self.weights @ self.means
+
+    def cov(self) -> np.ndarray:
+        m = self.mean()
+        second = np.einsum("c,cij->ij", self.weights, self.covs) \
+            + np.einsum("c,ci,cj->ij", self.weights, self.means, self.means)
+        return second - np.outer(m, m)
+
+
+class UniformBox:
+    kind = "uniform"
+
+    def __init__(self, lower, upper):
+        self.lower = np.asarray(lower, float)
+        self.upper = np.asarray(upper, float)
+        self.height = 1.0 / float(np.prod(self.upper - self.lower))
+
+    @property
+    def dim(self) -> int:
+        return self.lower.shape[0]
+
+    def density(self, x: np.ndarray) -> np.ndarray:
+        x = np.atleast_2d(x)
+        inside = np.all((x >= self.lower) & (x <= self.upper), axis=1)
+        return np.where(inside, self.height, 0.0)
+
+    def ufl_density(self, x):
+        import ufl
+        cond = None
+        for a in range(self.dim):
+            c = ufl.And(ufl.ge(x[a], float(self.lower[a])), ufl.le(x[a], float(self.upper[a])))
+            cond = c if cond is None else ufl.And(cond, c)
+        return ufl.conditional(cond, self.height, 0.0)
+
+    def mass_inside(self, lower, upper) -> float:
+        """Exact mass of the box [lower, upper] (the overlap of two boxes)."""
+        overlap = np.clip(np.minimum(self.upper, upper) - np.maximum(self.lower, lower), 0, None)
+        return float(np.prod(overlap) * self.height)
+
+    def mean(self) -> np.ndarray:
+        return 0.5 * (self.lower + self.upper)
+
+    def cov(self) -> np.ndarray:
+        return np.diag((self.upper - self.lower) ** 2 / 12.0)
+
+
+class PointDensity:
+    """Density values at scattered points, linearly interpolated, zero outside."""
+
+    kind = "file"
+
+    def __init__(self, points, values, source: str = "<array>"):
+        self.points = np.asarray(points, float)
+        self.values = np.asarray(values, float)
+        self.source = source
+        self._interp = None
+
+    @property
+    def dim(self) -> int:
+        return self.points.shape[1]
+
+    def density(self, x: np.ndarray) -> np.ndarray:
+        x = np.atleast_2d(x)
+        if self.dim == 1:
+            order = np.argsort(self.points[:, 0])
+            xp, fp = self.points[order, 0], self.values[order]
+            return np.interp(x[:, 0], xp, fp, left=0.0, right=0.0)
+        if self._interp is None:
+            try:
+                from scipy.interpolate import LinearNDInterpolator
+            except ImportError:
+                raise InputError(f"{self.source}: reading density files in d >= 2 needs scipy "
+                                 "(Debian: apt-get install python3-scipy)") from None
+            self._interp = LinearNDInterpolator(self.points, self.values, fill_value=0.0)
+        return np.maximum(self._interp(x), 0.0)
+
+    ufl_density = None
+
+    @classmethod
+    def read(cls, filename: str, dim: int, key: str) -> "PointDensity":
+        try:
+            return cls._read(filename, dim)
+        except InputError as e:
+            raise InputError(f"{key}: {e}") from None
+
+    @classmethod
+    def _read(cls, filename: str, dim: int) -> "PointDensity":
+        if not os.path.isfile(filename):
+            raise InputError(f"{filename}: no such density file")
+        try:
+            if filename.endswith(".npz"):
+                with np.load(filename, allow_pickle=False) as f:
+                    if "points" not in f.files or "density" not in f.files:
+                        raise InputError(f"{filename}: needs arrays 'points' (n,d) and 'density' (n,)")
+                    points, values = np.array(f["points"], float), np.array(f["density"], float)
+            elif filename.endswith(".csv"):
+                with open(filename, newline="") as f:
+                    rows = list(csv.reader(f))
+                header = [h.strip() for h in rows[0]] if rows else []
+                want = [f"x{a}" for a in range(dim)] + ["density"]
+                if header != want:
+                    raise InputError(f"{filename}: header must be {','.join(want)}, got {','.join(header)}")
+                data = np.array([[float(v) for v in r] for r in rows[1:] if r], float)
+                points, values = data[:, :dim], data[:, dim]
+            else:
+                raise InputError(f"{filename}: unknown density file type (use .npz or .csv)")
+        except InputError:
+            raise
+        except (OSError, ValueError, IndexError) as e:
+            raise InputError(f"{filename}: cannot read density data ({e})") from None
+        if points.ndim == 1 and dim == 1:
+            points = points[:, None]
+        if points.ndim != 2 or points.shape[1] != dim or values.shape != (points.shape[0],):
+            raise InputError(f"{filename}: points {points.shape} / density {values.shape} do not "
+                             f"match d = {dim} (need points (n,{dim}), density (n,))")
+        if points.shape[0] < dim + 1:
+            raise InputError(f"{filename}: needs at least {dim + 1} points")
+        if not (np.all(np.isfinite(points)) and np.all(np.isfinite(values))):
+            raise InputError(f"{filename}: non-finite values")
+        if np.any(values < 0):
+            raise InputError(f"{filename}: density values must be >= 0")
+        if not np.any(values > 0):
+            raise InputError(f"{filename}: density is zero everywhere")
+        return cls(points, values, filename)
+
+
+# ----------------------------------------------------------------------------------
+# from a checked [[prompts]] table
+
+
+def _vectors(key: str, value, d: int) -> np.ndarray:
+    a = np.asarray(value, float) if _rectangular(value) else None
+    if a is not None and d == 1 and a.ndim == 1:
+        a = a[:, None]
+    if a is None or a.ndim != 2 or a.shape[1] != d:
+        raise ConfigError(key, f"expected a list of {d}-vectors (d = {d}), got {value!r}")
+    return a
+
+
+def _rectangular(value) -> bool:
+    try:
+        np.asarray(value, float)
+        return True
+    except ValueError:
+        return False
+
+
+def _spd(key: str, value, d: int) -> np.ndarray:
+    if isinstance(value, float):
+        if value <= 0:
+            raise ConfigError(key, f"a variance must be positive, got {value}")
+        return value * np.eye(d)
+    a = np.asarray(value, float) if _rectangular(value) else None
+    if a is None or a.shape != (d, d):
+        raise ConfigError(key, f"expected a {d}x{d} matrix or a variance, got {value!r}")
+    if not np.allclose(a, a.T, rtol=1e-12, atol=1e-14 * np.abs(a).max()):
+        raise ConfigError(key, "covariance is not symmetric")
+    try:
+        np.linalg.cholesky(a)
+    except np.linalg.LinAlgError:
+        raise ConfigError(key, "covariance is not positive definite") from None
+    return a
+
+
+def make_prompt(spec: dict, d: int, index: int):
+    """Build the density object of a checked ``[[prompts]]`` table for dimension d."""
+    key = f"prompts[{index}]"
+    kind = spec["kind"]
+    if kind == "gaussian_mixture":
+        means = _vectors(f"{key}.means", spec["means"], d)
+        n = means.shape[0]
+        covs = spec["covs"]
+        if len(covs) != n:
+            raise ConfigError(f"{key}.covs", f"expected {n} covariances (one per mean), got {len(covs)}")
+        covs = np.array([_spd(f"{key}.covs[{c}]", v, d) for c, v in enumerate(covs)])
+        w = spec["weights"]
+        if w is None:
+            w = [1.0] * n
+        w = np.asarray(w, float) if _rectangular(w) else None
+        if w is None or w.shape != (n,):
+            raise ConfigError(f"{key}.weights", f"expected {n} numbers (one per mean), got {spec['weights']!r}")
+        if np.any(w <= 0):
+            raise ConfigError(f"{key}.weights", "weights must be positive")
+        return GaussianMixture(w, means, covs)
+    if kind == "uniform":
+        lo = np.asarray(spec["lower"], float) if _rectangular(spec["lower"]) else None
+        hi = np.asarray(spec["upper"], float) if _rectangular(spec["upper"]) else None
+        for name, a in (("lower", lo), ("upper", hi)):
+            if a is None or a.shape != (d,):
+                raise ConfigError(f"{key}.{name}", f"expected {d} numbers (d = {d}), got {spec[name]!r}")
+        for a in range(d):
+            if not hi[a] > lo[a]:
+                raise ConfigError(f"{key}.upper", f"upper[{a}] = {hi[a]} is not above lower[{a}] = {lo[a]}")
+        return UniformBox(lo, hi)
+    if kind == "file":
+        return PointDensity.read(spec["path"], d, f"{key}.path")
+    raise ConfigError(f"{key}.kind", f"unknown kind {kind!r}")

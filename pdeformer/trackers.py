@@ -1,0 +1,119 @@
+"""Trackers: what watches a forward run (progress log, diagnostics table, fields).
+
+Each is plugged into :meth:`ForwardSolver.run`; none is threaded through the solver.
+Diagnostics of a frame are computed once and shared (``frame.extra``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import dolfinx.fem
+
+from . import _dolfinx as dfx
+from .forward import Frame, ForwardSolver, Tracker
+from .output import diagnostics_header, diagnostics_row, write_csv
+
+log = logging.getLogger("pdeformer")
+
+
+def frame_diagnostics(solver: ForwardSolver, frame: Frame) -> dict:
+    if "diagnostics" not in frame.extra:
+        frame.extra["diagnostics"] = solver.diagnostics(frame)
+    return frame.extra["diagnostics"]
+
+
+class ProgressLog(Tracker):
+    """Rank 0 logs each layer boundary: layer, t, steps, dt, mass, outflow, min rho, wall time."""
+
+    def start(self, solver):
+        self.t0 = time.perf_counter()
+        p = solver.problem
+        log.info("forward: %d prompt(s), L = %d layers, H = %d heads, d = %d, DG-%d, %s, %d rank(s)",
+                 len(p.prompts), p.heads.layers, p.heads.heads, p.dim, solver.disc["degree"],
+                 solver.scheme.name, solver.comm.size)
+
+    def frame(self, solver, frame):
+        if not frame.layer_boundary:
+            return
+        dg = frame_diagnostics(solver, frame)
+        L = solver.problem.heads.layers
+        log.info("%-10s layer %2d/%d  t=%.4f  steps %5d  dt=%.3e  mass=%.12f  outflow=%.3e  "
+                 "min rho=% .3e  %7.1f s", frame.prompt, frame.layer + 1, L, frame.t, frame.steps,
+                 frame.dt, dg["mass"], dg["outflow"], dg["min_rho"], time.perf_counter() - self.t0)
+
+
+class DiagnosticsTable(Tracker):
+    """diagnostics.csv: one row per prompt at t = 0 and at every layer boundary."""
+
+    def __init__(self, filename: str):
+        self.filename = filename
+        self.rows: list[dict] = []
+
+    def frame(self, solver, frame):
+        if frame.layer_boundary:
+            self.rows.append(frame_diagnostics(solver, frame))
+
+    def finish(self, solver):
+        if solver.comm.rank == 0:
+            write_csv(self.filename, diagnostics_header(solver.problem.dim),
+                      [diagnostics_row(r) for r in self.rows])
+
+    def final(self) -> list[dict]:
+        """The last row of every prompt."""
+        last = {}
+        for r in self.rows:
+            last[r["prompt"]] = r
+        return list(last.values())
+
+
+class FieldOutput(Tracker):
+    """Density (and velocity) of every prompt over depth: ``density_<prompt>.pvd`` and
+    ``velocity_<prompt>.pvd`` (or ``.bp`` with format "vtx"), one frame per output time."""
+
+    def __init__(self, folder: str, fmt: str = "vtk", velocity: bool = True):
+        self.folder = folder
+        self.fmt = fmt
+        self.needs_velocity = velocity
+        self.files: list[str] = []
+        self._series = None
+        self._prompt = None
+
+    def start(self, solver):
+        tr = solver.transport
+        self.rho = dolfinx.fem.Function(tr.V, name="density")
+        self.vel = dolfinx.fem.Function(tr.W, name="velocity")
+
+    def _open(self, solver, prompt):
+        self._close()
+        ext = ".bp" if self.fmt == "vtx" else ".pvd"
+        comm = solver.comm
+        names = [os.path.join(self.folder, f"density_{prompt}{ext}")]
+        self._series = [dfx.FieldSeries(comm, names[0], self.rho, self.fmt)]
+        if self.needs_velocity:
+            names.append(os.path.join(self.folder, f"velocity_{prompt}{ext}"))
+            self._series.append(dfx.FieldSeries(comm, names[1], self.vel, self.fmt))
+        self.files += names
+        self._prompt = prompt
+
+    def _close(self):
+        for s in self._series or ():
+            s.close()
+        self._series = None
+
+    def frame(self, solver, frame):
+        if frame.prompt != self._prompt:
+            self._open(solver, frame.prompt)
+        n = solver.transport.n_owned
+        self.rho.x.array[:n] = frame.coeffs
+        self.rho.x.scatter_forward()
+        if self.needs_velocity:
+            self.vel.x.array[:frame.velocity.size] = frame.velocity.ravel()
+            self.vel.x.scatter_forward()
+        for s in self._series:
+            s.write(frame.t)
+
+    def finish(self, solver):
+        self._close()

@@ -1,0 +1,269 @@
+r"""DG discretisation of the continuity equation d/dt rho + div(rho v) = 0.
+
+Density rho_h in DG-k (discontinuous Lagrange), velocity v_h in the vector Lagrange
+space of degree k_v (continuous, so one normal velocity per facet). For every test
+function w:
+
+.. math::
+
+    \int_\Omega \partial_t\rho\, w
+      = \int_\Omega \rho\, v\cdot\nabla w
+        - \sum_{F\ \mathrm{interior}} \int_F \hat F\, [\![w]\!]
+        - \int_{\partial\Omega} (v\cdot n)^+ \rho\, w,
+    \qquad
+    \hat F = u_n^+ \rho^+ - u_n^- \rho^-, \quad u_n = \{v\}\cdot n^+,
+
+the upwind flux: a single value per facet point, added to one cell and subtracted
+from its neighbour, so interior fluxes cancel and the mass changes only by the
+outflow :math:`\int_{\partial\Omega}(v\cdot n)^+\rho`. Nothing flows in. The DG mass
+matrix is block-diagonal (one block per cell); PETSc factors it once (options prefix
+``pdeformer_mass_``, defaults ``-ksp_type preonly -pc_type bjacobi -sub_pc_type lu``).
+
+Also here: the positivity limiter (Zhang-Shu scaling about the cell mean), the CFL
+length of each cell, the quadrature sources that feed the attention kernel, and the
+moments reported as diagnostics.
+"""
+
+from __future__ import annotations
+
+import basix
+import numpy as np
+import ufl
+from mpi4py import MPI
+from petsc4py import PETSc
+
+import dolfinx.fem
+import dolfinx.fem.petsc
+
+from . import _dolfinx as dfx
+from .attention import Sources
+from .errors import SolverBreakdown
+from .parallel import allgather_rows
+
+MASS_PREFIX = "pdeformer_mass_"
+MASS_DEFAULTS = {"ksp_type": "preonly", "pc_type": "bjacobi", "sub_pc_type": "lu"}
+
+
+def quadrature(mesh, degree: int) -> tuple[np.ndarray, np.ndarray]:
+    """Reference quadrature points and weights of the mesh's cell, exact to ``degree``."""
+    cell = getattr(basix.CellType, dfx.cell_type_name(mesh))
+    return basix.make_quadrature(cell, degree)
+
+
+def reference_vertices(mesh) -> np.ndarray:
+    return basix.geometry(getattr(basix.CellType, dfx.cell_type_name(mesh)))
+
+
+class CellQuadrature:
+    """Physical points and |J| w_q of a quadrature rule on the owned cells, and the
+    values of one expression (usually rho) there: integrals become weighted sums."""
+
+    def __init__(self, mesh, degree: int, integrand):
+        self.mesh = mesh
+        self.cells = dfx.owned_cells(mesh)
+        X, self.ref_weights = quadrature(mesh, degree)
+        d = mesh.geometry.dim
+        xq = dfx.evaluate(dfx.expression(ufl.SpatialCoordinate(mesh), X), mesh, self.cells)
+        self.points = xq.reshape(-1, d)  # (cells * nq, d), cell-major
+        self._expr = dfx.expression(integrand * abs(ufl.JacobianDeterminant(mesh)), X)
+
+    def weights(self) -> np.ndarray:
+        """integrand(y_q) |J(y_q)| w_q at every owned quadrature point."""
+        vals = dfx.evaluate(self._expr, self.mesh, self.cells)
+        return (vals * self.ref_weights).ravel()
+
+
+class DGTransport:
+    """Spaces, forms and solvers of the DG transport step (one instance per run)."""
+
+    def __init__(self, mesh, degree: int, velocity_degree: int, source_degree: int,
+                 petsc_options: dict | None = None):
+        self.mesh = mesh
+        self.comm = mesh.comm
+        self.d = mesh.topology.dim
+        self.degree = degree
+        self.V = dfx.function_space(mesh, "DG", degree)
+        self.W = dfx.function_space(mesh, "Lagrange", velocity_degree, (self.d,))
+        self.u = dolfinx.fem.Function(self.V, name="density")   # the state being evaluated
+        self.v = dolfinx.fem.Function(self.W, name="velocity")
+        self.n_owned = self.V.dofmap.index_map.size_local * self.V.dofmap.index_map_bs
+        self._build_forms()
+        self._build_mass_solver(petsc_options or {})
+        self._build_cell_data()
+        self.sources = CellQuadrature(mesh, source_degree, self.u)
+        self.source_points = allgather_rows(self.comm, self.sources.points)
+        diag_degree = degree + 2 if self.d == 1 or "simplex" in self._cell_kind() else degree + 4
+        self.moment_rule = CellQuadrature(mesh, diag_degree, self.u)
+        self._limit_expr = dfx.expression(
+            self.u, np.vstack([reference_vertices(mesh), quadrature(mesh, source_degree)[0]]))
+
+    def _cell_kind(self) -> str:
+        name = dfx.cell_type_name(self.mesh)
+        return "simplex" if name in ("interval", "triangle", "tetrahedron") else "tensor"
+
+    # ---------------------------------------------------------------- forms
+    def _build_forms(self):
+        u, v, mesh = self.u, self.v, self.mesh
+        w = ufl.TestFunction(self.V)
+        n = ufl.FacetNormal(mesh)
+        un = ufl.dot(ufl.avg(v), n("+"))
+        flux = 0.5 * (un + abs(un)) * u("+") - 0.5 * (abs(un) - un) * u("-")
+        vn_out = 0.5 * (ufl.dot(v, n) + abs(ufl.dot(v, n)))
+        residual = (u * ufl.dot(v, ufl.grad(w)) * ufl.dx
+                    - flux * ufl.jump(w) * ufl.dS
+                    - vn_out * u * w * ufl.ds)
+        self.residual_form = dolfinx.fem.form(residual)
+        self.outflow_form = dolfinx.fem.form(vn_out * u * ufl.ds)
+        trial = ufl.TrialFunction(self.V)
+        self.mass_form = dolfinx.fem.form(trial * w * ufl.dx)
+        self.load_vector = dolfinx.fem.petsc.create_vector(self.residual_form)
+        self.solution = self.load_vector.duplicate()
+
+    def _build_mass_solver(self, user_options: dict):
+        M = dolfinx.fem.petsc.assemble_matrix(self.mass_form)
+        M.assemble()
+        self.mass_matrix = M
+        opts = PETSc.Options()
+        for k, val in {**MASS_DEFAULTS, **user_options}.items():
+            opts[MASS_PREFIX + k] = val
+        ksp = PETSc.KSP().create(self.comm)
+        ksp.setOptionsPrefix(MASS_PREFIX)
+        ksp.setOperators(M)
+        ksp.setFromOptions()
+        ksp.setUp()
+        self.ksp = ksp
+
+    def _build_cell_data(self):
+        """Per owned cell: volume, CFL length l_K = 2 d |K| / |dK|, dof lists."""
+        mesh = self.mesh
+        V0 = dfx.function_space(mesh, "DG", 0)
+        w0 = ufl.TestFunction(V0)
+        one = dolfinx.fem.Constant(mesh, PETSc.ScalarType(1.0))
+        vol = dolfinx.fem.petsc.assemble_vector(dolfinx.fem.form(one * w0 * ufl.dx))
+        surf = dolfinx.fem.petsc.assemble_vector(dolfinx.fem.form(
+            one * w0 * ufl.ds + one * (w0("+") + w0("-")) * ufl.dS))
+        for b in (vol, surf):
+            b.ghostUpdate(addv=PETSc.InsertMode.ADD, mode=PETSc.ScatterMode.REVERSE)
+        ncell = mesh.topology.index_map(self.d).size_local
+        dofs0 = dfx.cell_dofs(V0)[:ncell, 0]
+        self.cell_volume = vol.array_r[dofs0].copy()
+        self.cell_length = 2 * self.d * self.cell_volume / surf.array_r[dofs0]
+        self.cell_dofs = dfx.cell_dofs(self.V)[:ncell]
+        self.velocity_cell_nodes = dfx.cell_dofs(self.W)[:ncell]
+        # cell mean = sum_i mean_weights[K, i] * c_i  (integrals of the basis / |K|)
+        w = ufl.TestFunction(self.V)
+        basis_int = dolfinx.fem.petsc.assemble_vector(dolfinx.fem.form(one * w * ufl.dx))
+        basis_int.ghostUpdate(addv=PETSc.InsertMode.ADD, mode=PETSc.ScatterMode.REVERSE)
+        local = basis_int.array_r
+        self.mean_weights = local[self.cell_dofs] / self.cell_volume[:, None]
+        self.min_cell_length = self.comm.allreduce(float(self.cell_length.min()) if ncell else np.inf,
+                                                   op=MPI.MIN)
+
+    # ---------------------------------------------------------------- state
+    def set_state(self, coeffs: np.ndarray) -> None:
+        """Make ``coeffs`` (owned DG coefficients) the density the forms see."""
+        self.u.x.array[:self.n_owned] = coeffs
+        self.u.x.scatter_forward()
+
+    def set_velocity(self, owned_values: np.ndarray) -> None:
+        """Owned velocity node values (n_nodes, d) -> v (and its ghosts)."""
+        self.v.x.array[:owned_values.size] = owned_values.ravel()
+        self.v.x.scatter_forward()
+
+    def current_sources(self) -> Sources:
+        """rho on all ranks' quadrature points: the sources of the attention kernel."""
+        w = allgather_rows(self.comm, self.sources.weights())
+        return Sources.from_arrays(self.source_points, w)
+
+    # ---------------------------------------------------------------- operator
+    def rate(self) -> tuple[np.ndarray, float]:
+        """M^{-1} R(u; v) (owned coefficients) and the outflow rate int (v.n)^+ u ds,
+        for the u and v set now."""
+        b = self.load_vector
+        with b.localForm() as loc:
+            loc.set(0.0)
+        dolfinx.fem.petsc.assemble_vector(b, self.residual_form)
+        b.ghostUpdate(addv=PETSc.InsertMode.ADD, mode=PETSc.ScatterMode.REVERSE)
+        self.ksp.solve(b, self.solution)
+        if self.ksp.getConvergedReason() < 0:
+            raise SolverBreakdown(f"DG mass solve failed (KSP reason {self.ksp.getConvergedReason()})")
+        outflow = self.comm.allreduce(dolfinx.fem.assemble_scalar(self.outflow_form), op=MPI.SUM)
+        return self.solution.array_r.copy(), float(outflow)
+
+    def project(self, rho0, quadrature_degree: int) -> tuple[np.ndarray, float]:
+        """L2 projection of a UFL density (of x = SpatialCoordinate) onto DG-k:
+        owned coefficients and the projected mass int_Omega rho0."""
+        w = ufl.TestFunction(self.V)
+        dx = ufl.dx(metadata={"quadrature_degree": quadrature_degree})
+        b = dolfinx.fem.petsc.assemble_vector(dolfinx.fem.form(rho0 * w * dx))
+        b.ghostUpdate(addv=PETSc.InsertMode.ADD, mode=PETSc.ScatterMode.REVERSE)
+        x = b.duplicate()
+        self.ksp.solve(b, x)
+        mass = self.comm.allreduce(float(b.array_r.sum()), op=MPI.SUM)
+        return x.array_r.copy(), mass
+
+    def interpolant(self, density, degree: int):
+        """A DG-``degree`` interpolant of a numpy density(x (N,d)), as a UFL coefficient."""
+        space = dfx.function_space(self.mesh, "DG", degree)
+        f = dolfinx.fem.Function(space)
+        d = self.d
+        f.interpolate(lambda x: density(x[:d].T))
+        return f
+
+    # ---------------------------------------------------------------- limiter, CFL
+    def limit(self, coeffs: np.ndarray) -> np.ndarray:
+        """Scale each cell's deviation from its mean so that rho >= 0 at the cell's
+        nodes, vertices and quadrature sources; cell means (hence mass) are unchanged:
+        c_i <- mean_K + theta_K (c_i - mean_K), theta_K = min(1, mean_K / (mean_K - min_K))."""
+        self.set_state(coeffs)
+        c = self.u.x.array
+        vals = dfx.evaluate(self._limit_expr, self.mesh, self.sources.cells)
+        # Lagrange coefficients are the values at the nodes: check those too
+        low = np.minimum(vals.min(axis=1), c[self.cell_dofs].min(axis=1))
+        bad = low < 0.0
+        if not np.any(bad):
+            return coeffs
+        dofs = self.cell_dofs[bad]
+        mean = np.einsum("ki,ki->k", self.mean_weights[bad], c[dofs])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            theta = np.where(mean > 0, np.minimum(1.0, mean / (mean - low[bad])), 0.0)
+        out = coeffs.copy()
+        out[dofs] = mean[:, None] + theta[:, None] * (c[dofs] - mean[:, None])
+        return out
+
+    def cfl_step(self, cfl: float) -> tuple[float, float]:
+        """dt = cfl * min_K l_K / ((2k+1) max_{v-nodes of K} |v|) and max |v|, for the v set now."""
+        speed = np.linalg.norm(self.v.x.array.reshape(-1, self.d), axis=1)
+        cell_speed = speed[self.velocity_cell_nodes].max(axis=1)
+        local = np.max(cell_speed / self.cell_length) if cell_speed.size else 0.0
+        rate = self.comm.allreduce(float(local), op=MPI.MAX)
+        vmax = self.comm.allreduce(float(speed.max()) if speed.size else 0.0, op=MPI.MAX)
+        dt = np.inf if rate == 0 else cfl / ((2 * self.degree + 1) * rate)
+        return dt, vmax
+
+    # ---------------------------------------------------------------- diagnostics
+    def moments(self, coeffs: np.ndarray, centre: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+        """Mass, mean and covariance of the normalised density, by a quadrature exact for
+        rho * polynomials of degree 2 on affine cells."""
+        self.set_state(coeffs)
+        w = self.moment_rule.weights()
+        y = self.moment_rule.points - centre
+        d = self.d
+        local = np.concatenate([[w.sum()], w @ y, np.einsum("q,qi,qj->ij", w, y, y).ravel()])
+        tot = np.empty_like(local)
+        self.comm.Allreduce(local, tot, op=MPI.SUM)
+        mass = tot[0]
+        first = tot[1:1 + d] / mass
+        cov = tot[1 + d:].reshape(d, d) / mass - np.outer(first, first)
+        return float(mass), centre + first, cov
+
+    def min_value(self, coeffs: np.ndarray) -> float:
+        local = float(coeffs.min()) if coeffs.size else np.inf
+        return self.comm.allreduce(local, op=MPI.MIN)
+
+
+def l2_norm(comm, expr, quadrature_degree: int) -> float:
+    """sqrt(int_Omega expr^2) for a UFL expression (e.g. rho_h - rho_exact)."""
+    dx = ufl.dx(metadata={"quadrature_degree": quadrature_degree})
+    local = dolfinx.fem.assemble_scalar(dolfinx.fem.form(expr * expr * dx))
+    return float(np.sqrt(comm.allreduce(local, op=MPI.SUM)))

@@ -1,0 +1,129 @@
+"""Configuration: defaults, overrides, and the one-line errors that name the key."""
+
+import os
+
+import numpy as np
+import pytest
+
+from pdeformer.config import check_config, load_config, parse_override
+from pdeformer.errors import ConfigError, InputError
+from pdeformer.heads import HeadMeasure
+from pdeformer.prompts import make_prompt
+
+from conftest import ROOT, write_config
+
+BASE = """
+[mesh]
+lower = [-2.0, -2.0]
+upper = [2.0, 2.0]
+cells = [8, 8]
+
+[model]
+layers = 2
+heads = 3
+
+[[prompts]]
+kind = "gaussian_mixture"
+means = [[0.0, 0.0]]
+covs = [0.2]
+"""
+
+
+def test_shipped_configs_load():
+    for name in os.listdir(os.path.join(ROOT, "runs")):
+        if name.endswith(".toml"):
+            cfg = load_config(os.path.join(ROOT, "runs", name))
+            assert cfg["prompts"]
+
+
+def test_defaults_and_paths(tmp_path):
+    cfg = load_config(write_config(tmp_path, BASE))
+    disc = cfg["discretisation"]
+    assert disc["degree"] == 1 and disc["velocity_degree"] == 1 and disc["scheme"] == "ssprk2"
+    assert cfg["mesh"]["cell"] == "triangle"
+    assert cfg["output"]["dir"] == os.path.join(str(tmp_path), "output", "run")
+    assert cfg["prompts"][0]["name"] == "prompt0"
+
+
+def test_overrides(tmp_path):
+    path = write_config(tmp_path, BASE)
+    cfg = load_config(path, ["mesh.cells=[4,5]", "discretisation.degree=3",
+                             "prompts[0].name=first", "output.dir=out", "petsc.ksp_type=cg"])
+    assert cfg["mesh"]["cells"] == [4, 5]
+    assert cfg["discretisation"]["scheme"] == "ssprk104"
+    assert cfg["prompts"][0]["name"] == "first"
+    assert cfg["output"]["dir"] == os.path.abspath("out")  # --set paths: relative to cwd
+    assert cfg["petsc"] == {"ksp_type": "cg"}
+    assert parse_override("model.seed=7") == (["model", "seed"], 7)
+    assert parse_override("prompts.1.kind=uniform") == (["prompts", 1, "kind"], "uniform")
+
+
+@pytest.mark.parametrize("override, key, words", [
+    ("mesh.cels=[4,4]", "mesh.cels", "did you mean 'cells'"),
+    ("mesh.cells=[0,4]", "mesh.cells", "positive integers"),
+    ("mesh.cells=[4]", "mesh.cells", "expected 2 entries"),
+    ("mesh.cells='many'", "mesh.cells", "positive integers"),
+    ("mesh.upper=[-3.0,2.0]", "mesh.upper", "not above"),
+    ("mesh.cell=tetrahedron", "mesh.cell", "not a 2-D cell"),
+    ("mesh.file=x.xdmf", "mesh.lower", "not both"),
+    ("discretisation.degree=4", "discretisation.degree", "in 1..3"),
+    ("discretisation.cfl=-1", "discretisation.cfl", "positive"),
+    ("discretisation.limiter=1", "discretisation.limiter", "true or false"),
+    ("model.heads=0", "model.heads", ">= 1"),
+    ("model.layers=2.5", "model.layers", "integer"),
+    ("output.format=xdmf", "output.format", "one of"),
+    ("prompts[0].kind=normal", "prompts[0].kind", "one of"),
+    ("prompts[0].mean=[[0.0,0.0]]", "prompts[0].mean", "did you mean 'means'"),
+    ("solver.x=1", "solver", "unknown"),
+    ("petsc.ksp_type=[1]", "petsc.ksp_type", "string, number or boolean"),
+])
+def test_config_errors_name_the_key(tmp_path, override, key, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(write_config(tmp_path, BASE), [override])
+    msg = str(e.value)
+    assert msg.startswith(key + ":") and words in msg, msg
+    assert "\n" not in msg
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(str(tmp_path / "missing.toml"))
+    bad = write_config(tmp_path, "[mesh\n", "bad.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="^prompts: missing"):
+        check_config({"mesh": {"lower": [0.0], "upper": [1.0], "cells": [2]},
+                      "model": {"layers": 1, "heads": 1}}, str(tmp_path))
+    with pytest.raises(ConfigError, match="^model.layers: missing"):
+        load_config(write_config(tmp_path, BASE.replace("layers = 2", "")))
+
+
+@pytest.mark.parametrize("prompt, key, words", [
+    ({"means": [[0.0, 0.0]], "covs": [[[1.0, 0.5], [0.4, 1.0]]]}, "prompts[0].covs[0]", "not symmetric"),
+    ({"means": [[0.0, 0.0]], "covs": [[[1.0, 2.0], [2.0, 1.0]]]}, "prompts[0].covs[0]", "not positive definite"),
+    ({"means": [[0.0, 0.0]], "covs": [-1.0]}, "prompts[0].covs[0]", "positive"),
+    ({"means": [[0.0, 0.0, 1.0]], "covs": [1.0]}, "prompts[0].means", "2-vectors"),
+    ({"means": [[0.0, 0.0]], "covs": [1.0, 1.0]}, "prompts[0].covs", "expected 1 covariances"),
+    ({"means": [[0.0, 0.0]], "covs": [1.0], "weights": [1.0, 2.0]}, "prompts[0].weights", "expected 1"),
+    ({"means": [[0.0, 0.0]], "covs": [1.0], "weights": [-1.0]}, "prompts[0].weights", "positive"),
+])
+def test_prompt_shape_errors(prompt, key, words):
+    spec = {"kind": "gaussian_mixture", "name": "p", "weights": None, **prompt}
+    with pytest.raises(ConfigError) as e:
+        make_prompt(spec, 2, 0)
+    assert str(e.value).startswith(key + ":") and words in str(e.value), str(e.value)
+
+
+def test_params_file_errors(tmp_path):
+    f = str(tmp_path / "heads.npz")
+    np.savez(f, Q=np.zeros((2, 3, 2, 2)), K=np.zeros((2, 3, 2, 2)), V=np.zeros((2, 3, 2, 2)))
+    assert HeadMeasure.load(f, 2).heads == 3
+    with pytest.raises(InputError, match=r"^model.params: .*heads.npz: Q has shape \(2, 3, 2, 2\), expected \(4, 3, 2, 2\)"):
+        HeadMeasure.load(f, 2, layers=4)
+    with pytest.raises(InputError, match="expected"):
+        HeadMeasure.load(f, 3)  # d = 3 mesh, d = 2 parameters
+    with pytest.raises(InputError, match="no such parameter file"):
+        HeadMeasure.load(str(tmp_path / "nope.npz"), 2)
+    np.savez(f, Q=np.zeros((2, 3, 2, 2)), K=np.zeros((2, 3, 2, 2)))
+    with pytest.raises(InputError, match="'V' missing"):
+        HeadMeasure.load(f, 2)
