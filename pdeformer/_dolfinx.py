@@ -59,12 +59,11 @@ def cell_dofs(V) -> np.ndarray:
 
 
 def owned_node_coordinates(W) -> np.ndarray:
-    """Coordinates of the owned nodes of a vector Lagrange space, (n_nodes, d), in the
-    order of its blocked dof array. (Interpolating x works where
-    ``tabulate_dof_coordinates`` does not: 0.5 treats a 1-component vector as mixed.)"""
+    """Coordinates of the owned nodes of a Lagrange space with d components (or a
+    scalar space in 1-D), (n_nodes, d), in the order of its (blocked) dof array."""
     d = W.mesh.topology.dim
     f = dolfinx.fem.Function(W)
-    f.interpolate(lambda x: x[:d])
+    f.interpolate(lambda x: x[0] if d == 1 else x[:d])
     n = W.dofmap.index_map.size_local * W.dofmap.index_map_bs
     return f.x.array[:n].reshape(-1, d).copy()
 

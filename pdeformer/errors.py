@@ -19,7 +19,11 @@ class ConfigError(PdeformerError):
 
     def __init__(self, key: str, message: str):
         self.key = key
+        self.message = message
         super().__init__(f"{key}: {message}" if key else message)
+
+    def __reduce__(self):  # picklable, so rank 0 can broadcast it
+        return (type(self), (self.key, self.message))
 
 
 class InputError(PdeformerError):

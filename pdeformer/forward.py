@@ -128,8 +128,12 @@ class ForwardSolver:
                                                     cfg["attention"]["chunk_mb"])
         self.scheme = SCHEMES[disc["scheme"]]
         self.centre = np.mean(bounding_box(self.comm, problem.mesh), axis=0)
-        self.prompt_info: list[dict] = []
         self.stats = {"steps": 0, "velocity_evaluations": 0}
+        # every prompt is projected (and checked) before anything runs or is written
+        with self.timer.phase("prompts"):
+            initial = [self.initial_state(i) for i in range(len(problem.prompts))]
+        self.initial_coeffs = [c for c, _ in initial]
+        self.prompt_info = [info for _, info in initial]
 
     # ------------------------------------------------------------ building blocks
     def initial_state(self, index: int) -> tuple[np.ndarray, dict]:
@@ -192,10 +196,8 @@ class ForwardSolver:
         L = self.problem.heads.layers
         F = self.frames_per_layer
         want_v = any(tr.needs_velocity for tr in trackers)
-        with self.timer.phase("prompts"):
-            coeffs, info = self.initial_state(index)
-        outflow = np.zeros(1)
-        state = [coeffs, outflow]
+        info = self.prompt_info[index]
+        state = [self.initial_coeffs[index].copy(), np.zeros(1)]
         steps, dt_last = 0, math.nan
         cached = None  # (state list, layer, velocity) reused by the next step
 
@@ -247,7 +249,6 @@ class ForwardSolver:
                 emit(t, layer, f == F)
         info["steps"] = steps
         self.stats["steps"] += steps
-        self.prompt_info.append(info)
         return state[0], float(state[1][0])
 
     def _step(self, state, dt, layer, vel0):

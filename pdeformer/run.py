@@ -49,13 +49,13 @@ def run_forward(cfg: dict, comm=None) -> dict:
     if out["fields"] and out["format"] == "vtx" and not dfx.has_vtx():
         raise ConfigError("output.format", f"'vtx' needs dolfinx >= 0.8 built with ADIOS2 "
                           f"(this is dolfinx {dfx.dolfinx.__version__}); use 'vtk'")
-    outdir = prepare_output(cfg, comm)
-    info = provenance(comm) if comm.rank == 0 else {}
-    log.info("pdeformer forward %s on %d rank(s), output in %s", cfg["config_file"], comm.size, outdir)
-
+    # inputs first (mesh, heads, prompts): bad input fails before anything is written
     with timer.phase("setup"):
         problem = build_problem(cfg, comm)
     solver = ForwardSolver(problem, timer)
+    outdir = prepare_output(cfg, comm)
+    info = provenance(comm) if comm.rank == 0 else {}
+    log.info("pdeformer forward %s on %d rank(s), output in %s", cfg["config_file"], comm.size, outdir)
     table = DiagnosticsTable(os.path.join(outdir, "diagnostics.csv"))
     trackers = [ProgressLog(), table]
     fields = None

@@ -82,10 +82,15 @@ class DGTransport:
         self.comm = mesh.comm
         self.d = mesh.topology.dim
         self.degree = degree
+        self.velocity_degree = velocity_degree
         self.V = dfx.function_space(mesh, "DG", degree)
-        self.W = dfx.function_space(mesh, "Lagrange", velocity_degree, (self.d,))
+        # in 1-D the velocity is a scalar Lagrange function (a 1-component vector space is
+        # "mixed" to dolfinx 0.5 and cannot be written to VTK); forms see a vector
+        self.W = dfx.function_space(mesh, "Lagrange", velocity_degree,
+                                    None if self.d == 1 else (self.d,))
         self.u = dolfinx.fem.Function(self.V, name="density")   # the state being evaluated
         self.v = dolfinx.fem.Function(self.W, name="velocity")
+        self.velocity_vector = ufl.as_vector([self.v]) if self.d == 1 else self.v
         self.n_owned = self.V.dofmap.index_map.size_local * self.V.dofmap.index_map_bs
         self._build_forms()
         self._build_mass_solver(petsc_options or {})
@@ -103,17 +108,20 @@ class DGTransport:
 
     # ---------------------------------------------------------------- forms
     def _build_forms(self):
-        u, v, mesh = self.u, self.v, self.mesh
+        u, v, mesh = self.u, self.velocity_vector, self.mesh
         w = ufl.TestFunction(self.V)
         n = ufl.FacetNormal(mesh)
         un = ufl.dot(ufl.avg(v), n("+"))
         flux = 0.5 * (un + abs(un)) * u("+") - 0.5 * (abs(un) - un) * u("-")
         vn_out = 0.5 * (ufl.dot(v, n) + abs(ufl.dot(v, n)))
+        # one boundary rule for the residual and the outflow functional, so that the
+        # mass the residual removes is exactly the outflow recorded
+        ds = ufl.ds(metadata={"quadrature_degree": self.velocity_degree + 2 * self.degree})
         residual = (u * ufl.dot(v, ufl.grad(w)) * ufl.dx
                     - flux * ufl.jump(w) * ufl.dS
-                    - vn_out * u * w * ufl.ds)
+                    - vn_out * u * w * ds)
         self.residual_form = dolfinx.fem.form(residual)
-        self.outflow_form = dolfinx.fem.form(vn_out * u * ufl.ds)
+        self.outflow_form = dolfinx.fem.form(vn_out * u * ds)
         trial = ufl.TrialFunction(self.V)
         self.mass_form = dolfinx.fem.form(trial * w * ufl.dx)
         self.load_vector = dolfinx.fem.petsc.create_vector(self.residual_form)

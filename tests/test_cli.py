@@ -1,0 +1,361 @@
+"""The `pdeformer forward` command end to end: outputs read back, serial vs mpirun -n 2,
+1-D / 2-D / 3-D and mesh files, and the one-line errors of bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, requires_dolfinx, run_cli, write_config
+
+pytestmark = [requires_dolfinx]
+
+CONFIG_2D = """
+[mesh]
+lower = [-3.5, -3.5]
+upper = [3.5, 3.5]
+cells = [14, 14]
+
+[model]
+layers = 2
+heads = 3
+seed = 4
+
+[output]
+dir = "out"
+
+[[prompts]]
+name = "blob"
+kind = "gaussian_mixture"
+weights = [1.0, 2.0]
+means = [[-0.5, 0.0], [0.6, 0.4]]
+covs = [0.2, [[0.3, 0.1], [0.1, 0.2]]]
+
+[[prompts]]
+name = "box"
+kind = "uniform"
+lower = [-1.0, -0.5]
+upper = [0.5, 1.0]
+"""
+
+
+def outputs(folder):
+    from pdeformer.output import read_diagnostics
+    out = os.path.join(str(folder), "out")
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    return out, read_diagnostics(os.path.join(out, "diagnostics.csv")), summary
+
+
+def vtu_integral(data, field):
+    """int field dx over the owned linear cells (triangles, tets, intervals) of a VTK
+    piece set: the cell mean of a P1 field times the cell volume."""
+    pts, conn, offs = data["points"], data["connectivity"], data["offsets"]
+    ghost = data["cell_data"].get("vtkGhostType", np.zeros(len(offs)))
+    sizes = np.diff(np.concatenate([[0], offs]))
+    assert len(set(sizes)) == 1
+    cells = conn.reshape(-1, sizes[0])[ghost == 0]
+    x = pts[cells]                                  # (cells, nodes, 3)
+    edges = x[:, 1:] - x[:, :1]
+    k = edges.shape[1]
+    if k == 1:
+        vol = np.linalg.norm(edges[:, 0], axis=1)
+    elif k == 2:
+        vol = 0.5 * np.linalg.norm(np.cross(edges[:, 0], edges[:, 1]), axis=1)
+    else:
+        vol = np.abs(np.einsum("ci,ci->c", edges[:, 0], np.cross(edges[:, 1], edges[:, 2]))) / 6
+    return float(np.sum(vol * data["point_data"][field][cells].mean(axis=1)))
+
+
+def test_help():
+    for args in (["--help"], ["forward", "--help"], ["info", "--help"]):
+        proc = run_cli(args)
+        assert "usage: pdeformer" in proc.stdout
+    assert "dolfinx" in run_cli(["info"]).stdout
+
+
+def test_forward_2d_outputs_read_back(tmp_path):
+    cfg = write_config(tmp_path, CONFIG_2D)
+    proc = run_cli(["forward", cfg])
+    out, rows, summary = outputs(tmp_path)
+    assert f"output in {out}" in proc.stdout
+    # diagnostics.csv: one row per prompt at t = 0 and each layer boundary
+    with open(os.path.join(out, "diagnostics.csv")) as f:
+        header = f.readline().strip()
+    assert header == ("prompt,t,mass,outflow,min_rho,mean_0,mean_1,"
+                      "cov_00,cov_01,cov_10,cov_11")
+    assert [(r["prompt"], r["t"]) for r in rows] == [
+        (p, t) for p in ("blob", "box") for t in (0.0, 0.5, 1.0)]
+    for r in rows:
+        assert abs(r["mass"] + r["outflow"] - 1.0) < 1e-12
+        assert r["cov_01"] == pytest.approx(r["cov_10"], abs=1e-14)
+        assert r["min_rho"] > -1e-12                  # limiter on by default
+    blob0, box0 = rows[0], rows[3]
+    # t = 0 moments: the prompts' own, up to the projection error on this coarse mesh
+    assert np.allclose([blob0["mean_0"], blob0["mean_1"]], [0.2333333, 0.2666667], atol=2e-3)
+    assert np.allclose([box0["mean_0"], box0["mean_1"], box0["cov_00"]], [-0.25, 0.25, 0.1875], atol=2e-2)
+    # summary.json: config, provenance, timings, final diagnostics
+    assert summary["ranks"] == 1 and summary["command"] == "forward"
+    prov = summary["provenance"]
+    for key in ("pdeformer", "dolfinx", "petsc", "petsc4py", "mpi4py", "numpy", "git"):
+        assert prov[key], key
+    assert re.fullmatch(r"[0-9a-f]{40}", prov["git"]["commit"] or "0" * 40)
+    assert summary["config"]["mesh"]["cells"] == [14, 14]
+    assert summary["config"]["discretisation"]["scheme"] == "ssprk2"
+    assert summary["timings"]["total"] > 0 and "velocity" in summary["timings"]
+    final = {r["prompt"]: r for r in summary["final_diagnostics"]}
+    assert final["box"]["mass"] == pytest.approx(rows[-1]["mass"], rel=1e-15)
+    assert summary["prompts"][1]["truncated_mass"] == 0.0
+    # field series: frames at t = 0, 0.5, 1, and the density integrates to the mass
+    from pdeformer.output import read_pvd, read_vtu
+    for name in ("blob", "box"):
+        frames = read_pvd(os.path.join(out, f"density_{name}.pvd"))
+        assert [t for t, _ in frames] == [0.0, 0.5, 1.0]
+        masses = [r["mass"] for r in rows if r["prompt"] == name]
+        for (t, path), m in zip(frames, masses):
+            assert vtu_integral(read_vtu(path), "density") == pytest.approx(m, abs=1e-12)
+        vframes = read_pvd(os.path.join(out, f"velocity_{name}.pvd"))
+        assert len(vframes) == 3
+        v = read_vtu(vframes[0][1])["point_data"]["velocity"]
+        assert v.shape[1] == 3 and np.all(np.isfinite(v)) and np.abs(v).max() > 0
+
+
+def test_uniform_attention_velocity_read_back(tmp_path):
+    """Q = 0: the written velocity is Vbar m at every point, m the mean in
+    diagnostics.csv (exact once the source quadrature integrates rho * y exactly)."""
+    rng = np.random.default_rng(1)
+    V = rng.normal(size=(2, 2, 2, 2)) * 0.5
+    np.savez(tmp_path / "heads.npz", Q=np.zeros((2, 2, 1, 2)), K=rng.normal(size=(2, 2, 1, 2)), V=V)
+    cfg = write_config(tmp_path, CONFIG_2D.replace("layers = 2\nheads = 3", 'params = "heads.npz"'))
+    run_cli(["forward", cfg, "--set", "output.frames_per_layer=2", "discretisation.quadrature_degree=2"])
+    out, rows, summary = outputs(tmp_path)
+    from pdeformer.output import read_pvd, read_vtu
+    frames = read_pvd(os.path.join(out, "velocity_blob.pvd"))
+    assert [t for t, _ in frames] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    for (t, path), r in zip(frames[::2], [r for r in rows if r["prompt"] == "blob"]):
+        layer = min(int(round(t * 2)), 1)                  # heads of the layer starting at t
+        expect = V[layer].mean(axis=0) @ [r["mean_0"], r["mean_1"]]
+        v = read_vtu(path)["point_data"]["velocity"][:, :2]
+        np.testing.assert_allclose(v, np.tile(expect, (len(v), 1)), atol=1e-12)
+
+
+@pytest.mark.mpi
+def test_serial_and_two_ranks_agree(tmp_path):
+    cfg = write_config(tmp_path, CONFIG_2D)
+    run_cli(["forward", cfg, "--set", "output.dir=serial", "output.fields=false"], cwd=str(tmp_path))
+    run_cli(["forward", cfg, "--set", "output.dir=par"], nprocs=2, cwd=str(tmp_path))
+    from pdeformer.output import read_diagnostics
+    a = read_diagnostics(str(tmp_path / "serial" / "diagnostics.csv"))
+    b = read_diagnostics(str(tmp_path / "par" / "diagnostics.csv"))
+    assert len(a) == len(b) == 6
+    for ra, rb in zip(a, b):
+        assert ra["prompt"] == rb["prompt"]
+        for k in ra:
+            if k != "prompt":
+                assert abs(ra[k] - rb[k]) < 1e-10, (k, ra[k], rb[k])
+    with open(tmp_path / "par" / "summary.json") as f:
+        assert json.load(f)["ranks"] == 2
+    # the parallel VTK output (.pvtu pieces) still integrates to the mass
+    from pdeformer.output import read_pvd, read_vtu
+    t, path = read_pvd(str(tmp_path / "par" / "density_blob.pvd"))[-1]
+    assert path.endswith(".pvtu")
+    assert vtu_integral(read_vtu(path), "density") == pytest.approx(b[2]["mass"], abs=1e-12)
+
+
+CONFIG_1D = """
+[mesh]
+lower = [-4.0]
+upper = [4.0]
+cells = [40]
+
+[discretisation]
+degree = 2
+
+[model]
+layers = 3
+heads = 4
+
+[output]
+dir = "out"
+
+[[prompts]]
+name = "pair"
+kind = "gaussian_mixture"
+means = [-1.0, 1.2]
+covs = [0.1, 0.2]
+
+[[prompts]]
+name = "data"
+kind = "file"
+path = "density.csv"
+"""
+
+
+def test_forward_1d_with_file_prompt(tmp_path):
+    x = np.linspace(-2, 2, 41)
+    with open(tmp_path / "density.csv", "w") as f:
+        f.write("x0,density\n")
+        for xi in x:
+            f.write(f"{xi},{np.exp(-xi**2) * (1 + 0.5 * np.sin(3 * xi))}\n")
+    run_cli(["forward", write_config(tmp_path, CONFIG_1D)])
+    out, rows, summary = outputs(tmp_path)
+    assert len(rows) == 8 and set(rows[0]) >= {"mean_0", "cov_00"}
+    assert summary["config"]["discretisation"]["scheme"] == "ssprk3"
+    for r in rows:
+        assert abs(r["mass"] + r["outflow"] - 1.0) < 1e-12
+    from pdeformer.output import read_pvd, read_vtu
+    t, path = read_pvd(os.path.join(out, "density_data.pvd"))[0]
+    assert read_vtu(path)["point_data"]["density"].size > 0
+
+
+CONFIG_3D = """
+[mesh]
+lower = [-2.5, -2.5, -2.5]
+upper = [2.5, 2.5, 2.5]
+cells = [5, 5, 5]
+cell = "hexahedron"
+
+[model]
+layers = 2
+heads = 2
+
+[output]
+dir = "out"
+velocity = false
+
+[[prompts]]
+kind = "gaussian_mixture"
+means = [[0.3, 0.0, -0.2]]
+covs = [0.4]
+"""
+
+
+@pytest.mark.mpi
+def test_forward_3d_hexahedra_two_ranks(tmp_path):
+    run_cli(["forward", write_config(tmp_path, CONFIG_3D)], nprocs=2)
+    out, rows, summary = outputs(tmp_path)
+    assert len(rows) == 3 and "cov_22" in rows[0]
+    assert summary["mesh"]["cells"] == 125 and summary["mesh"]["cell_type"] == "hexahedron"
+    assert not any("velocity" in f for f in summary["files"]["fields"])
+    for r in rows:
+        assert abs(r["mass"] + r["outflow"] - 1.0) < 1e-12
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mesh, dim", [("disk", 2), ("ball", 3)])
+def test_shipped_meshes_serial_and_parallel(tmp_path, mesh, dim):
+    mean = [0.2, -0.1, 0.1][:dim]
+    text = f"""
+    [mesh]
+    file = "{ROOT}/meshes/{mesh}.xdmf"
+
+    [model]
+    layers = 2
+    heads = 2
+
+    [output]
+    fields = false
+
+    [[prompts]]
+    kind = "gaussian_mixture"
+    means = [{mean}]
+    covs = [0.3]
+    """
+    cfg = write_config(tmp_path, text)
+    run_cli(["forward", cfg, "--set", "output.dir=s"], cwd=str(tmp_path))
+    run_cli(["forward", cfg, "--set", "output.dir=p"], nprocs=2, cwd=str(tmp_path))
+    from pdeformer.output import read_diagnostics
+    a = read_diagnostics(str(tmp_path / "s" / "diagnostics.csv"))
+    b = read_diagnostics(str(tmp_path / "p" / "diagnostics.csv"))
+    assert len(a) == 3
+    for ra, rb in zip(a, b):
+        for k in ra:
+            if k != "prompt":
+                assert abs(ra[k] - rb[k]) < 1e-10, (k, ra[k], rb[k])
+    assert abs(a[-1]["mass"] + a[-1]["outflow"] - 1) < 1e-12
+
+
+@pytest.mark.mpi
+def test_default_config_at_reduced_size(tmp_path):
+    run_cli(["forward", os.path.join(ROOT, "runs", "default.toml"), "--set", "mesh.cells=[16,16]",
+             "model.layers=2", f"output.dir={tmp_path}/default"], nprocs=2)
+    with open(tmp_path / "default" / "summary.json") as f:
+        s = json.load(f)
+    assert s["ranks"] == 2 and len(s["final_diagnostics"]) == 2
+
+
+# ------------------------------------------------------------------------ bad input
+
+def bad_input_cases(tmp_path):
+    np.savez(tmp_path / "wrong.npz", Q=np.zeros((3, 3, 2, 2)), K=np.zeros((3, 3, 2, 2)),
+             V=np.zeros((3, 3, 2, 2)))
+    return [
+        (["--set", "mesh.cels=[4,4]"], "mesh.cels: unknown key (did you mean 'cells'?)"),
+        (["--set", "model.heads=two"], "model.heads: expected an integer"),
+        (["--set", "mesh.cells=[0,12]"], "mesh.cells: expected positive integers"),
+        (["--set", "prompts[0].covs=[0.2,[[0.3,0.5],[0.5,0.2]]]"], "prompts[0].covs[1]: covariance is not positive definite"),
+        (["--set", "prompts[0].covs=[0.2,[[0.3,0.1],[0.2,0.2]]]"], "prompts[0].covs[1]: covariance is not symmetric"),
+        (["--set", f"model.params={tmp_path}/wrong.npz", "model.layers=2"], "model.params: "),
+        (["--set", f"model.params={tmp_path}/none.npz"], "model.params: "),
+        (["--set", f"mesh.file={tmp_path}/none.xdmf", "mesh.lower=[]"], "mesh.lower: "),
+        (["--set", "prompts[1].lower=[5.0,5.0]", "prompts[1].upper=[6.0,6.0]"], "prompts[1] ('box'): the prompt lies outside the mesh"),
+        (["--set", "prompts[0].means=[[0.0,0.0,0.0],[1.0,1.0,1.0]]"], "prompts[0].means: expected a list of 2-vectors"),
+        (["--set", "output.format=vtx"] if not _has_vtx() else ["--set", "discretisation.degree=0"],
+         "output.format: 'vtx' needs" if not _has_vtx() else "discretisation.degree: "),
+    ]
+
+
+def _has_vtx():
+    from pdeformer._dolfinx import has_vtx
+    return has_vtx()
+
+
+def check_one_line_error(proc, expected, status=2):
+    assert proc.returncode == status, proc.stderr
+    text = proc.stdout + proc.stderr
+    assert "Traceback" not in text, text
+    ours = [l for l in proc.stderr.splitlines() if l.startswith("pdeformer: error:")]
+    assert len(ours) == 1 and expected in ours[0], proc.stderr
+
+
+def test_bad_input_gives_one_line(tmp_path):
+    cfg = write_config(tmp_path, CONFIG_2D)
+    for args, expected in bad_input_cases(tmp_path):
+        proc = run_cli(["forward", cfg, *args], check=False, timeout=120)
+        check_one_line_error(proc, expected)
+        lines = [l for l in proc.stderr.splitlines() if l.strip()]
+        assert len(lines) == 1, proc.stderr               # nothing else on a serial run
+
+
+def test_missing_mesh_file(tmp_path):
+    box = "lower = [-3.5, -3.5]\nupper = [3.5, 3.5]\ncells = [14, 14]"
+    assert box in CONFIG_2D
+    cfg = write_config(tmp_path, CONFIG_2D.replace(box, 'file = "nowhere.xdmf"'))
+    check_one_line_error(run_cli(["forward", cfg], check=False), "mesh.file: ")
+    with open(tmp_path / "broken.xdmf", "w") as f:
+        f.write("<Xdmf><Domain><Grid Name='other'/></Domain></Xdmf>")
+    cfg = write_config(tmp_path, CONFIG_2D.replace(box, 'file = "broken.xdmf"'), "b.toml")
+    check_one_line_error(run_cli(["forward", cfg], check=False), "no grid named 'mesh'")
+
+
+@pytest.mark.mpi
+def test_bad_input_ends_the_mpi_job(tmp_path):
+    cfg = write_config(tmp_path, CONFIG_2D)
+    for args, expected in bad_input_cases(tmp_path)[::3]:
+        proc = run_cli(["forward", cfg, *args], nprocs=2, check=False, timeout=120)
+        check_one_line_error(proc, expected)
+
+
+@pytest.mark.mpi
+def test_overflow_stops_the_run_naming_prompt_layer_and_t(tmp_path):
+    """Absurd heads make the velocity overflow: exit status 3, one line naming where."""
+    cfg = write_config(tmp_path, CONFIG_2D)
+    for n in (1, 2):
+        proc = run_cli(["forward", cfg, "--set", "model.init_scale=1e160"], nprocs=n,
+                       check=False, timeout=120)
+        check_one_line_error(proc, "prompt 'blob': ", status=3)
+        assert re.search(r"layer \d+, t = [0-9.e+-]+", proc.stderr), proc.stderr
