@@ -4,7 +4,7 @@
 #
 # 1. Find a Python that imports dolfinx, petsc4py and mpi4py:
 #    $PDEFORMER_PYTHON if set, else `python3` on PATH (a cluster module, conda, spack),
-#    else /usr/bin/python3. If none can and this is Debian with root, install the Debian
+#    else /usr/bin/python3 (the candidates can be replaced by $PDEFORMER_SETUP_CANDIDATES). If none can and this is Debian with root, install the Debian
 #    packages below and use /usr/bin/python3; without root, say what to install.
 # 2. Build the venv .venv from that Python with --system-site-packages; a venv made by
 #    another Python (the other Debian release, a different module) is rebuilt.
@@ -50,7 +50,7 @@ if [ -n "${PDEFORMER_PYTHON:-}" ]; then
   has_dolfinx "$PDEFORMER_PYTHON" || die "PDEFORMER_PYTHON=$PDEFORMER_PYTHON cannot import dolfinx, petsc4py and mpi4py"
   base=$PDEFORMER_PYTHON
 else
-  for cand in python3 /usr/bin/python3; do
+  for cand in ${PDEFORMER_SETUP_CANDIDATES:-python3 /usr/bin/python3}; do
     exe=$(command -v "$cand" 2>/dev/null) || continue
     case "$exe" in "$PWD/$VENV"/*) continue ;; esac
     if has_dolfinx "$exe"; then base=$exe; break; fi

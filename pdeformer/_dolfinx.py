@@ -17,7 +17,8 @@ import dolfinx.fem.petsc  # noqa: F401  (registers the PETSc assemblers)
 import dolfinx.io
 import dolfinx.mesh
 
-VERSION = tuple(int(p) for p in dolfinx.__version__.split(".")[:2])
+VERSION_STRING = dolfinx.__version__
+VERSION = tuple(int(p) for p in VERSION_STRING.split(".")[:2])
 NEW_API = VERSION >= (0, 8)
 
 

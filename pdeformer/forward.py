@@ -143,7 +143,7 @@ class ForwardSolver:
         disc = self.disc
         x = ufl.SpatialCoordinate(self.problem.mesh)
         if prompt.ufl_density is not None:
-            rho0 = prompt.ufl_density(x)
+            rho0 = prompt.ufl_density(x, tr.constant)
         else:
             rho0 = tr.interpolant(prompt.density, disc["degree"] + 2)
         coeffs, mass = tr.project(rho0, disc["prompt_quadrature_degree"])

@@ -47,13 +47,16 @@ class GaussianMixture:
             out += c * np.exp(-0.5 * np.einsum("ni,ij,nj->n", r, P, r))
         return out
 
-    def ufl_density(self, x):
+    def ufl_density(self, x, const=None):
+        """The density as a UFL expression of x. ``const`` turns parameter arrays into
+        UFL terminals (e.g. dolfinx Constants, so one compiled form serves all values);
+        by default they become literals."""
         import ufl
+        const = const or _literal
         terms = []
         for c, P, m in zip(self.norms, self.precisions, self.means):
-            r = x - ufl.as_vector([float(v) for v in m])
-            Pm = ufl.as_matrix([[float(v) for v in row] for row in P])
-            terms.append(float(c) * ufl.exp(-0.5 * ufl.dot(r, Pm * r)))
+            r = x - const(m)
+            terms.append(const(c) * ufl.exp(-0.5 * ufl.dot(r, const(P) * r)))
         return sum(terms[1:], terms[0])
 
     def mean(self) -> np.ndarray:
@@ -83,13 +86,15 @@ class UniformBox:
         inside = np.all((x >= self.lower) & (x <= self.upper), axis=1)
         return np.where(inside, self.height, 0.0)
 
-    def ufl_density(self, x):
+    def ufl_density(self, x, const=None):
         import ufl
+        const = const or _literal
+        lo, hi = const(self.lower), const(self.upper)
         cond = None
         for a in range(self.dim):
-            c = ufl.And(ufl.ge(x[a], float(self.lower[a])), ufl.le(x[a], float(self.upper[a])))
+            c = ufl.And(ufl.ge(x[a], lo[a]), ufl.le(x[a], hi[a]))
             cond = c if cond is None else ufl.And(cond, c)
-        return ufl.conditional(cond, self.height, 0.0)
+        return ufl.conditional(cond, const(self.height), 0.0)
 
     def mass_inside(self, lower, upper) -> float:
         """Exact mass of the box [lower, upper] (the overlap of two boxes)."""
@@ -181,6 +186,17 @@ class PointDensity:
         if not np.any(values > 0):
             raise InputError(f"{filename}: density is zero everywhere")
         return cls(points, values, filename)
+
+
+def _literal(a):
+    """numpy scalar/vector/matrix -> UFL literal."""
+    import ufl
+    a = np.asarray(a, float)
+    if a.ndim == 0:
+        return float(a)
+    if a.ndim == 1:
+        return ufl.as_vector([float(v) for v in a])
+    return ufl.as_matrix([[float(v) for v in row] for row in a])
 
 
 # ----------------------------------------------------------------------------------

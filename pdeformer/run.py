@@ -48,7 +48,7 @@ def run_forward(cfg: dict, comm=None) -> dict:
     out = cfg["output"]
     if out["fields"] and out["format"] == "vtx" and not dfx.has_vtx():
         raise ConfigError("output.format", f"'vtx' needs dolfinx >= 0.8 built with ADIOS2 "
-                          f"(this is dolfinx {dfx.dolfinx.__version__}); use 'vtk'")
+                          f"(this is dolfinx {dfx.VERSION_STRING}); use 'vtk'")
     # inputs first (mesh, heads, prompts): bad input fails before anything is written
     with timer.phase("setup"):
         problem = build_problem(cfg, comm)

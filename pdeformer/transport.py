@@ -37,7 +37,7 @@ import dolfinx.fem.petsc
 
 from . import _dolfinx as dfx
 from .attention import Sources
-from .errors import SolverBreakdown
+from .errors import ConfigError, SolverBreakdown
 from .parallel import allgather_rows
 
 MASS_PREFIX = "pdeformer_mass_"
@@ -137,8 +137,16 @@ class DGTransport:
         ksp = PETSc.KSP().create(self.comm)
         ksp.setOptionsPrefix(MASS_PREFIX)
         ksp.setOperators(M)
-        ksp.setFromOptions()
-        ksp.setUp()
+        try:
+            ksp.setFromOptions()
+            ksp.setUp()
+        except PETSc.Error as e:  # collective: every rank fails alike
+            opts_text = " ".join(f"{k}={v}" for k, v in user_options.items())
+            raise ConfigError("petsc", f"PETSc rejected the mass solver options ({opts_text}): "
+                                       f"error code {e.ierr}") from None
+        finally:
+            for k in {**MASS_DEFAULTS, **user_options}:
+                opts.delValue(MASS_PREFIX + k)
         self.ksp = ksp
 
     def _build_cell_data(self):
@@ -209,6 +217,10 @@ class DGTransport:
         self.ksp.solve(b, x)
         mass = self.comm.allreduce(float(b.array_r.sum()), op=MPI.SUM)
         return x.array_r.copy(), mass
+
+    def constant(self, value):
+        """A dolfinx Constant on the mesh (a form using it compiles once for all values)."""
+        return dolfinx.fem.Constant(self.mesh, np.asarray(value, dtype=PETSc.ScalarType))
 
     def interpolant(self, density, degree: int):
         """A DG-``degree`` interpolant of a numpy density(x (N,d)), as a UFL coefficient."""

@@ -143,6 +143,25 @@ def test_uniform_attention_velocity_read_back(tmp_path):
         np.testing.assert_allclose(v, np.tile(expect, (len(v), 1)), atol=1e-12)
 
 
+def test_petsc_options_reach_the_mass_solver(tmp_path):
+    """An iterative mass solve (CG + Jacobi to 1e-14) gives the default direct solve's
+    diagnostics; the options are recorded in summary.json."""
+    cfg = write_config(tmp_path, CONFIG_2D)
+    common = ["output.fields=false"]
+    run_cli(["forward", cfg, "--set", "output.dir=lu", *common], cwd=str(tmp_path))
+    run_cli(["forward", cfg, "--set", "output.dir=cg", "petsc.ksp_type=cg", "petsc.pc_type=jacobi",
+             "petsc.ksp_rtol=1e-14", *common], cwd=str(tmp_path))
+    from pdeformer.output import read_diagnostics
+    a = read_diagnostics(str(tmp_path / "lu" / "diagnostics.csv"))
+    b = read_diagnostics(str(tmp_path / "cg" / "diagnostics.csv"))
+    for ra, rb in zip(a, b):
+        for k in ra:
+            if k != "prompt":
+                assert abs(ra[k] - rb[k]) < 1e-10, (k, ra[k], rb[k])
+    with open(tmp_path / "cg" / "summary.json") as f:
+        assert json.load(f)["config"]["petsc"] == {"ksp_type": "cg", "pc_type": "jacobi", "ksp_rtol": "1e-14"}
+
+
 @pytest.mark.mpi
 def test_serial_and_two_ranks_agree(tmp_path):
     cfg = write_config(tmp_path, CONFIG_2D)
@@ -304,6 +323,7 @@ def bad_input_cases(tmp_path):
         (["--set", f"mesh.file={tmp_path}/none.xdmf", "mesh.lower=[]"], "mesh.lower: "),
         (["--set", "prompts[1].lower=[5.0,5.0]", "prompts[1].upper=[6.0,6.0]"], "prompts[1] ('box'): the prompt lies outside the mesh"),
         (["--set", "prompts[0].means=[[0.0,0.0,0.0],[1.0,1.0,1.0]]"], "prompts[0].means: expected a list of 2-vectors"),
+        (["--set", "petsc.ksp_type=nonsense"], "petsc: PETSc rejected the mass solver options"),
         (["--set", "output.format=vtx"] if not _has_vtx() else ["--set", "discretisation.degree=0"],
          "output.format: 'vtx' needs" if not _has_vtx() else "discretisation.degree: "),
     ]
@@ -359,3 +379,15 @@ def test_overflow_stops_the_run_naming_prompt_layer_and_t(tmp_path):
                        check=False, timeout=120)
         check_one_line_error(proc, "prompt 'blob': ", status=3)
         assert re.search(r"layer \d+, t = [0-9.e+-]+", proc.stderr), proc.stderr
+
+
+def test_vtx_output(tmp_path):
+    if not _has_vtx():
+        pytest.skip("VTX output needs dolfinx >= 0.8 built with ADIOS2")
+    cfg = write_config(tmp_path, CONFIG_2D)
+    run_cli(["forward", cfg, "--set", "output.format=vtx"])
+    out, rows, summary = outputs(tmp_path)
+    for name in ("density_blob.bp", "velocity_box.bp"):
+        path = os.path.join(out, name)
+        assert os.path.isdir(path) and os.listdir(path), name
+    assert "density_blob.bp" in summary["files"]["fields"]
