@@ -65,7 +65,7 @@ if [ -z "$base" ] || [ "$base" = /usr/bin/python3 ]; then
     if on_debian; then
       die "dolfinx not found. Install it as root:  apt-get install ${DEBIAN_PACKAGES[*]}  (or load a dolfinx module / conda env, or set PDEFORMER_PYTHON), then run this again"
     fi
-    die "dolfinx not found. Install dolfinx 0.5-0.9 with petsc4py and mpi4py (e.g. conda install -c conda-forge fenics-dolfinx mpich pytest, or your cluster's module), make it importable by python3 or set PDEFORMER_PYTHON, then run this again"
+    die "dolfinx not found. Install dolfinx (tested: 0.5 and 0.9) with petsc4py and mpi4py (e.g. conda install -c conda-forge fenics-dolfinx mpich pytest, or your cluster's module), make it importable by python3 or set PDEFORMER_PYTHON, then run this again"
   else
     missing=$(missing_debian_packages)
     [ -z "$missing" ] || say "warning: Debian packages missing (need root to install): $missing"

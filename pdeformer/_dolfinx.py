@@ -1,13 +1,15 @@
 """The dolfinx version layer: the only module that knows dolfinx 0.5 from 0.9.
 
-Debian 12 ships dolfinx 0.5.2 (PETSc 3.18, pybind11 wrappers, ``FunctionSpace`` class,
-``Function.vector``, ``Expression.eval(cells)``, no ADIOS2); Debian 13 ships 0.9.0
-(``functionspace``, ``Function.x.petsc_vec``, ``Expression.eval(mesh, cells)``,
-``VTXWriter``). Everything else in pdeformer calls these helpers instead of branching
-on the version itself.
+Debian 12 ships dolfinx 0.5.2 (pybind11 wrappers, ``FunctionSpace`` class,
+``Expression.eval(cells)``, dof lists as AdjacencyList, no ADIOS2); Debian 13 ships
+0.9.0 (``functionspace``, ``Expression.eval(mesh, cells)``, dof lists as 2-D arrays,
+``VTXWriter``). The helpers below test for the feature, not the version number, and
+everything else in pdeformer calls them instead of branching itself. Tested: 0.5, 0.9.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import numpy as np
 
@@ -19,23 +21,27 @@ import dolfinx.mesh
 
 VERSION_STRING = dolfinx.__version__
 VERSION = tuple(int(p) for p in VERSION_STRING.split(".")[:2])
-NEW_API = VERSION >= (0, 8)
+TESTED = ((0, 5), (0, 9))
+_HAS_FUNCTIONSPACE = hasattr(dolfinx.fem, "functionspace")
+_EVAL_TAKES_MESH = "mesh" in inspect.signature(dolfinx.fem.Expression.eval).parameters
+
+
+def untested_version_warning() -> str | None:
+    if VERSION not in TESTED:
+        return (f"warning: dolfinx {VERSION_STRING} is untested with pdeformer "
+                f"(tested: {', '.join('%d.%d' % v for v in TESTED)})")
+    return None
 
 
 def function_space(mesh, family: str, degree: int, shape: tuple | None = None):
     """A (vector) Lagrange/DG space: ``function_space(mesh, "DG", 1)``,
     ``function_space(mesh, "Lagrange", 2, (d,))``."""
-    if NEW_API:
+    if _HAS_FUNCTIONSPACE:
         element = (family, degree) if shape is None else (family, degree, shape)
         return dolfinx.fem.functionspace(mesh, element)
     if shape is None:
         return dolfinx.fem.FunctionSpace(mesh, (family, degree))
     return dolfinx.fem.VectorFunctionSpace(mesh, (family, degree), dim=shape[0])
-
-
-def petsc_vector(u):
-    """The PETSc Vec that shares memory with Function u (owned + ghost entries)."""
-    return u.x.petsc_vec if NEW_API else u.vector
 
 
 def expression(ufl_expr, points: np.ndarray):
@@ -46,7 +52,7 @@ def expression(ufl_expr, points: np.ndarray):
 def evaluate(expr, mesh, cells: np.ndarray) -> np.ndarray:
     """Values of a compiled expression on the given cells, (num_cells, num_points * size)."""
     cells = np.asarray(cells, dtype=np.int32)
-    if NEW_API:
+    if _EVAL_TAKES_MESH:
         return expr.eval(mesh, cells)
     return expr.eval(cells)
 
@@ -54,8 +60,8 @@ def evaluate(expr, mesh, cells: np.ndarray) -> np.ndarray:
 def cell_dofs(V) -> np.ndarray:
     """Dof indices (local, unblocked) of every local cell, (num_cells, dofs_per_cell)."""
     dl = V.dofmap.list
-    if NEW_API:
-        return np.asarray(dl)
+    if isinstance(dl, np.ndarray):
+        return dl
     return dl.array.reshape(-1, V.dofmap.cell_dofs(0).size)
 
 
@@ -83,7 +89,7 @@ def global_cells(mesh) -> int:
 
 
 def has_vtx() -> bool:
-    return NEW_API and getattr(dolfinx, "has_adios2", False) and hasattr(dolfinx.io, "VTXWriter")
+    return bool(getattr(dolfinx, "has_adios2", False)) and hasattr(dolfinx.io, "VTXWriter")
 
 
 class FieldSeries:

@@ -98,23 +98,28 @@ class _Workspace:
             cols += [sign * yc[:, a] * yc[:, b] for a in range(d) for b in range(a, d)]
         self.moment_rows = np.ascontiguousarray(np.array(cols))  # (ncols, M)
         self.rows = max(1, int(chunk_mb * 2**20 / (16 * max(M, 1))))
-        self.S = np.empty((self.rows, M))
-        self.T = np.empty((self.rows, M)) if d > 1 else None
+        self.M = M
+        self.S = self.T = None
+
+    def _buffers(self, n: int):
+        if self.S is None or self.S.shape[0] < n:
+            self.S = np.empty((n, self.M))
+            self.T = np.empty((n, self.M)) if self.d > 1 else None
+        return self.S[:n], (self.T[:n] if self.T is not None else None)
 
     def chunk_sums(self, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For targets' b (n,d): the row shift s_i = max_j <b_i,y_j> + log|w_j| and the
         shifted sums sum_j sign_j e^{<b_i,y_j> + log|w_j| - s_i} * [1, y_c, y_c y_c]_j."""
-        n = b.shape[0]
-        S = self.S[:n]
+        S, T = self._buffers(b.shape[0])
         np.multiply(b[:, 0:1], self.yT[0], out=S)
         for a in range(1, self.d):
-            T = self.T[:n]
             np.multiply(b[:, a:a + 1], self.yT[a], out=T)
             S += T
         S += self.logw
         shift = S.max(axis=1, keepdims=True)
         S -= shift
         np.exp(S, out=S)
+        # numpy's own SIMD loop: faster than a (reference) BLAS gemm with d+1 columns
         return shift[:, 0], np.einsum("ij,kj->ik", S, self.moment_rows)
 
 
@@ -137,6 +142,20 @@ def _moments_from_sums(ws: _Workspace, shift, sums, order):
     return log_z, mean, cov
 
 
+def _chunk_moments(x: np.ndarray, sources: Sources, A: np.ndarray, order: int, chunk_mb: float):
+    """Yield (h, i0, i1, log Z, m, C) for every head h and chunk [i0, i1) of targets."""
+    if len(sources) == 0:
+        raise ValueError("no sources: the density is zero")
+    ws = _Workspace(sources, order, chunk_mb)
+    N = x.shape[0]
+    rows = min(ws.rows, N)
+    for h in range(A.shape[0]):
+        for i0 in range(0, N, rows):
+            i1 = min(N, i0 + rows)
+            shift, sums = ws.chunk_sums(x[i0:i1] @ A[h].T)
+            yield (h, i0, i1, *_moments_from_sums(ws, shift, sums, order))
+
+
 def tilted_moments(targets: np.ndarray, sources: Sources, A: np.ndarray, *,
                    order: int = 1, chunk_mb: float = 2.0) -> TiltedMoments:
     """log Z, m (and C if ``order >= 2``) of the tilted measures at b = A_h x, for every
@@ -145,14 +164,8 @@ def tilted_moments(targets: np.ndarray, sources: Sources, A: np.ndarray, *,
     H, N, d = A.shape[0], x.shape[0], x.shape[1]
     out = TiltedMoments(np.empty((H, N)), np.empty((H, N, d)),
                         np.empty((H, N, d, d)) if order >= 2 else None)
-    if N == 0:
-        return out
-    ws = _Workspace(sources, order, chunk_mb)
-    for h in range(H):
-        for i0 in range(0, N, ws.rows):
-            i1 = min(N, i0 + ws.rows)
-            shift, sums = ws.chunk_sums(x[i0:i1] @ A[h].T)
-            log_z, mean, cov = _moments_from_sums(ws, shift, sums, order)
+    if N:
+        for h, i0, i1, log_z, mean, cov in _chunk_moments(x, sources, A, order, chunk_mb):
             out.log_partition[h, i0:i1] = log_z
             out.mean[h, i0:i1] = mean
             if cov is not None:
@@ -166,16 +179,9 @@ def attention_velocity(targets: np.ndarray, sources: Sources, A: np.ndarray, V: 
 
     targets (N,d), A (H,d,d), V (H,d,d) -> (N,d)."""
     x = np.atleast_2d(np.asarray(targets, dtype=float))
-    H, N = A.shape[0], x.shape[0]
     v = np.zeros_like(x)
-    if N == 0:
-        return v
-    ws = _Workspace(sources, 1, chunk_mb)
-    for h in range(H):
-        for i0 in range(0, N, ws.rows):
-            i1 = min(N, i0 + ws.rows)
-            shift, sums = ws.chunk_sums(x[i0:i1] @ A[h].T)
-            _, mean, _ = _moments_from_sums(ws, shift, sums, 1)
+    if x.shape[0]:
+        for h, i0, i1, _, mean, _ in _chunk_moments(x, sources, A, 1, chunk_mb):
             v[i0:i1] += mean @ V[h].T
-    v /= H
+    v /= A.shape[0]
     return v

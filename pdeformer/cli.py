@@ -14,11 +14,22 @@ import argparse
 import sys
 
 from . import __version__
-from .errors import PdeformerError
+from .errors import ConfigError, PdeformerError
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors: printed by rank 0 only, exit status 2 on every rank."""
+
+    def error(self, message):
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.rank == 0:
+            self.print_usage(sys.stderr)
+            print(f"pdeformer: error: {message}", file=sys.stderr)
+        sys.exit(2)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="pdeformer",
         description="Mean-field transformers as PDEs: attention transport of token densities "
                     "with DG in dolfinx. Run under mpirun for parallel runs.",
@@ -35,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
                     "into [output] dir.",
         epilog="paths in the config are relative to the config file; paths given with --set "
                "are relative to the current directory")
-    f.add_argument("config", help="run configuration (TOML)")
+    f.add_argument("config", nargs="?", help="run configuration (TOML)")
     f.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", nargs="+",
                    action="extend", default=[],
                    help="override config values, e.g. --set mesh.cells=[32,32] model.seed=3 "
@@ -47,13 +58,26 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _config_and_overrides(args) -> tuple[str, list[str]]:
+    """The config file may also stand after ``--set a=1 b=2`` (it is the one word
+    without '=')."""
+    overrides = list(args.overrides)
+    if args.config is None:
+        plain = [o for o in overrides if "=" not in o]
+        if len(plain) != 1:
+            raise ConfigError("", "give one config file: pdeformer forward RUN.toml [--set key=value ...]")
+        overrides.remove(plain[0])
+        return plain[0], overrides
+    return args.config, overrides
+
+
 def _forward(args, comm) -> int:
     import logging
     from .config import load_config
     from .parallel import setup_logging
-    from .run import run_forward
     setup_logging(comm, logging.WARNING if args.quiet else logging.INFO)
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(*_config_and_overrides(args))
+    from .run import run_forward
     summary = run_forward(cfg, comm)
     if comm.rank == 0:
         outdir = cfg["output"]["dir"]

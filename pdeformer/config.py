@@ -47,17 +47,22 @@ def integer(lo: int | None = None, hi: int | None = None) -> Callable:
     return check
 
 
-def number(positive: bool = False, nonnegative: bool = False) -> Callable:
+def number(positive: bool = False, nonnegative: bool = False, hi: float | None = None) -> Callable:
     def check(key, v):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ConfigError(key, f"expected a number, got {_typename(v)} ({v!r})")
-        v = float(v)
+        try:
+            v = float(v)
+        except OverflowError:
+            raise ConfigError(key, "number too large") from None
         if not math.isfinite(v):
             raise ConfigError(key, f"expected a finite number, got {v}")
         if positive and v <= 0:
             raise ConfigError(key, f"expected a positive number, got {v}")
         if nonnegative and v < 0:
             raise ConfigError(key, f"expected a non-negative number, got {v}")
+        if hi is not None and v > hi:
+            raise ConfigError(key, f"expected a number <= {hi:g}, got {v:g}")
         return v
     return check
 
@@ -81,7 +86,7 @@ def string(choices: tuple[str, ...] | None = None, pattern: str | None = None) -
 
 
 def path(key, v):
-    if not isinstance(v, str) or not v:
+    if not isinstance(v, str) or not v or "\0" in v:
         raise ConfigError(key, f"expected a file path (string), got {_typename(v)} ({v!r})")
     return v
 
@@ -96,12 +101,17 @@ def number_list(length: tuple[int, int] = (1, 3)) -> Callable:
     return check
 
 
+MAX_CELLS = 10**8
+
+
 def positive_int_list(key, v):
     if not isinstance(v, list) or not 1 <= len(v) <= 3:
         raise ConfigError(key, f"expected a list of 1 to 3 positive integers, got {v!r}")
     for i, x in enumerate(v):
         if isinstance(x, bool) or not isinstance(x, int) or x < 1:
             raise ConfigError(key, f"expected positive integers, got {v!r}")
+    if math.prod(v) > MAX_CELLS:
+        raise ConfigError(key, f"{math.prod(v):.3g} cells is more than pdeformer allows ({MAX_CELLS:g})")
     return list(v)
 
 
@@ -161,7 +171,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "velocity_degree": Key(integer(1, 4), None, "Lagrange degree of the velocity (default: degree)"),
         "scheme": Key(string(SCHEMES), "auto", "SSP Runge-Kutta scheme (auto: order degree+1)"),
         "cfl": Key(number(positive=True), 0.5, "dt = cfl * min_K l_K / ((2k+1) |v|_K)"),
-        "steps_per_layer": Key(integer(1), None, "fixed steps per layer instead of the CFL step"),
+        "steps_per_layer": Key(integer(1, 10**7), None, "fixed steps per layer instead of the CFL step"),
         "limiter": Key(boolean, True, "positivity limiter (keeps cell means)"),
         "quadrature_degree": Key(integer(1, 12), None,
                                  "quadrature of the attention sources (default: degree)"),
@@ -171,23 +181,23 @@ SCHEMA: dict[str, dict[str, Key]] = {
                               "warn when more prompt mass than this lies outside the mesh"),
     },
     "model": {
-        "layers": Key(integer(1), None, "number of layers L"),
-        "heads": Key(integer(1), None, "heads per layer H"),
-        "key_dim": Key(integer(1), None, "key dimension k (default: d)"),
+        "layers": Key(integer(1, 10**5), None, "number of layers L"),
+        "heads": Key(integer(1, 10**5), None, "heads per layer H"),
+        "key_dim": Key(integer(1, 1024), None, "key dimension k (default: d)"),
         "params": Key(path, None, "head parameters .npz with Q (L,H,k,d), K (L,H,k,d), V (L,H,d,d)"),
-        "seed": Key(integer(0), 0, "seed of the random heads"),
+        "seed": Key(integer(0, 2**63 - 1), 0, "seed of the random heads"),
         "init_scale": Key(number(positive=True), 1.0, "Q, K, V entries ~ N(0, init_scale^2 / d)"),
     },
     "attention": {
         "backend": Key(string(("direct",)), "direct", "how the attention velocity is summed"),
-        "chunk_mb": Key(number(positive=True), 2.0, "working memory of one kernel chunk (MB)"),
+        "chunk_mb": Key(number(positive=True, hi=4096), 2.0, "working memory of one kernel chunk (MB)"),
     },
     "output": {
         "dir": Key(path, None, "output folder (default: output/<config name> beside the config)"),
         "fields": Key(boolean, True, "write density (and velocity) fields for ParaView"),
         "velocity": Key(boolean, True, "also write the velocity fields"),
-        "format": Key(string(("vtk", "vtx")), "vtk", "field format: vtk (.pvd) or vtx (.bp, dolfinx >= 0.7)"),
-        "frames_per_layer": Key(integer(1), 1, "field frames per layer"),
+        "format": Key(string(("vtk", "vtx")), "vtk", "field format: vtk (.pvd) or vtx (.bp, dolfinx with ADIOS2)"),
+        "frames_per_layer": Key(integer(1, 10**4), 1, "field frames per layer"),
     },
     "petsc": {},  # free-form PETSc options for the DG mass solver, see petsc_options
 }
@@ -322,11 +332,17 @@ def _check_mesh(m: dict) -> None:
         raise ConfigError("mesh.cell", f"{m['cell']!r} is not a {d}-D cell (use {' or '.join(CELLS[d])})")
 
 
+MAX_HEADS_TOTAL = 10**7
+
+
 def _check_model(m: dict) -> None:
     if m["params"] is None:
         for k in ("layers", "heads"):
             if m[k] is None:
                 raise ConfigError(f"model.{k}", "missing: give model.layers and model.heads, or model.params")
+        if m["layers"] * m["heads"] > MAX_HEADS_TOTAL:
+            raise ConfigError("model.heads", f"layers x heads = {m['layers'] * m['heads']:.3g} is "
+                                             f"more than pdeformer allows ({MAX_HEADS_TOTAL:g})")
 
 
 # ----------------------------------------------------------------------------------
@@ -399,6 +415,8 @@ def load_config(filename: str, overrides: list[str] = ()) -> dict:
         raise ConfigError("", f"{filename}: not valid TOML ({e})") from None
     except UnicodeDecodeError:
         raise ConfigError("", f"{filename}: not a text file") from None
+    except OSError as e:
+        raise ConfigError("", f"{filename}: cannot read ({e.strerror})") from None
     base_dir = os.path.dirname(os.path.abspath(filename))
     for text in overrides:
         parts, value = parse_override(text)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,6 +37,15 @@ from .velocity import AttentionVelocity
 log = logging.getLogger("pdeformer")
 
 MAX_STEPS_PER_LAYER = 200_000
+
+
+@contextmanager
+def located(where: str):
+    """Prefix a breakdown raised inside with where it happened (prompt, layer, t)."""
+    try:
+        yield where
+    except SolverBreakdown as e:
+        raise SolverBreakdown(f"{where}: {e}") from None
 
 
 @dataclass
@@ -86,13 +96,14 @@ class Frame:
     prompt: str
     prompt_index: int
     t: float
-    layer: int            # layer just finished (-1 at t = 0)
+    layer: int            # layer in which the frame ends (-1 at t = 0)
     layer_boundary: bool
     steps: int            # steps taken so far for this prompt
     dt: float             # last step size (nan at t = 0)
     coeffs: np.ndarray
     outflow: float
-    velocity: np.ndarray | None = None  # owned velocity nodes, heads of the layer starting at t
+    velocity: np.ndarray | None = None  # owned velocity nodes; heads of the layer holding t
+                                        # (at a layer boundary: the layer starting there)
     extra: dict = field(default_factory=dict)
 
 
@@ -153,11 +164,11 @@ class ForwardSolver:
             # truncation is known exactly
             truncated = 1.0 - prompt.mass_inside(*bounding_box(self.comm, self.problem.mesh))
         else:
-            truncated = 1.0 - mass
-        if not mass > 0.5 or truncated > 0.5:
+            truncated = 1.0 - mass / prompt.total_mass()
+        if not (mass > 0 and truncated < 0.5):
             raise InputError(f"{key} ({name!r}): the prompt lies outside the mesh "
-                             f"(only {1 - truncated:.3g} of its mass is on it)")
-        if truncated > disc["tail_tolerance"]:
+                             f"(only {max(0.0, 1 - truncated):.3g} of its mass is on it)")
+        if truncated > disc["tail_tolerance"] and self.comm.rank == 0:
             log.warning("warning: %s (%r): %.3g of its mass lies outside the mesh and is cut off",
                         key, name, truncated)
         coeffs /= mass
@@ -167,89 +178,107 @@ class ForwardSolver:
 
     def velocity(self, coeffs: np.ndarray, layer: int) -> np.ndarray:
         """Attention velocity of ``layer`` for density ``coeffs``; also set as the
-        transport velocity. Returns the owned node values."""
+        transport velocity. Returns the owned node values; NaN or overflow is a breakdown."""
         tr = self.transport
         with self.timer.phase("velocity"):
             tr.set_state(coeffs)
             vel = self.velocity_field(tr.current_sources(), layer)
         self.stats["velocity_evaluations"] += 1
+        if any_rank(self.comm, not np.all(np.isfinite(vel))):
+            raise SolverBreakdown("the velocity is NaN or overflows")
         tr.set_velocity(vel)
         return vel
-
-    def _check_finite(self, name, layer, t, what, arr):
-        if any_rank(self.comm, not np.all(np.isfinite(arr))):
-            raise SolverBreakdown(f"prompt {name!r}: {what} is NaN or overflows at layer {layer}, "
-                                  f"t = {t:.6g}")
 
     # ------------------------------------------------------------ the loop
     def run(self, trackers: list[Tracker] = ()) -> list[dict]:
         for tr in trackers:
             tr.start(self)
-        for i in range(len(self.problem.prompts)):
-            self.solve_prompt(i, trackers)
-        for tr in trackers:
-            tr.finish(self)
+        try:
+            for i in range(len(self.problem.prompts)):
+                self.solve_prompt(i, trackers)
+        finally:  # also after a breakdown: trackers write what they have
+            for tr in trackers:
+                tr.finish(self)
         return self.prompt_info
 
     def solve_prompt(self, index: int, trackers=()) -> tuple[np.ndarray, float]:
+        """Transport prompt ``index`` from t = 0 to 1; returns (coefficients, outflow)."""
         name = self.problem.prompts[index][0]
-        L = self.problem.heads.layers
-        F = self.frames_per_layer
+        L, F = self.problem.heads.layers, self.frames_per_layer
         want_v = any(tr.needs_velocity for tr in trackers)
-        info = self.prompt_info[index]
         state = [self.initial_coeffs[index].copy(), np.zeros(1)]
-        steps, dt_last = 0, math.nan
-        cached = None  # (state list, layer, velocity) reused by the next step
+        march = {"steps": 0, "dt": math.nan}
+        cache = None  # (state, layer, velocity): the next step's first stage reuses it
 
         def emit(t, layer, boundary):
-            nonlocal cached
-            vel = None
-            if want_v:
-                nxt = min(layer + 1, L - 1)
-                vel = self.velocity(state[0], nxt)
-                self._check_finite(name, nxt, t, "the velocity", vel)
-                cached = (state, nxt, vel)
-            frame = Frame(name, index, t, layer, boundary, steps, dt_last, state[0],
-                          float(state[1][0]), vel)
+            nonlocal cache
+            vel, failure = None, None
+            if want_v:  # heads of the layer holding t (at a layer end: the next layer)
+                at = min(layer + 1, L - 1) if boundary else layer
+                try:
+                    with located(f"prompt {name!r}, layer {at}, t = {t:.6g}"):
+                        vel = self.velocity(state[0], at)
+                    cache = (state, at, vel)
+                except SolverBreakdown as e:  # still record the density, then stop
+                    failure = e
+            frame = Frame(name, index, t, layer, boundary, march["steps"], march["dt"],
+                          state[0], float(state[1][0]), vel)
             with self.timer.phase("output"):
                 for tr in trackers:
-                    tr.frame(self, frame)
+                    if failure is None or not tr.needs_velocity:
+                        tr.frame(self, frame)
+            if failure is not None:
+                raise failure
 
         emit(0.0, -1, True)
-        spl = self.disc["steps_per_layer"]
         t = 0.0
         for layer in range(L):
+            layer_steps, warned = 0, False
             for f in range(1, F + 1):
                 t_end = (layer + f / F) / L
-                taken = 0
+                frame_steps = 0
                 while t < t_end:
-                    if cached is not None and cached[0] is state and cached[1] == layer:
-                        vel0 = cached[2]
-                        self.transport.set_velocity(vel0)
-                    else:
-                        vel0 = self.velocity(state[0], layer)
-                        self._check_finite(name, layer, t, "the velocity", vel0)
-                    if spl is not None:
-                        n_left = spl // F - taken
-                    else:
-                        dt_cfl, vmax = self.transport.cfl_step(self.disc["cfl"])
-                        n_left = max(1, math.ceil((t_end - t) / dt_cfl - 1e-9))
-                        if n_left > MAX_STEPS_PER_LAYER:
-                            raise SolverBreakdown(
-                                f"prompt {name!r}: velocity too large (|v| = {vmax:.3g}) at layer "
-                                f"{layer}, t = {t:.6g}: the CFL step {dt_cfl:.3g} would need "
-                                f"{n_left} steps")
-                    dt = (t_end - t) / n_left
-                    state = self._step(state, dt, layer, vel0)
-                    taken += 1
-                    steps += 1
-                    dt_last = dt
+                    with located(f"prompt {name!r}, layer {layer}, t = {t:.6g}") as where:
+                        if cache is not None and cache[0] is state and cache[1] == layer:
+                            vel0 = cache[2]
+                            self.transport.set_velocity(vel0)
+                        else:
+                            vel0 = self.velocity(state[0], layer)
+                        dt_cfl, vmax = self.transport.cfl_step(self.disc["cfl"] * self.scheme.cfl_factor)
+                        n_left = self._steps_left(t_end - t, dt_cfl, vmax, frame_steps, layer_steps)
+                        dt = (t_end - t) / n_left
+                        if dt > dt_cfl and not warned:
+                            warned = True
+                            if self.comm.rank == 0:
+                                log.warning("warning: %s: the fixed step %.3g exceeds the CFL step "
+                                            "%.3g (|v| = %.3g); raise steps_per_layer if the run "
+                                            "goes unstable", where, dt, dt_cfl, vmax)
+                        state = self._step(state, dt, layer, vel0)
+                        if any_rank(self.comm, not np.all(np.isfinite(state[0]))):
+                            raise SolverBreakdown("the density is NaN or overflows after this step")
+                    frame_steps += 1
+                    layer_steps += 1
+                    march["steps"] += 1
+                    march["dt"] = dt
                     t = t_end if n_left == 1 else t + dt
-                    self._check_finite(name, layer, t, "the density", state[0])
                 emit(t, layer, f == F)
-        info["steps"] = steps
-        self.stats["steps"] += steps
+        self.prompt_info[index]["steps"] = march["steps"]
+        self.stats["steps"] += march["steps"]
         return state[0], float(state[1][0])
+
+    def _steps_left(self, span: float, dt_cfl: float, vmax: float, frame_steps: int,
+                    layer_steps: int) -> int:
+        """Steps still to take in this frame: the fixed count, or ceil(span / dt_cfl)
+        (so that the last step lands exactly on the frame's end)."""
+        spl = self.disc["steps_per_layer"]
+        if spl is not None:
+            return spl // self.frames_per_layer - frame_steps
+        n = span / dt_cfl if dt_cfl > 0 else math.inf
+        if not layer_steps + n <= MAX_STEPS_PER_LAYER:
+            raise SolverBreakdown(f"velocity too large (|v| = {vmax:.3g}): the CFL step "
+                                  f"{dt_cfl:.3g} would need more than {MAX_STEPS_PER_LAYER} "
+                                  "steps in this layer")
+        return max(1, math.ceil(n - 1e-9))
 
     def _step(self, state, dt, layer, vel0):
         tr = self.transport

@@ -87,8 +87,8 @@ class HeadMeasure:
         try:
             with np.load(filename, allow_pickle=False) as f:
                 arrays = {n: np.array(f[n], dtype=float) for n in ("Q", "K", "V") if n in f.files}
-        except (OSError, ValueError) as e:
-            raise InputError(f"{filename}: not a readable .npz file ({e})") from None
+        except Exception as e:  # a damaged file can fail in zipfile, zlib, numpy, ...
+            raise InputError(f"{filename}: not a readable .npz file ({type(e).__name__}: {e})") from None
         for n in ("Q", "K", "V"):
             if n not in arrays:
                 raise InputError(f"{filename}: array {n!r} missing (need Q, K, V)")
@@ -96,6 +96,8 @@ class HeadMeasure:
         if Q.ndim != 4:
             raise InputError(f"{filename}: Q has shape {Q.shape}, expected (L,H,k,d)")
         L, H, k, d = Q.shape
+        if min(L, H, k) < 1:
+            raise InputError(f"{filename}: Q has shape {Q.shape}: no layers, heads or key dimensions")
         want = {"Q": (L, H, k, dim), "K": (L, H, k, dim), "V": (L, H, dim, dim)}
         if layers is not None:
             want = {n: (layers,) + s[1:] for n, s in want.items()}

@@ -97,6 +97,12 @@ def add_log_file(comm, filename: str) -> logging.Handler | None:
     return handler
 
 
+def remove_log_file(handler: logging.Handler | None) -> None:
+    if handler is not None:
+        log.removeHandler(handler)
+        handler.close()
+
+
 class Timer:
     """Accumulates wall time per named phase (max over ranks when reported)."""
 
@@ -120,8 +126,10 @@ class Timer:
         return time.perf_counter() - self.start
 
     def report(self, comm) -> dict:
-        names = sorted(self.phases)
-        local = np.array([self.phases[n] for n in names] + [self.elapsed()])
+        """Wall time per phase, the maximum over ranks (a phase one rank never entered
+        counts 0 there), and the total."""
+        names = sorted(set().union(*comm.allgather(set(self.phases))))
+        local = np.array([self.phases.get(n, 0.0) for n in names] + [self.elapsed()])
         worst = np.empty_like(local)
         comm.Allreduce(local, worst, op=MPI.MAX)
         out = {n: float(v) for n, v in zip(names, worst[:-1])}

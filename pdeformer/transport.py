@@ -37,8 +37,8 @@ import dolfinx.fem.petsc
 
 from . import _dolfinx as dfx
 from .attention import Sources
-from .errors import ConfigError, SolverBreakdown
-from .parallel import allgather_rows
+from .errors import ConfigError, InputError, SolverBreakdown
+from .parallel import allgather_rows, any_rank
 
 MASS_PREFIX = "pdeformer_mass_"
 MASS_DEFAULTS = {"ksp_type": "preonly", "pc_type": "bjacobi", "sub_pc_type": "lu"}
@@ -52,6 +52,31 @@ def quadrature(mesh, degree: int) -> tuple[np.ndarray, np.ndarray]:
 
 def reference_vertices(mesh) -> np.ndarray:
     return basix.geometry(getattr(basix.CellType, dfx.cell_type_name(mesh)))
+
+
+FACET_TYPES = {"triangle": "interval", "quadrilateral": "interval",
+               "tetrahedron": "triangle", "hexahedron": "quadrilateral"}
+
+
+def reference_facet_points(mesh, degree: int) -> np.ndarray:
+    """The points of a facet quadrature of ``degree`` on every facet of the reference
+    cell, in reference-cell coordinates (none in 1-D: facets are vertices)."""
+    name = dfx.cell_type_name(mesh)
+    tdim = mesh.topology.dim
+    if tdim == 1:
+        return np.zeros((0, 1))
+    geom = basix.geometry(getattr(basix.CellType, name))
+    X, _ = basix.make_quadrature(getattr(basix.CellType, FACET_TYPES[name]), degree)
+    pts = []
+    for verts in basix.topology(getattr(basix.CellType, name))[tdim - 1]:
+        v = geom[verts]  # the reference facet's map is affine: v0 + X (v_i - v0), i = 1..tdim-1
+        pts.append(v[0] + X @ (v[1:tdim] - v[0]))
+    return np.vstack(pts)
+
+
+def add_ghost_contributions(b) -> None:
+    """Sum the contributions assembled on other ranks into the owned entries."""
+    b.ghostUpdate(addv=PETSc.InsertMode.ADD, mode=PETSc.ScatterMode.REVERSE)
 
 
 class CellQuadrature:
@@ -83,6 +108,7 @@ class DGTransport:
         self.d = mesh.topology.dim
         self.degree = degree
         self.velocity_degree = velocity_degree
+        self.facet_degree = velocity_degree + 2 * degree  # exact for v.n rho w on facets
         self.V = dfx.function_space(mesh, "DG", degree)
         # in 1-D the velocity is a scalar Lagrange function (a 1-component vector space is
         # "mixed" to dolfinx 0.5 and cannot be written to VTK); forms see a vector
@@ -97,14 +123,13 @@ class DGTransport:
         self._build_cell_data()
         self.sources = CellQuadrature(mesh, source_degree, self.u)
         self.source_points = allgather_rows(self.comm, self.sources.points)
-        diag_degree = degree + 2 if self.d == 1 or "simplex" in self._cell_kind() else degree + 4
-        self.moment_rule = CellQuadrature(mesh, diag_degree, self.u)
-        self._limit_expr = dfx.expression(
-            self.u, np.vstack([reference_vertices(mesh), quadrature(mesh, source_degree)[0]]))
-
-    def _cell_kind(self) -> str:
-        name = dfx.cell_type_name(self.mesh)
-        return "simplex" if name in ("interval", "triangle", "tetrahedron") else "tensor"
+        simplex = dfx.cell_type_name(mesh) in ("interval", "triangle", "tetrahedron")
+        self.moment_rule = CellQuadrature(mesh, degree + 2 if simplex else degree + 4, self.u)
+        # rho is checked (limiter, min_rho) at the vertices, the attention sources and the
+        # facet points where the upwind flux reads it, besides the Lagrange nodes
+        self._check_expr = dfx.expression(self.u, np.vstack([
+            reference_vertices(mesh), quadrature(mesh, source_degree)[0],
+            reference_facet_points(mesh, self.facet_degree)]))
 
     # ---------------------------------------------------------------- forms
     def _build_forms(self):
@@ -114,11 +139,12 @@ class DGTransport:
         un = ufl.dot(ufl.avg(v), n("+"))
         flux = 0.5 * (un + abs(un)) * u("+") - 0.5 * (abs(un) - un) * u("-")
         vn_out = 0.5 * (ufl.dot(v, n) + abs(ufl.dot(v, n)))
-        # one boundary rule for the residual and the outflow functional, so that the
-        # mass the residual removes is exactly the outflow recorded
-        ds = ufl.ds(metadata={"quadrature_degree": self.velocity_degree + 2 * self.degree})
+        # one facet rule everywhere: the residual removes exactly the outflow recorded,
+        # and the limiter checks rho where the fluxes read it
+        facet_rule = {"quadrature_degree": self.facet_degree}
+        ds, dS = ufl.ds(metadata=facet_rule), ufl.dS(metadata=facet_rule)
         residual = (u * ufl.dot(v, ufl.grad(w)) * ufl.dx
-                    - flux * ufl.jump(w) * ufl.dS
+                    - flux * ufl.jump(w) * dS
                     - vn_out * u * w * ds)
         self.residual_form = dolfinx.fem.form(residual)
         self.outflow_form = dolfinx.fem.form(vn_out * u * ds)
@@ -159,21 +185,22 @@ class DGTransport:
         surf = dolfinx.fem.petsc.assemble_vector(dolfinx.fem.form(
             one * w0 * ufl.ds + one * (w0("+") + w0("-")) * ufl.dS))
         for b in (vol, surf):
-            b.ghostUpdate(addv=PETSc.InsertMode.ADD, mode=PETSc.ScatterMode.REVERSE)
+            add_ghost_contributions(b)
         ncell = mesh.topology.index_map(self.d).size_local
         dofs0 = dfx.cell_dofs(V0)[:ncell, 0]
         self.cell_volume = vol.array_r[dofs0].copy()
+        if any_rank(self.comm, np.any(~(self.cell_volume > 0))):
+            raise InputError("mesh: it has cells of zero volume (degenerate or inverted)")
         self.cell_length = 2 * self.d * self.cell_volume / surf.array_r[dofs0]
         self.cell_dofs = dfx.cell_dofs(self.V)[:ncell]
         self.velocity_cell_nodes = dfx.cell_dofs(self.W)[:ncell]
         # cell mean = sum_i mean_weights[K, i] * c_i  (integrals of the basis / |K|)
         w = ufl.TestFunction(self.V)
         basis_int = dolfinx.fem.petsc.assemble_vector(dolfinx.fem.form(one * w * ufl.dx))
-        basis_int.ghostUpdate(addv=PETSc.InsertMode.ADD, mode=PETSc.ScatterMode.REVERSE)
-        local = basis_int.array_r
-        self.mean_weights = local[self.cell_dofs] / self.cell_volume[:, None]
-        self.min_cell_length = self.comm.allreduce(float(self.cell_length.min()) if ncell else np.inf,
-                                                   op=MPI.MIN)
+        add_ghost_contributions(basis_int)
+        self.mean_weights = basis_int.array_r[self.cell_dofs] / self.cell_volume[:, None]
+        for b in (vol, surf, basis_int):
+            b.destroy()
 
     # ---------------------------------------------------------------- state
     def set_state(self, coeffs: np.ndarray) -> None:
@@ -189,7 +216,10 @@ class DGTransport:
     def current_sources(self) -> Sources:
         """rho on all ranks' quadrature points: the sources of the attention kernel."""
         w = allgather_rows(self.comm, self.sources.weights())
-        return Sources.from_arrays(self.source_points, w)
+        sources = Sources.from_arrays(self.source_points, w)
+        if len(sources) == 0:
+            raise SolverBreakdown("the density is zero everywhere: all mass has left the mesh")
+        return sources
 
     # ---------------------------------------------------------------- operator
     def rate(self) -> tuple[np.ndarray, float]:
@@ -199,10 +229,8 @@ class DGTransport:
         with b.localForm() as loc:
             loc.set(0.0)
         dolfinx.fem.petsc.assemble_vector(b, self.residual_form)
-        b.ghostUpdate(addv=PETSc.InsertMode.ADD, mode=PETSc.ScatterMode.REVERSE)
-        self.ksp.solve(b, self.solution)
-        if self.ksp.getConvergedReason() < 0:
-            raise SolverBreakdown(f"DG mass solve failed (KSP reason {self.ksp.getConvergedReason()})")
+        add_ghost_contributions(b)
+        self._solve_mass(b, self.solution)
         outflow = self.comm.allreduce(dolfinx.fem.assemble_scalar(self.outflow_form), op=MPI.SUM)
         return self.solution.array_r.copy(), float(outflow)
 
@@ -212,11 +240,21 @@ class DGTransport:
         w = ufl.TestFunction(self.V)
         dx = ufl.dx(metadata={"quadrature_degree": quadrature_degree})
         b = dolfinx.fem.petsc.assemble_vector(dolfinx.fem.form(rho0 * w * dx))
-        b.ghostUpdate(addv=PETSc.InsertMode.ADD, mode=PETSc.ScatterMode.REVERSE)
+        add_ghost_contributions(b)
         x = b.duplicate()
-        self.ksp.solve(b, x)
+        self._solve_mass(b, x)
         mass = self.comm.allreduce(float(b.array_r.sum()), op=MPI.SUM)
-        return x.array_r.copy(), mass
+        coeffs = x.array_r.copy()
+        b.destroy()
+        x.destroy()
+        return coeffs, mass
+
+    def _solve_mass(self, b, x) -> None:
+        self.ksp.solve(b, x)
+        reason = self.ksp.getConvergedReason()
+        if reason < 0:
+            raise SolverBreakdown(f"the DG mass solve failed (PETSc KSP reason {reason}); "
+                                  "check the [petsc] options")
 
     def constant(self, value):
         """A dolfinx Constant on the mesh (a form using it compiles once for all values)."""
@@ -231,15 +269,19 @@ class DGTransport:
         return f
 
     # ---------------------------------------------------------------- limiter, CFL
-    def limit(self, coeffs: np.ndarray) -> np.ndarray:
-        """Scale each cell's deviation from its mean so that rho >= 0 at the cell's
-        nodes, vertices and quadrature sources; cell means (hence mass) are unchanged:
-        c_i <- mean_K + theta_K (c_i - mean_K), theta_K = min(1, mean_K / (mean_K - min_K))."""
+    def cell_minima(self, coeffs: np.ndarray) -> np.ndarray:
+        """min of rho over each owned cell's check points: its Lagrange nodes (where the
+        coefficients are the values), vertices, attention sources and facet flux points."""
         self.set_state(coeffs)
+        vals = dfx.evaluate(self._check_expr, self.mesh, self.sources.cells)
+        return np.minimum(vals.min(axis=1), self.u.x.array[self.cell_dofs].min(axis=1))
+
+    def limit(self, coeffs: np.ndarray) -> np.ndarray:
+        """Scale each cell's deviation from its mean so that rho >= 0 at its check points
+        (see cell_minima); cell means, hence mass, are unchanged:
+        c_i <- mean_K + theta_K (c_i - mean_K), theta_K = min(1, mean_K / (mean_K - min_K))."""
+        low = self.cell_minima(coeffs)
         c = self.u.x.array
-        vals = dfx.evaluate(self._limit_expr, self.mesh, self.sources.cells)
-        # Lagrange coefficients are the values at the nodes: check those too
-        low = np.minimum(vals.min(axis=1), c[self.cell_dofs].min(axis=1))
         bad = low < 0.0
         if not np.any(bad):
             return coeffs
@@ -278,8 +320,9 @@ class DGTransport:
         return float(mass), centre + first, cov
 
     def min_value(self, coeffs: np.ndarray) -> float:
-        local = float(coeffs.min()) if coeffs.size else np.inf
-        return self.comm.allreduce(local, op=MPI.MIN)
+        """min rho over all check points of all cells (see cell_minima)."""
+        low = self.cell_minima(coeffs)
+        return self.comm.allreduce(float(low.min()) if low.size else np.inf, op=MPI.MIN)
 
 
 def l2_norm(comm, expr, quadrature_degree: int) -> float:

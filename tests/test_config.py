@@ -69,13 +69,21 @@ def test_overrides(tmp_path):
     ("discretisation.degree=4", "discretisation.degree", "in 1..3"),
     ("discretisation.cfl=-1", "discretisation.cfl", "positive"),
     ("discretisation.limiter=1", "discretisation.limiter", "true or false"),
-    ("model.heads=0", "model.heads", ">= 1"),
+    ("model.heads=0", "model.heads", "in 1.."),
     ("model.layers=2.5", "model.layers", "integer"),
     ("output.format=xdmf", "output.format", "one of"),
     ("prompts[0].kind=normal", "prompts[0].kind", "one of"),
     ("prompts[0].mean=[[0.0,0.0]]", "prompts[0].mean", "did you mean 'means'"),
     ("solver.x=1", "solver", "unknown"),
     ("petsc.ksp_type=[1]", "petsc.ksp_type", "string, number or boolean"),
+    ("mesh.cells=[100000,100000]", "mesh.cells", "more than pdeformer allows"),
+    ("discretisation.cfl=1" + "0" * 400, "discretisation.cfl", "number too large"),
+    ("discretisation.cfl=1e400", "discretisation.cfl", "finite"),
+    ("prompts[0].means=[[1" + "0" * 400 + ",0.0]]", "prompts[0].means[0][0]", "number too large"),
+    ("model.heads=100001", "model.heads", "in 1..100000"),
+    ("attention.chunk_mb=1e300", "attention.chunk_mb", "<= 4096"),
+    ("discretisation.steps_per_layer=100000000000", "discretisation.steps_per_layer", "in 1..10000000"),
+    ("output.dir='a\u0000b'", "output.dir", "file path"),
 ])
 def test_config_errors_name_the_key(tmp_path, override, key, words):
     with pytest.raises(ConfigError) as e:
@@ -83,6 +91,11 @@ def test_config_errors_name_the_key(tmp_path, override, key, words):
     msg = str(e.value)
     assert msg.startswith(key + ":") and words in msg, msg
     assert "\n" not in msg
+
+
+def test_too_many_heads(tmp_path):
+    with pytest.raises(ConfigError, match=r"^model.heads: layers x heads = 1.01e\+07 is more than"):
+        load_config(write_config(tmp_path, BASE), ["model.heads=100000", "model.layers=101"])
 
 
 def test_file_errors(tmp_path):

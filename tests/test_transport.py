@@ -144,13 +144,15 @@ def test_mass_plus_outflow_is_conserved(tmp_path):
                          prompt={"kind": "gaussian_mixture", "means": [[0.5, 0.2]], "covs": [0.1]})
 
     class Record(Tracker):
-        rows = []
+        def __init__(self):
+            self.rows = []
 
         def frame(self, s, frame):
             self.rows.append(s.diagnostics(frame))
 
-    solver.run([Record()])
-    rows = Record.rows
+    record = Record()
+    solver.run([record])
+    rows = record.rows
     assert len(rows) == 4
     assert rows[-1]["outflow"] > 0.3
     for r in rows:
@@ -170,7 +172,7 @@ def test_limiter_keeps_means_and_positivity(tmp_path):
     u_lim, _ = lim.initial_state(0)
     tr = lim.transport
     assert u_raw.min() < -1e-2                       # Gibbs undershoot without the limiter
-    assert u_lim.min() > -1e-14 * u_lim.max()
+    assert tr.min_value(u_lim) > -1e-14 * u_lim.max()  # nodes, vertices, sources, facet points
     centre = np.zeros(2)
     m_raw, m_lim = tr.moments(u_raw, centre)[0], tr.moments(u_lim, centre)[0]
     assert abs(m_raw - 1.0) < 1e-13 and abs(m_lim - 1.0) < 1e-13
@@ -180,15 +182,28 @@ def test_limiter_keeps_means_and_positivity(tmp_path):
     assert abs(info["mass_on_mesh"] - 1) < 5e-2  # quadrature of the cut cells
     # and through the transport: positivity is kept at every step
     end, _ = lim.solve_prompt(0)
-    assert end.min() > -1e-14 * end.max()
+    assert tr.min_value(end) > -1e-14 * end.max()
 
 
-def test_cfl_step_lands_on_layer_boundaries(tmp_path):
+def record_steps(solver):
+    """Wrap the solver's step and CFL functions to record (layer, dt, dt_cfl) per step."""
+    steps, cfl = [], []
+    step, cfl_step = solver._step, solver.transport.cfl_step
+
+    def recording_cfl(c):
+        cfl.append(cfl_step(c)[0])
+        return cfl[-1], 0.0
+
+    def recording_step(state, dt, layer, vel0):
+        steps.append((layer, dt, cfl[-1]))
+        return step(state, dt, layer, vel0)
+
+    solver._step, solver.transport.cfl_step = recording_step, recording_cfl
+    return steps
+
+
+def frame_times(solver):
     from pdeformer.forward import Tracker
-    heads = uniform_attention_heads(1, layers=3)
-    solver = make_solver(tmp_path, lower=[-3.0], upper=[3.0], cells=[30], degree=1, heads=heads,
-                         prompt={"kind": "gaussian_mixture", "means": [[0.3]], "covs": [0.2]})
-    solver.frames_per_layer = 2
     seen = []
 
     class Times(Tracker):
@@ -196,5 +211,81 @@ def test_cfl_step_lands_on_layer_boundaries(tmp_path):
             seen.append((frame.t, frame.layer_boundary))
 
     solver.run([Times()])
+    return seen
+
+
+def test_cfl_step_lands_on_layer_boundaries(tmp_path):
+    """Every CFL step stays below the CFL limit, the steps of a frame add up to it
+    exactly, and frames (and so layer boundaries) are hit exactly."""
+    heads = uniform_attention_heads(1, layers=3)
+    solver = make_solver(tmp_path, lower=[-3.0], upper=[3.0], cells=[30], degree=1, heads=heads,
+                         prompt={"kind": "gaussian_mixture", "means": [[0.3]], "covs": [0.2]})
+    solver.frames_per_layer = 2
+    steps = record_steps(solver)
+    seen = frame_times(solver)
     assert [t for t, _ in seen] == [0.0, 1 / 6, 1 / 3, 0.5, 2 / 3, 5 / 6, 1.0]
     assert [b for _, b in seen] == [True, False, True, False, True, False, True]
+    assert len(steps) > 3 * 4
+    for layer, dt, dt_cfl in steps:
+        assert 0 < dt <= dt_cfl * (1 + 1e-12)
+    for l in range(3):
+        assert abs(sum(dt for layer, dt, _ in steps if layer == l) - 1 / 3) < 1e-14
+
+
+def test_fixed_steps_per_layer(tmp_path):
+    heads = uniform_attention_heads(1, layers=2)
+    kw = dict(lower=[-3.0], upper=[3.0], cells=[20], degree=1, heads=heads,
+              prompt={"kind": "gaussian_mixture", "means": [[0.3]], "covs": [0.2]})
+    solver = make_solver(tmp_path, disc={"steps_per_layer": 12}, **kw)
+    solver.frames_per_layer = 3
+    steps = record_steps(solver)
+    assert [t for t, _ in frame_times(solver)] == pytest.approx([0, 1 / 6, 1 / 3, 1 / 2, 2 / 3, 5 / 6, 1])
+    assert len(steps) == 24
+    assert all(abs(dt - 1 / 24) < 1e-15 for _, dt, _ in steps)
+    from pdeformer.errors import ConfigError
+    with pytest.raises(ConfigError, match="^output.frames_per_layer: 5 does not divide"):
+        from pdeformer.config import check_config
+        from pdeformer.forward import build_problem
+        from mpi4py import MPI
+        raw = {"mesh": {"lower": [-1.0], "upper": [1.0], "cells": [4]},
+               "discretisation": {"steps_per_layer": 12}, "model": {"layers": 1, "heads": 1},
+               "output": {"frames_per_layer": 5},
+               "prompts": [{"kind": "uniform", "lower": [-0.5], "upper": [0.5]}]}
+        build_problem(check_config(raw, str(tmp_path)), MPI.COMM_WORLD)
+
+
+def test_velocity_degree_above_density_degree(tmp_path):
+    """P2 velocity with DG-1 density: the translation is still converging at order 2."""
+    heads = uniform_attention_heads(2)
+    errors = []
+    for n in (16, 32):
+        import ufl
+        from pdeformer.exact import uniform_attention_shift
+        from pdeformer.transport import l2_norm
+        solver = make_solver(tmp_path, lower=[-3.5] * 2, upper=[3.5] * 2, cells=[n, n], degree=1,
+                             heads=heads, disc={"velocity_degree": 2, "limiter": False},
+                             prompt={"kind": "gaussian_mixture", "means": [[0.6, 0.3]], "covs": [0.25]})
+        coeffs, _ = solver.solve_prompt(0)
+        gauss = solver.problem.prompts[0][1]
+        shift = uniform_attention_shift(heads, gauss.mean(), 1.0)
+        tr = solver.transport
+        tr.set_state(coeffs)
+        x = ufl.SpatialCoordinate(tr.mesh)
+        errors.append(l2_norm(tr.comm, tr.u - gauss.ufl_density(x - ufl.as_vector(list(shift))), 8))
+    assert 1.7 < np.log2(errors[0] / errors[1]) < 2.3, errors
+
+
+def test_file_prompt_truncation(tmp_path, caplog):
+    """Data on [-6, 6] (not normalised) meets the mesh [-4, 4]: a third of its mass is
+    cut off, reported and warned about; the rest is normalised to mass 1."""
+    x = np.linspace(-6, 6, 121)
+    np.savez(tmp_path / "flat.npz", points=x[:, None], density=np.full_like(x, 2.5))
+    heads = uniform_attention_heads(1, layers=1)
+    solver = make_solver(tmp_path, lower=[-4.0], upper=[4.0], cells=[16], degree=1, heads=heads,
+                         prompt={"kind": "file", "path": "flat.npz"})
+    info = solver.prompt_info[0]
+    assert abs(info["truncated_mass"] - 1 / 3) < 1e-12
+    assert abs(info["mass_on_mesh"] - 20.0) < 1e-11
+    assert any("of its mass lies outside the mesh" in r.message for r in caplog.records)
+    centre = np.zeros(1)
+    assert abs(solver.transport.moments(solver.initial_coeffs[0], centre)[0] - 1) < 1e-13
