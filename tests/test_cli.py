@@ -311,13 +311,29 @@ def test_shipped_meshes_serial_and_parallel(tmp_path, mesh, dim):
     assert abs(a[-1]["mass"] + a[-1]["outflow"] - 1) < 1e-12
 
 
+REDUCED = {  # every config in runs/, at a size a test can afford
+    "default.toml": ["mesh.cells=[16,16]", "model.layers=2"],
+    "disk.toml": ["discretisation.degree=1", "model.layers=1", "model.heads=2"],
+    "ball.toml": ["model.layers=1", "model.heads=2"],
+    "interval.toml": ["mesh.cells=[50]", "model.layers=2", "model.heads=4"],
+}
+
+
+def test_every_run_config_is_exercised():
+    assert sorted(REDUCED) == sorted(f for f in os.listdir(os.path.join(ROOT, "runs"))
+                                     if f.endswith(".toml"))
+
+
 @pytest.mark.mpi
-def test_default_config_at_reduced_size(tmp_path):
-    run_cli(["forward", os.path.join(ROOT, "runs", "default.toml"), "--set", "mesh.cells=[16,16]",
-             "model.layers=2", f"output.dir={tmp_path}/default"], nprocs=2)
-    with open(tmp_path / "default" / "summary.json") as f:
-        s = json.load(f)
-    assert s["ranks"] == 2 and len(s["final_diagnostics"]) == 2
+@pytest.mark.parametrize("name", sorted(REDUCED))
+def test_shipped_run_configs_at_reduced_size(tmp_path, name):
+    run_cli(["forward", os.path.join(ROOT, "runs", name), "--set", *REDUCED[name],
+             f"output.dir={tmp_path}/out"], nprocs=2)
+    out, rows, summary = outputs(tmp_path)
+    assert summary["ranks"] == 2 and summary["status"] == "completed"
+    assert len(summary["final_diagnostics"]) == len(summary["config"]["prompts"])
+    for r in rows:
+        assert abs(r["mass"] + r["outflow"] - 1.0) < 1e-12
 
 
 # ------------------------------------------------------------------------ bad input
