@@ -185,3 +185,59 @@ def attention_velocity(targets: np.ndarray, sources: Sources, A: np.ndarray, V: 
             v[i0:i1] += mean @ V[h].T
     v /= A.shape[0]
     return v
+
+
+@dataclass
+class VelocityCotangent:
+    """Reverse-mode derivative of <g, v> for v = attention_velocity(x, (y, w), A, V):
+    d/dw_j for every source point (zero weights included), d/dA_h and d/dV_h."""
+
+    weights: np.ndarray  # (M,)
+    A: np.ndarray        # (H, d, d)
+    V: np.ndarray        # (H, d, d)
+
+
+def attention_velocity_vjp(targets: np.ndarray, points: np.ndarray, weights: np.ndarray,
+                           A: np.ndarray, V: np.ndarray, g: np.ndarray, *,
+                           chunk_mb: float = 2.0) -> VelocityCotangent:
+    r"""Cotangents of the attention velocity for the velocity cotangent g (N, d).
+
+    With p_h(x, y) = e^{<A_h x, y>} / Z_h(x) and u_h(x) = V_h^T g(x) / H:
+
+    .. math::
+
+        \bar w_j = \sum_h \sum_i p_h(x_i, y_j)\, u_h(x_i) \cdot (y_j - m_h(x_i)), \qquad
+        \bar V_h = \frac1H \sum_i g_i\, m_h(x_i)^T, \qquad
+        \bar A_h = \sum_i C_h(x_i)\, u_h(x_i)\, x_i^T,
+
+    (d m / d w_j = p (y_j - m), d m / d b = C). The w-part is the discrete form of the
+    adjoint's nonlocal source term S_t (design §2): every token is also a key and a
+    value for the others. Sums over the sources use the exact per-target log Z, so
+    e^{<b, y> - log Z} only overflows for points far outside the attended mass under
+    very sharp attention (then the result is not finite and the caller stops)."""
+    x = np.atleast_2d(np.asarray(targets, dtype=float))
+    y = np.atleast_2d(np.asarray(points, dtype=float))
+    g = np.asarray(g, dtype=float).reshape(x.shape)
+    H, N, d = A.shape[0], x.shape[0], x.shape[1]
+    M = y.shape[0]
+    out = VelocityCotangent(np.zeros(M), np.zeros_like(A, dtype=float), np.zeros_like(V, dtype=float))
+    if N == 0 or M == 0:
+        return out
+    sources = Sources.from_arrays(y, weights)
+    yT = np.ascontiguousarray(y.T)
+    for h, i0, i1, log_z, mean, cov in _chunk_moments(x, sources, A, 2, chunk_mb / 2):
+        xs, gs = x[i0:i1], g[i0:i1]
+        u = gs @ V[h] / H                                   # rows: V_h^T g_i / H
+        out.V[h] += gs.T @ mean / H
+        out.A[h] += np.einsum("nab,nb,nc->ac", cov, u, xs)
+        b = xs @ A[h].T
+        E = b[:, 0:1] * yT[0]
+        for a in range(1, d):
+            E += b[:, a:a + 1] * yT[a]
+        E -= log_z[:, None]
+        with np.errstate(over="ignore"):
+            np.exp(E, out=E)
+        coef = np.hstack([u, -np.einsum("na,na->n", u, mean)[:, None]])   # (n, d+1)
+        T = np.einsum("ij,ik->jk", E, coef)                                 # (M, d+1)
+        out.weights += np.einsum("ja,ja->j", y, T[:, :d]) + T[:, d]
+    return out

@@ -1,6 +1,8 @@
 """The ``pdeformer`` command.
 
     mpirun -n P pdeformer forward RUN.toml [--set section.key=value ...]
+    mpirun -n P pdeformer gradient RUN.toml
+    mpirun -n P pdeformer train RUN.toml [--restart]
     pdeformer info
 
 Errors caused by the input are one line on stderr (``pdeformer: error: ...``), exit
@@ -53,6 +55,28 @@ def _parser() -> argparse.ArgumentParser:
                         "prompts[0].name=a (values are TOML: numbers, true/false, [lists], strings)")
     f.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
 
+    for name, helptext, desc in (
+            ("gradient", "risk and its gradient with respect to every head (adjoint sweep)",
+             "Solve the forward pass of every prompt with a frozen step plan, evaluate the "
+             "[objective], and run the adjoint backwards in depth: writes gradient.npz (dQ, dK, "
+             "dV, the derivatives of the discrete risk) and summary.json (risk, timings)."),
+            ("train", "gradient-flow training of the head particles",
+             "Train the heads: each step computes the risk and its gradient and moves every head "
+             "particle by -lr L H dR/dtheta ([train] optimizer = gd) or with Adam. Writes "
+             "history.csv, params_XXXX.npz, heads_XXXX.vtu + heads.pvd, checkpoint.npz and "
+             "summary.json.")):
+        c = sub.add_parser(name, help=helptext, description=desc,
+                           epilog="paths in the config are relative to the config file; paths "
+                                  "given with --set are relative to the current directory")
+        c.add_argument("config", nargs="?", help="run configuration (TOML)")
+        c.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", nargs="+",
+                       action="extend", default=[], help="override config values (as for forward)")
+        c.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+        if name == "train":
+            c.add_argument("--restart", action="store_true",
+                           help="continue from the last checkpoint in output.dir (also after "
+                                "train.steps was raised)")
+
     sub.add_parser("info", help="versions of pdeformer and its numerical stack",
                    description="Print the versions pdeformer runs with (dolfinx, PETSc, ...).")
     return p
@@ -71,20 +95,35 @@ def _config_and_overrides(args) -> tuple[str, list[str]]:
     return args.config, overrides
 
 
-def _forward(args, comm) -> int:
+def _run(args, comm) -> int:
     import logging
     from .config import load_config
     from .parallel import setup_logging
     setup_logging(comm, logging.WARNING if args.quiet else logging.INFO)
     cfg = load_config(*_config_and_overrides(args))
-    from .run import run_forward
-    summary = run_forward(cfg, comm)
+    from . import run
+    if args.command == "forward":
+        summary = run.run_forward(cfg, comm)
+    elif args.command == "gradient":
+        summary = run.run_gradient(cfg, comm)
+    else:
+        summary = run.run_train(cfg, comm, restart=args.restart)
     if comm.rank == 0:
         outdir = cfg["output"]["dir"]
+        files = summary["files"]
         print(f"pdeformer: output in {outdir}")
-        print(f"  diagnostics.csv, summary.json, pdeformer.log"
-              + (f", {len(summary['files']['fields'])} field series (open the .pvd/.bp in ParaView)"
-                 if summary["files"]["fields"] else ""))
+        if args.command == "forward":
+            print("  diagnostics.csv, summary.json, pdeformer.log"
+                  + (f", {len(files['fields'])} field series (open the .pvd/.bp in ParaView)"
+                     if files["fields"] else ""))
+            if summary.get("objective"):
+                print(f"  risk {summary['objective']['risk']:.10e}")
+        elif args.command == "gradient":
+            print(f"  gradient.npz, summary.json, pdeformer.log; risk {summary['risk']:.10e}, "
+                  f"|gradient| {summary['gradient_norm']:.6e}")
+        else:
+            print(f"  history.csv, params_XXXX.npz, heads.pvd (ParaView), checkpoint.npz, summary.json; "
+                  f"risk {summary['initial_risk']:.6e} -> {summary['final_risk']:.6e}")
     return 0
 
 
@@ -103,7 +142,7 @@ def main(argv=None) -> int:
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     try:
-        return {"forward": _forward, "info": _info}[args.command](args, comm)
+        return _info(args, comm) if args.command == "info" else _run(args, comm)
     except PdeformerError as e:
         # raised on every rank at once (see pdeformer.errors): rank 0 reports
         if comm.rank == 0:

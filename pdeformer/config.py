@@ -128,6 +128,10 @@ def array(key, v):
     return walk(v, key)
 
 
+def array_or_number(key, v):
+    return number()(key, v) if not isinstance(v, list) else array(key, v)
+
+
 def petsc_options(key, v):
     if not isinstance(v, dict):
         raise ConfigError(key, f"expected a table of PETSc options, got {_typename(v)}")
@@ -154,6 +158,7 @@ class Key:
 
 CELLS = {1: ("interval",), 2: ("triangle", "quadrilateral"), 3: ("tetrahedron", "hexahedron")}
 SCHEMES = ("auto", "euler", "ssprk2", "ssprk3", "ssprk104")
+OBJECTIVES = ("potential", "moments", "l2", "mmd")
 NAME = r"[A-Za-z0-9_-]+"
 
 SCHEMA: dict[str, dict[str, Key]] = {
@@ -199,6 +204,26 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "format": Key(string(("vtk", "vtx")), "vtk", "field format: vtk (.pvd) or vtx (.bp, dolfinx with ADIOS2)"),
         "frames_per_layer": Key(integer(1, 10**4), 1, "field frames per layer"),
     },
+    "objective": {
+        "kind": Key(string(OBJECTIVES), None, "risk per prompt: potential, moments, l2 or mmd"),
+        "potential": Key(string(("quadratic", "linear", "gaussian")), "quadratic", "named potential U"),
+        "center": Key(number_list(), None, "centre of the quadratic/gaussian potential (default 0)"),
+        "weight": Key(number(), 1.0, "strength of the quadratic/gaussian potential"),
+        "direction": Key(number_list(), None, "direction of the linear potential"),
+        "width": Key(number(positive=True), 1.0, "width of the gaussian potential"),
+        "bandwidth": Key(number(positive=True), None, "Gaussian kernel bandwidth of mmd"),
+        "quadrature_degree": Key(integer(1, 20), None, "quadrature of rho_1 in the objective"),
+    },
+    "train": {
+        "steps": Key(integer(0, 10**6), 20, "training steps"),
+        "lr": Key(number(positive=True), 0.05, "learning rate (gd: particles move by -lr L H dR/dtheta)"),
+        "optimizer": Key(string(("gd", "adam")), "gd", "gd (the gradient flow's Euler step) or adam"),
+        "beta1": Key(number(nonnegative=True, hi=0.999999), 0.9, "adam: first-moment decay"),
+        "beta2": Key(number(nonnegative=True, hi=0.999999999), 0.999, "adam: second-moment decay"),
+        "eps": Key(number(positive=True), 1e-8, "adam: denominator floor"),
+        "checkpoint_every": Key(integer(1, 10**6), 5, "write a checkpoint every n steps"),
+        "output_every": Key(integer(1, 10**6), 1, "write params_XXXX.npz and head points every n steps"),
+    },
     "petsc": {},  # free-form PETSc options for the DG mass solver, see petsc_options
 }
 
@@ -219,7 +244,15 @@ PROMPT_KEYS: dict[str, dict[str, Key]] = {
     "file": {
         "path": Key(path, REQUIRED, ".npz (points, density) or .csv (x0..,density)"),
     },
+    "points": {
+        "path": Key(path, REQUIRED, ".npz (points, weights) or .csv (x0..[,weight]): a point cloud"),
+    },
+    "moments": {
+        "mean": Key(array, REQUIRED, "target mean (a d-vector)"),
+        "cov": Key(array_or_number, REQUIRED, "target covariance (d x d, or a variance)"),
+    },
 }
+TARGET_KINDS = ("gaussian_mixture", "uniform", "file", "points")
 
 PATH_KEYS = (("mesh", "file"), ("model", "params"), ("output", "dir"))
 
@@ -254,11 +287,24 @@ def _check_prompt(i: int, p) -> dict:
     if "kind" not in p:
         raise ConfigError(f"{prefix}.kind", "missing (required: gaussian_mixture, uniform or file)")
     kind = PROMPT_KEYS["common"]["kind"].check(f"{prefix}.kind", p["kind"])
-    keys = {**PROMPT_KEYS["common"], **PROMPT_KEYS[kind]}
+    keys = {**PROMPT_KEYS["common"], **PROMPT_KEYS[kind],
+            "target": Key(lambda key, v: _check_target(key, v), None, "the objective's target")}
     out = _check_table(prefix, p, keys)
     if out["name"] is None:
         out["name"] = f"prompt{i}"
     return out
+
+
+def _check_target(key: str, t) -> dict:
+    """A prompt's target: {mean, cov} (moments) or a density/point cloud with a kind."""
+    if not isinstance(t, dict):
+        raise ConfigError(key, f"expected a table, e.g. {{ mean = [...], cov = [...] }}, got {_typename(t)}")
+    if "kind" not in t:
+        out = _check_table(key, t, PROMPT_KEYS["moments"])
+        out["kind"] = "moments"
+        return out
+    kind = string(TARGET_KINDS)(f"{key}.kind", t["kind"])
+    return _check_table(key, t, {"kind": Key(string(TARGET_KINDS), REQUIRED), **PROMPT_KEYS[kind]})
 
 
 def check_config(raw: dict, base_dir: str, stem: str = "run") -> dict:
@@ -287,6 +333,7 @@ def check_config(raw: dict, base_dir: str, stem: str = "run") -> dict:
 
     _check_mesh(cfg["mesh"])
     _check_model(cfg["model"])
+    _check_objective(cfg["objective"], cfg["prompts"])
     disc = cfg["discretisation"]
     k = disc["degree"]
     if disc["velocity_degree"] is None:
@@ -303,9 +350,10 @@ def check_config(raw: dict, base_dir: str, stem: str = "run") -> dict:
     for section, key in PATH_KEYS:
         if cfg[section][key] is not None:
             cfg[section][key] = os.path.normpath(os.path.join(base_dir, cfg[section][key]))
-    for i, p in enumerate(cfg["prompts"]):
-        if p["kind"] == "file":
-            p["path"] = os.path.normpath(os.path.join(base_dir, p["path"]))
+    for p in cfg["prompts"]:
+        for table in (p, p["target"] or {}):
+            if table.get("kind") in ("file", "points"):
+                table["path"] = os.path.normpath(os.path.join(base_dir, table["path"]))
     return cfg
 
 
@@ -333,6 +381,33 @@ def _check_mesh(m: dict) -> None:
 
 
 MAX_HEADS_TOTAL = 10**7
+
+NEEDS = {"moments": ("moments",), "l2": ("gaussian_mixture", "uniform", "file"),
+         "mmd": ("gaussian_mixture", "uniform", "file", "points")}
+
+
+def _check_objective(obj: dict, prompts: list) -> None:
+    kind = obj["kind"]
+    if kind is None:
+        extra = [k for k in obj if obj[k] != SCHEMA["objective"][k].default and k != "kind"]
+        if extra:
+            raise ConfigError(f"objective.{extra[0]}", "given, but objective.kind is missing")
+        return
+    if kind == "mmd" and obj["bandwidth"] is None:
+        raise ConfigError("objective.bandwidth", "missing (needed by kind = 'mmd')")
+    if kind == "potential" and obj["potential"] == "linear" and obj["direction"] is None:
+        raise ConfigError("objective.direction", "missing (needed by potential = 'linear')")
+    if kind not in NEEDS:
+        return
+    for i, p in enumerate(prompts):
+        t = p["target"]
+        want = NEEDS[kind]
+        if t is None:
+            what = "{ mean = [...], cov = [...] }" if kind == "moments" else \
+                f"a target with kind = {' or '.join(repr(k) for k in want)}"
+            raise ConfigError(f"prompts[{i}].target", f"missing: objective.kind = {kind!r} needs {what}")
+        if t["kind"] not in want:
+            raise ConfigError(f"prompts[{i}].target", f"a {t['kind']!r} target does not fit objective.kind = {kind!r}")
 
 
 def _check_model(m: dict) -> None:

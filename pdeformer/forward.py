@@ -29,6 +29,7 @@ from .errors import ConfigError, InputError, SolverBreakdown
 from .heads import HeadMeasure
 from .mesh import bounding_box, make_mesh
 from .parallel import Timer, any_rank, on_root
+from .objectives import make_objective, make_target
 from .prompts import make_prompt
 from .timestepping import SCHEMES, ssp_step
 from .transport import DGTransport
@@ -57,6 +58,8 @@ class Problem:
     mesh: object
     heads: HeadMeasure
     prompts: list  # [(name, density object)]
+    objective: object = None   # pdeformer.objectives.* or None
+    targets: list = None       # per prompt (None where the objective needs none)
 
     @property
     def dim(self) -> int:
@@ -75,18 +78,36 @@ def build_heads(comm, model: dict, d: int) -> HeadMeasure:
                               seed=model["seed"], scale=model["init_scale"])
 
 
-def build_problem(cfg: dict, comm) -> Problem:
+def build_problem(cfg: dict, comm, differentiable: bool = False) -> Problem:
+    """Mesh, heads, prompts (and objective, targets) of a checked configuration.
+    ``differentiable``: the run takes gradients (gradient, train), so the discrete
+    forward map must be smooth in the heads."""
+    disc, out = cfg["discretisation"], cfg["output"]
+    objective = make_objective(cfg["objective"])
+    if differentiable:
+        if objective is None:
+            raise ConfigError("objective.kind", "missing: gradient and train need an [objective]")
+        if disc["limiter"]:
+            raise ConfigError("discretisation.limiter", "the limiter is not differentiable: set it "
+                              "false for gradient and train runs")
     mesh = make_mesh(comm, cfg["mesh"])
     d = mesh.topology.dim
     heads = build_heads(comm, cfg["model"], d)
     prompts = on_root(comm, lambda: [(p["name"], make_prompt(p, d, i))
                                      for i, p in enumerate(cfg["prompts"])])
-    disc, out = cfg["discretisation"], cfg["output"]
+    targets = on_root(comm, lambda: [make_target(p["target"], d, i)
+                                     for i, p in enumerate(cfg["prompts"])])
+    obj_cfg = cfg["objective"]
+    for key in ("center", "direction"):
+        if obj_cfg[key] is not None and len(obj_cfg[key]) != d:
+            raise ConfigError(f"objective.{key}", f"expected {d} numbers (d = {d}), got {obj_cfg[key]}")
+    if objective is not None and objective.kind == "potential" and obj_cfg["center"] is None:
+        objective.center = np.zeros(d)
     spl = disc["steps_per_layer"]
     if spl is not None and spl % out["frames_per_layer"]:
         raise ConfigError("output.frames_per_layer",
                           f"{out['frames_per_layer']} does not divide discretisation.steps_per_layer = {spl}")
-    return Problem(comm, cfg, mesh, heads, prompts)
+    return Problem(comm, cfg, mesh, heads, prompts, objective, targets)
 
 
 @dataclass
@@ -138,6 +159,10 @@ class ForwardSolver:
             self.velocity_field = AttentionVelocity(self.transport.W, problem.heads,
                                                     cfg["attention"]["chunk_mb"])
         self.scheme = SCHEMES[disc["scheme"]]
+        # uniform steps per frame with counts frozen at the frame's start (gradients need
+        # a step plan that does not move with the heads); step_counts can be preset
+        self.freeze_steps = False
+        self.step_counts: dict[tuple[int, int, int], int] = {}  # (prompt, layer, frame) -> n
         self.centre = np.mean(bounding_box(self.comm, problem.mesh), axis=0)
         self.stats = {"steps": 0, "velocity_evaluations": 0}
         # every prompt is projected (and checked) before anything runs or is written
@@ -201,8 +226,13 @@ class ForwardSolver:
                 tr.finish(self)
         return self.prompt_info
 
-    def solve_prompt(self, index: int, trackers=()) -> tuple[np.ndarray, float]:
-        """Transport prompt ``index`` from t = 0 to 1; returns (coefficients, outflow)."""
+    def solve_prompt(self, index: int, trackers=(), tape: list | None = None
+                     ) -> tuple[np.ndarray, float]:
+        """Transport prompt ``index`` from t = 0 to 1; returns (coefficients, outflow).
+
+        With ``tape`` (a list), every step appends ``(layer, dt, stages)``, stages being
+        the (density, velocity) pairs at which the scheme evaluated its right-hand side:
+        what the adjoint sweep needs."""
         name = self.problem.prompts[index][0]
         L, F = self.problem.heads.layers, self.frames_per_layer
         want_v = any(tr.needs_velocity for tr in trackers)
@@ -237,6 +267,7 @@ class ForwardSolver:
             for f in range(1, F + 1):
                 t_end = (layer + f / F) / L
                 frame_steps = 0
+                n_frame = self._fixed_frame_steps(index, layer, f)
                 while t < t_end:
                     with located(f"prompt {name!r}, layer {layer}, t = {t:.6g}") as where:
                         if cache is not None and cache[0] is state and cache[1] == layer:
@@ -245,7 +276,11 @@ class ForwardSolver:
                         else:
                             vel0 = self.velocity(state[0], layer)
                         dt_cfl, vmax = self.transport.cfl_step(self.disc["cfl"] * self.scheme.cfl_factor)
-                        n_left = self._steps_left(t_end - t, dt_cfl, vmax, frame_steps, layer_steps)
+                        if n_frame is None and self.freeze_steps:  # uniform steps, count frozen now
+                            n_frame = self._cfl_steps(t_end - t, dt_cfl, vmax, layer_steps)
+                            self.step_counts[(index, layer, f)] = n_frame
+                        n_left = (n_frame - frame_steps if n_frame is not None
+                                  else self._cfl_steps(t_end - t, dt_cfl, vmax, layer_steps))
                         dt = (t_end - t) / n_left
                         if dt > dt_cfl and not warned:
                             warned = True
@@ -253,7 +288,7 @@ class ForwardSolver:
                                 log.warning("warning: %s: the fixed step %.3g exceeds the CFL step "
                                             "%.3g (|v| = %.3g); raise steps_per_layer if the run "
                                             "goes unstable", where, dt, dt_cfl, vmax)
-                        state = self._step(state, dt, layer, vel0)
+                        state = self._step(state, dt, layer, vel0, tape)
                         if any_rank(self.comm, not np.all(np.isfinite(state[0]))):
                             raise SolverBreakdown("the density is NaN or overflows after this step")
                     frame_steps += 1
@@ -266,13 +301,17 @@ class ForwardSolver:
         self.stats["steps"] += march["steps"]
         return state[0], float(state[1][0])
 
-    def _steps_left(self, span: float, dt_cfl: float, vmax: float, frame_steps: int,
-                    layer_steps: int) -> int:
-        """Steps still to take in this frame: the fixed count, or ceil(span / dt_cfl)
-        (so that the last step lands exactly on the frame's end)."""
+    def _fixed_frame_steps(self, index: int, layer: int, frame: int) -> int | None:
+        """Steps of a frame when they are fixed: steps_per_layer, or a frozen plan."""
         spl = self.disc["steps_per_layer"]
         if spl is not None:
-            return spl // self.frames_per_layer - frame_steps
+            return spl // self.frames_per_layer
+        if self.freeze_steps:
+            return self.step_counts.get((index, layer, frame))
+        return None
+
+    def _cfl_steps(self, span: float, dt_cfl: float, vmax: float, layer_steps: int) -> int:
+        """ceil(span / dt_cfl): steps left so that the last one lands exactly on the end."""
         n = span / dt_cfl if dt_cfl > 0 else math.inf
         if not layer_steps + n <= MAX_STEPS_PER_LAYER:
             raise SolverBreakdown(f"velocity too large (|v| = {vmax:.3g}): the CFL step "
@@ -280,15 +319,17 @@ class ForwardSolver:
                                   "steps in this layer")
         return max(1, math.ceil(n - 1e-9))
 
-    def _step(self, state, dt, layer, vel0):
+    def _step(self, state, dt, layer, vel0, tape=None):
         tr = self.transport
         limiter = self.disc["limiter"]
+        stages = []
 
         def rhs(Y, j):
-            if j > 0:
-                self.velocity(Y[0], layer)
-            else:
+            vel = self.velocity(Y[0], layer) if j > 0 else vel0
+            if j == 0:
                 tr.set_velocity(vel0)
+            if tape is not None:
+                stages.append((Y[0], vel))
             with self.timer.phase("transport"):
                 tr.set_state(Y[0])
                 du, rate = tr.rate()
@@ -300,7 +341,10 @@ class ForwardSolver:
             with self.timer.phase("limiter"):
                 return [tr.limit(Y[0]), Y[1]]
 
-        return ssp_step(self.scheme, state, dt, rhs, limit)
+        new = ssp_step(self.scheme, state, dt, rhs, limit)
+        if tape is not None:
+            tape.append((layer, dt, stages))
+        return new
 
     # ------------------------------------------------------------ diagnostics
     def diagnostics(self, frame: Frame) -> dict:

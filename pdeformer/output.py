@@ -180,3 +180,57 @@ def read_vtu(filename: str) -> dict:
 def _as_components(node, a):
     n = int(node.get("NumberOfComponents", "1"))
     return a.reshape(-1, n) if n > 1 else a
+
+
+# ------------------------------------------------------------------------- VTK writing
+
+def write_head_points(filename: str, heads) -> None:
+    """The head measure as a VTK point set (.vtu, ASCII): one point per head at
+    (t_l, tr(V)/d, tr(A)/d), t_l the centre of its layer, with point data layer, head,
+    Q, K, V, A (flattened row-major) and their Frobenius norms."""
+    L, H, k, d = heads.Q.shape
+    A = np.stack([heads.attention_matrices(l) for l in range(L)])
+    t = (np.arange(L) + 0.5) / L
+    n = L * H
+    pts = np.zeros((n, 3))
+    pts[:, 0] = np.repeat(t, H)
+    pts[:, 1] = np.trace(heads.V, axis1=2, axis2=3).ravel() / d
+    pts[:, 2] = np.trace(A, axis1=2, axis2=3).ravel() / d
+    data = {"layer": np.repeat(np.arange(L), H).astype(float), "head": np.tile(np.arange(H), L).astype(float)}
+    for name, arr in (("Q", heads.Q), ("K", heads.K), ("V", heads.V), ("A", A)):
+        flat = arr.reshape(n, -1)
+        data[name] = flat
+        data[f"norm_{name}"] = np.linalg.norm(flat, axis=1)
+
+    def array(name, a):
+        a = np.asarray(a, float)
+        comps = a.shape[1] if a.ndim == 2 else 1
+        body = " ".join(repr(float(v)) for v in a.ravel())
+        return (f'<DataArray type="Float64" Name="{name}" NumberOfComponents="{comps}" '
+                f'format="ascii">{body}</DataArray>')
+
+    xml = ['<?xml version="1.0"?>',
+           '<VTKFile type="UnstructuredGrid" version="1.0" byte_order="LittleEndian">',
+           "<UnstructuredGrid>", f'<Piece NumberOfPoints="{n}" NumberOfCells="{n}">',
+           "<Points>", array("Points", pts), "</Points>", "<Cells>",
+           f'<DataArray type="Int64" Name="connectivity" format="ascii">{" ".join(map(str, range(n)))}</DataArray>',
+           f'<DataArray type="Int64" Name="offsets" format="ascii">{" ".join(map(str, range(1, n + 1)))}</DataArray>',
+           f'<DataArray type="UInt8" Name="types" format="ascii">{" ".join(["1"] * n)}</DataArray>',
+           "</Cells>", "<PointData>", *(array(k_, v) for k_, v in data.items()), "</PointData>",
+           "</Piece>", "</UnstructuredGrid>", "</VTKFile>"]
+    _atomic_text(filename, "\n".join(xml) + "\n")
+
+
+def write_pvd(filename: str, entries: list[tuple[float, str]]) -> None:
+    """A .pvd collection: (time, file relative to the .pvd) per frame."""
+    lines = ['<?xml version="1.0"?>', '<VTKFile type="Collection" version="1.0">', "<Collection>"]
+    lines += [f'<DataSet timestep="{t!r}" part="0" file="{f}"/>' for t, f in entries]
+    lines += ["</Collection>", "</VTKFile>"]
+    _atomic_text(filename, "\n".join(lines) + "\n")
+
+
+def _atomic_text(filename: str, text: str) -> None:
+    tmp = filename + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, filename)

@@ -114,6 +114,68 @@ class UniformBox:
         return np.diag((self.upper - self.lower) ** 2 / 12.0)
 
 
+class PointCloud:
+    """Weighted points (a target for mmd): .npz with ``points`` (n, d) and optional
+    ``weights`` (n,), or .csv with header ``x0,...,x{d-1}[,weight]``; weights normalised."""
+
+    def __init__(self, points, weights):
+        self.points = np.asarray(points, float)
+        self.weights = np.asarray(weights, float) / np.sum(weights)
+
+    @classmethod
+    def read(cls, filename: str, dim: int, key: str) -> "PointCloud":
+        try:
+            points, weights = _read_point_data(filename, dim, "weights", "weight", required=False)
+        except InputError as e:
+            raise InputError(f"{key}: {e}") from None
+        if weights is None:
+            weights = np.ones(points.shape[0])
+        if np.any(weights < 0) or not np.sum(weights) > 0:
+            raise InputError(f"{key}: {filename}: weights must be >= 0 with a positive sum")
+        return cls(points, weights)
+
+
+def _read_point_data(filename, dim, npz_name, csv_name, required=True):
+    """points (n, d) and values (n,) (or None when optional and absent) from .npz/.csv."""
+    if not os.path.isfile(filename):
+        raise InputError(f"{filename}: no such file")
+    try:
+        if filename.endswith(".npz"):
+            with np.load(filename, allow_pickle=False) as f:
+                if "points" not in f.files or (required and npz_name not in f.files):
+                    raise InputError(f"{filename}: needs arrays 'points' (n,d)"
+                                     + (f" and '{npz_name}' (n,)" if required else ""))
+                points = np.array(f["points"], float)
+                values = np.array(f[npz_name], float) if npz_name in f.files else None
+        elif filename.endswith(".csv"):
+            with open(filename, newline="") as f:
+                rows = list(csv.reader(f))
+            header = [h.strip() for h in rows[0]] if rows else []
+            coords = [f"x{a}" for a in range(dim)]
+            if header not in (coords + [csv_name],) + (() if required else (coords,)):
+                want = ",".join(coords + [csv_name])
+                raise InputError(f"{filename}: header must be {want}, got {','.join(header)}")
+            data = np.array([[float(v) for v in r] for r in rows[1:] if r], float).reshape(-1, len(header))
+            points = data[:, :dim]
+            values = data[:, dim] if len(header) > dim else None
+        else:
+            raise InputError(f"{filename}: unknown file type (use .npz or .csv)")
+    except InputError:
+        raise
+    except Exception as e:  # a damaged file can fail in zipfile, zlib, numpy, csv, ...
+        raise InputError(f"{filename}: cannot read ({type(e).__name__}: {e})") from None
+    if points.ndim == 1 and dim == 1:
+        points = points[:, None]
+    if points.ndim != 2 or points.shape[1] != dim or (values is not None and values.shape != (points.shape[0],)):
+        raise InputError(f"{filename}: points {points.shape} do not match d = {dim} "
+                         f"(need points (n,{dim}){'' if values is None else ' and values (n,)'})")
+    if points.shape[0] == 0:
+        raise InputError(f"{filename}: no points")
+    if not (np.all(np.isfinite(points)) and (values is None or np.all(np.isfinite(values)))):
+        raise InputError(f"{filename}: non-finite values")
+    return points, values
+
+
 class PointDensity:
     """Density values at scattered points, linearly interpolated, zero outside."""
 
@@ -175,38 +237,9 @@ class PointDensity:
 
     @classmethod
     def _read(cls, filename: str, dim: int) -> "PointDensity":
-        if not os.path.isfile(filename):
-            raise InputError(f"{filename}: no such density file")
-        try:
-            if filename.endswith(".npz"):
-                with np.load(filename, allow_pickle=False) as f:
-                    if "points" not in f.files or "density" not in f.files:
-                        raise InputError(f"{filename}: needs arrays 'points' (n,d) and 'density' (n,)")
-                    points, values = np.array(f["points"], float), np.array(f["density"], float)
-            elif filename.endswith(".csv"):
-                with open(filename, newline="") as f:
-                    rows = list(csv.reader(f))
-                header = [h.strip() for h in rows[0]] if rows else []
-                want = [f"x{a}" for a in range(dim)] + ["density"]
-                if header != want:
-                    raise InputError(f"{filename}: header must be {','.join(want)}, got {','.join(header)}")
-                data = np.array([[float(v) for v in r] for r in rows[1:] if r], float)
-                points, values = data[:, :dim], data[:, dim]
-            else:
-                raise InputError(f"{filename}: unknown density file type (use .npz or .csv)")
-        except InputError:
-            raise
-        except Exception as e:  # a damaged file can fail in zipfile, zlib, numpy, csv, ...
-            raise InputError(f"{filename}: cannot read density data ({type(e).__name__}: {e})") from None
-        if points.ndim == 1 and dim == 1:
-            points = points[:, None]
-        if points.ndim != 2 or points.shape[1] != dim or values.shape != (points.shape[0],):
-            raise InputError(f"{filename}: points {points.shape} / density {values.shape} do not "
-                             f"match d = {dim} (need points (n,{dim}), density (n,))")
+        points, values = _read_point_data(filename, dim, "density", "density")
         if points.shape[0] < dim + 1:
             raise InputError(f"{filename}: needs at least {dim + 1} points")
-        if not (np.all(np.isfinite(points)) and np.all(np.isfinite(values))):
-            raise InputError(f"{filename}: non-finite values")
         if np.any(values < 0):
             raise InputError(f"{filename}: density values must be >= 0")
         if not np.any(values > 0):
@@ -266,9 +299,10 @@ def _spd(key: str, value, d: int) -> np.ndarray:
     return a
 
 
-def make_prompt(spec: dict, d: int, index: int):
-    """Build the density object of a checked ``[[prompts]]`` table for dimension d."""
-    key = f"prompts[{index}]"
+def make_prompt(spec: dict, d: int, index: int, key: str | None = None):
+    """Build the density object of a checked ``[[prompts]]`` table (or of a density
+    target, whose errors name ``key``) for dimension d."""
+    key = key or f"prompts[{index}]"
     kind = spec["kind"]
     if kind == "gaussian_mixture":
         means = _vectors(f"{key}.means", spec["means"], d)

@@ -1,21 +1,27 @@
 """Runs as the CLI launches them: build, solve, track, write the summary.
 
-``run_forward(cfg)`` is ``pdeformer forward RUN.toml`` without the command line.
-Every run writes into ``[output] dir``: ``diagnostics.csv``, the field series,
-``pdeformer.log`` and ``summary.json`` (resolved config, versions, ranks, git commit,
-wall time per phase, final diagnostics).
+``run_forward``, ``run_gradient`` and ``run_train`` are ``pdeformer forward|gradient|train
+RUN.toml`` without the command line. Every run writes into ``[output] dir``
+``pdeformer.log`` and ``summary.json`` (status, resolved config, versions, ranks, git
+commit, wall time per phase, results) besides its own files:
+
+* forward:  diagnostics.csv, density/velocity field series (and the risk, with an objective)
+* gradient: gradient.npz (dQ, dK, dV: derivatives of the discrete risk)
+* train:    history.csv, params_XXXX.npz, heads_XXXX.vtu + heads.pvd, checkpoint.npz
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 
+import numpy as np
 from mpi4py import MPI
 
 from . import _dolfinx as dfx
 from .errors import ConfigError, InputError, SolverBreakdown
-from .forward import ForwardSolver, build_problem
+from .forward import ForwardSolver, Tracker, build_problem
 from .output import provenance, write_json
 from .parallel import Timer, add_log_file, on_root, remove_log_file
 from .trackers import DiagnosticsTable, FieldOutput, ProgressLog
@@ -34,69 +40,172 @@ def _make_outdir(path: str) -> None:
         raise InputError(f"output.dir: cannot write to {path} ({e.strerror})") from None
 
 
+class Run:
+    """What every command shares: inputs checked first (nothing is written for bad
+    input), then the output folder, the log file, provenance and the summary."""
+
+    def __init__(self, command: str, cfg: dict, comm, differentiable: bool = False):
+        self.command, self.cfg, self.comm = command, cfg, comm
+        self.timer = Timer()
+        out = cfg["output"]
+        if command == "forward" and out["fields"] and out["format"] == "vtx" and not dfx.has_vtx():
+            raise ConfigError("output.format", f"'vtx' needs dolfinx built with ADIOS2 "
+                              f"(this is dolfinx {dfx.VERSION_STRING} without it); use 'vtk'")
+        with self.timer.phase("setup"):
+            self.problem = build_problem(cfg, comm, differentiable)
+        self.solver = ForwardSolver(self.problem, self.timer)
+        self.outdir = out["dir"]
+        on_root(comm, _make_outdir, self.outdir)
+        self.info = provenance(comm) if comm.rank == 0 else {}
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.outdir, name)
+
+    @contextmanager
+    def logged(self):
+        handler = add_log_file(self.comm, self.path("pdeformer.log"))
+        try:
+            log.info("pdeformer %s %s on %d rank(s), output in %s", self.command,
+                     self.cfg["config_file"], self.comm.size, self.outdir)
+            if dfx.untested_version_warning() and self.comm.rank == 0:
+                log.warning(dfx.untested_version_warning())
+            yield
+        finally:
+            remove_log_file(handler)
+
+    def summary(self, status: str, error, **results) -> dict:
+        p, tr = self.problem, self.solver.transport
+        timings = self.timer.report(self.comm)
+        summary = {
+            "command": self.command, "status": status, "error": str(error) if error else None,
+            "config": self.cfg, "provenance": self.info, "ranks": self.comm.size,
+            "mesh": {"dim": p.dim, "cells": dfx.global_cells(p.mesh),
+                     "cell_type": dfx.cell_type_name(p.mesh),
+                     "density_dofs": tr.V.dofmap.index_map.size_global,
+                     "velocity_nodes": tr.W.dofmap.index_map.size_global,
+                     "attention_sources": int(tr.source_points.shape[0])},
+            "model": {"layers": p.heads.layers, "heads": p.heads.heads, "key_dim": p.heads.key_dim},
+            "prompts": self.solver.prompt_info, "stats": self.solver.stats, "timings": timings,
+            **results}
+        if self.comm.rank == 0:
+            write_json(self.path("summary.json"), summary)
+        log.info("%s done in %.1f s (setup %.1f s, velocity %.1f s, transport %.1f s)",
+                 self.command, timings["total"], timings.get("setup", 0),
+                 timings.get("velocity", 0), timings.get("transport", 0))
+        return summary
+
+
+def _risk_of(solver: ForwardSolver, problem, coeffs: list) -> dict | None:
+    """The objective at the final densities of a forward run (None without one)."""
+    if problem.objective is None:
+        return None
+    from .adjoint import AdjointSolver
+    adj = AdjointSolver(solver, problem.objective, problem.targets,
+                        problem.cfg["objective"]["quadrature_degree"])
+    risks = [adj.objective_at(s, c)[0] for s, c in enumerate(coeffs)]
+    return {"risk": float(np.mean(risks)), "risks": dict(zip([n for n, _ in problem.prompts], risks))}
+
+
 def run_forward(cfg: dict, comm=None) -> dict:
     """Forward pass of every prompt; returns the summary (also written to summary.json).
 
     After a breakdown (NaN, overflow) the diagnostics so far and a summary with
     ``"status": "breakdown"`` and the error are still written, then the error is raised."""
-    comm = comm or MPI.COMM_WORLD
-    timer = Timer()
+    run = Run("forward", cfg, comm or MPI.COMM_WORLD)
     out = cfg["output"]
-    if out["fields"] and out["format"] == "vtx" and not dfx.has_vtx():
-        raise ConfigError("output.format", f"'vtx' needs dolfinx built with ADIOS2 "
-                          f"(this is dolfinx {dfx.VERSION_STRING} without it); use 'vtk'")
-    # inputs first (mesh, heads, prompts): bad input fails before anything is written
-    with timer.phase("setup"):
-        problem = build_problem(cfg, comm)
-    solver = ForwardSolver(problem, timer)
-    outdir = out["dir"]
-    on_root(comm, _make_outdir, outdir)
-    log_file = add_log_file(comm, os.path.join(outdir, "pdeformer.log"))
-    info = provenance(comm) if comm.rank == 0 else {}
-    log.info("pdeformer forward %s on %d rank(s), output in %s", cfg["config_file"], comm.size, outdir)
-    if dfx.untested_version_warning() and comm.rank == 0:
-        log.warning(dfx.untested_version_warning())
-    table = DiagnosticsTable(os.path.join(outdir, "diagnostics.csv"))
+    table = DiagnosticsTable(run.path("diagnostics.csv"))
     trackers = [ProgressLog(), table]
-    fields = FieldOutput(outdir, out["format"], out["velocity"]) if out["fields"] else None
+    fields = FieldOutput(run.outdir, out["format"], out["velocity"]) if out["fields"] else None
     if fields:
         trackers.append(fields)
-    status, error = "completed", None
-    try:
-        with timer.phase("forward"):
-            solver.run(trackers)
-    except SolverBreakdown as e:
-        status, error = "breakdown", e
-    try:
-        timings = timer.report(comm)
-        summary = {
-            "command": "forward",
-            "status": status,
-            "error": str(error) if error else None,
-            "config": cfg,
-            "provenance": info,
-            "ranks": comm.size,
-            "mesh": {"dim": problem.dim, "cells": dfx.global_cells(problem.mesh),
-                     "cell_type": dfx.cell_type_name(problem.mesh),
-                     "density_dofs": solver.transport.V.dofmap.index_map.size_global,
-                     "velocity_nodes": solver.transport.W.dofmap.index_map.size_global,
-                     "attention_sources": int(solver.transport.source_points.shape[0])},
-            "model": {"layers": problem.heads.layers, "heads": problem.heads.heads,
-                      "key_dim": problem.heads.key_dim},
-            "prompts": solver.prompt_info,
-            "stats": solver.stats,
-            "timings": timings,
-            "final_diagnostics": table.final(),
-            "files": {"diagnostics": "diagnostics.csv", "log": "pdeformer.log",
-                      "fields": [os.path.relpath(f, outdir) for f in (fields.files if fields else [])]},
-        }
-        if comm.rank == 0:
-            write_json(os.path.join(outdir, "summary.json"), summary)
+    finals = FinalStates()
+    trackers.append(finals)
+    with run.logged():
+        status, error = "completed", None
+        try:
+            with run.timer.phase("forward"):
+                run.solver.run(trackers)
+        except SolverBreakdown as e:
+            status, error = "breakdown", e
+        risk = _risk_of(run.solver, run.problem, finals.coeffs) if error is None else None
+        if risk:
+            log.info("risk R = %.12e", risk["risk"])
+        summary = run.summary(
+            status, error, final_diagnostics=table.final(), objective=risk,
+            files={"diagnostics": "diagnostics.csv", "log": "pdeformer.log",
+                   "fields": [os.path.relpath(f, run.outdir) for f in (fields.files if fields else [])]})
         if error is not None:
             raise error
-        log.info("done in %.1f s (setup %.1f s, velocity %.1f s, transport %.1f s, output %.1f s)",
-                 timings["total"], timings.get("setup", 0), timings.get("velocity", 0),
-                 timings.get("transport", 0), timings.get("output", 0))
-        return summary
-    finally:
-        remove_log_file(log_file)
+    return summary
+
+
+class FinalStates(Tracker):
+    """Keeps the density of every prompt at t = 1."""
+
+    def __init__(self):
+        self.coeffs = []
+
+    def frame(self, solver, frame):
+        if frame.layer_boundary and frame.t == 1.0:
+            self.coeffs.append(frame.coeffs)
+
+
+def run_gradient(cfg: dict, comm=None) -> dict:
+    """Risk and its exact derivatives dR/dQ, dR/dK, dR/dV -> gradient.npz, summary.json."""
+    from .adjoint import AdjointSolver
+    run = Run("gradient", cfg, comm or MPI.COMM_WORLD, differentiable=True)
+    p = run.problem
+    adj = AdjointSolver(run.solver, p.objective, p.targets, cfg["objective"]["quadrature_degree"])
+    with run.logged():
+        with run.timer.phase("gradient"):
+            g = adj.gradient()
+        log.info("risk R = %.12e, |dR/dtheta| = %.6e", g.risk, g.norm())
+        if run.comm.rank == 0:
+            with open(run.path("gradient.npz.tmp"), "wb") as f:
+                np.savez(f, dQ=g.dQ, dK=g.dK, dV=g.dV, risk=np.array(g.risk))
+            os.replace(run.path("gradient.npz.tmp"), run.path("gradient.npz"))
+        return run.summary("completed", None, risk=g.risk,
+                           risks=dict(zip([n for n, _ in p.prompts], g.risks)),
+                           gradient_norm=g.norm(), tape_bytes_per_rank=g.tape_bytes,
+                           step_counts=_counts(run.solver),
+                           files={"gradient": "gradient.npz", "log": "pdeformer.log"})
+
+
+def _counts(solver) -> dict:
+    """Steps per layer used (frozen plan or steps_per_layer), per prompt."""
+    if solver.disc["steps_per_layer"] is not None:
+        return {"steps_per_layer": solver.disc["steps_per_layer"]}
+    out = {}
+    for (s, layer, _), n in sorted(solver.step_counts.items()):
+        name = solver.problem.prompts[s][0]
+        out.setdefault(name, [0] * solver.problem.heads.layers)[layer] += n
+    return out
+
+
+def run_train(cfg: dict, comm=None, restart: bool = False) -> dict:
+    """Gradient-flow training (see pdeformer.train); returns the summary."""
+    from .adjoint import AdjointSolver
+    from .train import Trainer
+    run = Run("train", cfg, comm or MPI.COMM_WORLD, differentiable=True)
+    p = run.problem
+    adj = AdjointSolver(run.solver, p.objective, p.targets, cfg["objective"]["quadrature_degree"])
+    trainer = Trainer(adj, cfg, run.outdir)
+    with run.logged():
+        if restart:
+            trainer.restart()
+        status, error = "completed", None
+        try:
+            with run.timer.phase("train"):
+                history = trainer.run()
+        except SolverBreakdown as e:
+            status, error, history = "breakdown", e, trainer.history
+        summary = run.summary(
+            status, error, history=history,
+            initial_risk=history[0]["risk"] if history else None,
+            final_risk=history[-1]["risk"] if history else None,
+            restarted_at=trainer.start if restart else None,
+            files={"history": "history.csv", "checkpoint": "checkpoint.npz",
+                   "heads": "heads.pvd", "log": "pdeformer.log"})
+        if error is not None:
+            raise error
+    return summary

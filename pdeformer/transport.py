@@ -80,22 +80,44 @@ def add_ghost_contributions(b) -> None:
 
 
 class CellQuadrature:
-    """Physical points and |J| w_q of a quadrature rule on the owned cells, and the
-    values of one expression (usually rho) there: integrals become weighted sums."""
+    """A quadrature rule on the owned cells: physical points y_q, measure
+    omega_q = |J(y_q)| w_q, and the values of a DG function u there -- so integrals of
+    u become weighted sums, and their derivatives with respect to u's coefficients
+    come back through :meth:`transpose`."""
 
-    def __init__(self, mesh, degree: int, integrand):
+    def __init__(self, mesh, degree: int, u):
         self.mesh = mesh
+        self.u = u
         self.cells = dfx.owned_cells(mesh)
-        X, self.ref_weights = quadrature(mesh, degree)
+        X, ref_weights = quadrature(mesh, degree)
+        self.X = X
+        self.nq = X.shape[0]
         d = mesh.geometry.dim
+        detJ = abs(ufl.JacobianDeterminant(mesh))
         xq = dfx.evaluate(dfx.expression(ufl.SpatialCoordinate(mesh), X), mesh, self.cells)
         self.points = xq.reshape(-1, d)  # (cells * nq, d), cell-major
-        self._expr = dfx.expression(integrand * abs(ufl.JacobianDeterminant(mesh)), X)
+        self.measure = (dfx.evaluate(dfx.expression(detJ, X), mesh, self.cells) * ref_weights).ravel()
+        self._values = dfx.expression(u, X)
+        self._basis = None
+
+    def values(self) -> np.ndarray:
+        """u(y_q) at every owned quadrature point (for the u set now)."""
+        return dfx.evaluate(self._values, self.mesh, self.cells).ravel()
 
     def weights(self) -> np.ndarray:
-        """integrand(y_q) |J(y_q)| w_q at every owned quadrature point."""
-        vals = dfx.evaluate(self._expr, self.mesh, self.cells)
-        return (vals * self.ref_weights).ravel()
+        """u(y_q) omega_q: the weights of u as a sum of point masses."""
+        return self.values() * self.measure
+
+    def transpose(self, bar: np.ndarray, cell_dofs: np.ndarray, n_owned: int) -> np.ndarray:
+        """Coefficient cotangent c_i = sum_q bar_q phi_i(y_q) of point-value cotangents
+        ``bar`` (the transpose of c -> u(y_q)); owned DG coefficients."""
+        if self._basis is None:  # phi_i(y_q), (cells, nq, dofs per cell)
+            V = self.u.function_space
+            vals = dfx.evaluate(dfx.expression(ufl.TestFunction(V), self.X), self.mesh, self.cells)
+            self._basis = vals.reshape(len(self.cells), self.nq, -1)
+        out = np.zeros(n_owned)
+        out[cell_dofs] = np.einsum("kq,kqi->ki", bar.reshape(len(self.cells), self.nq), self._basis)
+        return out
 
 
 class DGTransport:
@@ -117,12 +139,17 @@ class DGTransport:
         self.u = dolfinx.fem.Function(self.V, name="density")   # the state being evaluated
         self.v = dolfinx.fem.Function(self.W, name="velocity")
         self.velocity_vector = ufl.as_vector([self.v]) if self.d == 1 else self.v
+        self.z = dolfinx.fem.Function(self.V, name="adjoint")   # M^{-1} of a rate cotangent
+        self._adjoint_forms = None
         self.n_owned = self.V.dofmap.index_map.size_local * self.V.dofmap.index_map_bs
         self._build_forms()
         self._build_mass_solver(petsc_options or {})
         self._build_cell_data()
         self.sources = CellQuadrature(mesh, source_degree, self.u)
         self.source_points = allgather_rows(self.comm, self.sources.points)
+        counts = self.comm.allgather(len(self.sources.points))
+        start = sum(counts[:self.comm.rank])
+        self.source_slice = slice(start, start + counts[self.comm.rank])  # this rank's part
         simplex = dfx.cell_type_name(mesh) in ("interval", "triangle", "tetrahedron")
         self.moment_rule = CellQuadrature(mesh, degree + 2 if simplex else degree + 4, self.u)
         # rho is checked (limiter, min_rho) at the vertices, the attention sources and the
@@ -132,22 +159,27 @@ class DGTransport:
             reference_facet_points(mesh, self.facet_degree)]))
 
     # ---------------------------------------------------------------- forms
-    def _build_forms(self):
-        u, v, mesh = self.u, self.velocity_vector, self.mesh
-        w = ufl.TestFunction(self.V)
-        n = ufl.FacetNormal(mesh)
+    def _residual(self, w):
+        """R(u, v; w): the weak form above, for a test function (or any DG function) w."""
+        u, v = self.u, self.velocity_vector
+        n = ufl.FacetNormal(self.mesh)
         un = ufl.dot(ufl.avg(v), n("+"))
         flux = 0.5 * (un + abs(un)) * u("+") - 0.5 * (abs(un) - un) * u("-")
-        vn_out = 0.5 * (ufl.dot(v, n) + abs(ufl.dot(v, n)))
+        return (u * ufl.dot(v, ufl.grad(w)) * ufl.dx
+                - flux * ufl.jump(w) * self._dS
+                - self._vn_out * u * w * self._ds)
+
+    def _build_forms(self):
+        u, v = self.u, self.velocity_vector
+        n = ufl.FacetNormal(self.mesh)
+        self._vn_out = 0.5 * (ufl.dot(v, n) + abs(ufl.dot(v, n)))
         # one facet rule everywhere: the residual removes exactly the outflow recorded,
         # and the limiter checks rho where the fluxes read it
         facet_rule = {"quadrature_degree": self.facet_degree}
-        ds, dS = ufl.ds(metadata=facet_rule), ufl.dS(metadata=facet_rule)
-        residual = (u * ufl.dot(v, ufl.grad(w)) * ufl.dx
-                    - flux * ufl.jump(w) * dS
-                    - vn_out * u * w * ds)
-        self.residual_form = dolfinx.fem.form(residual)
-        self.outflow_form = dolfinx.fem.form(vn_out * u * ds)
+        self._ds, self._dS = ufl.ds(metadata=facet_rule), ufl.dS(metadata=facet_rule)
+        w = ufl.TestFunction(self.V)
+        self.residual_form = dolfinx.fem.form(self._residual(w))
+        self.outflow_form = dolfinx.fem.form(self._vn_out * u * self._ds)
         trial = ufl.TrialFunction(self.V)
         self.mass_form = dolfinx.fem.form(trial * w * ufl.dx)
         self.load_vector = dolfinx.fem.petsc.create_vector(self.residual_form)
@@ -213,10 +245,13 @@ class DGTransport:
         self.v.x.array[:owned_values.size] = owned_values.ravel()
         self.v.x.scatter_forward()
 
+    def all_source_weights(self) -> np.ndarray:
+        """rho omega at every rank's quadrature points (zeros included), gathered."""
+        return allgather_rows(self.comm, self.sources.weights())
+
     def current_sources(self) -> Sources:
         """rho on all ranks' quadrature points: the sources of the attention kernel."""
-        w = allgather_rows(self.comm, self.sources.weights())
-        sources = Sources.from_arrays(self.source_points, w)
+        sources = Sources.from_arrays(self.source_points, self.all_source_weights())
         if len(sources) == 0:
             raise SolverBreakdown("the density is zero everywhere: all mass has left the mesh")
         return sources
@@ -233,6 +268,29 @@ class DGTransport:
         self._solve_mass(b, self.solution)
         outflow = self.comm.allreduce(dolfinx.fem.assemble_scalar(self.outflow_form), op=MPI.SUM)
         return self.solution.array_r.copy(), float(outflow)
+
+    def rate_vjp(self, rate_bar: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Reverse mode of rate(): for the cotangent of M^{-1} R(u; v) (owned DG
+        coefficients), the cotangents of u (owned DG coefficients) and of v (owned
+        velocity nodes, (n, d)), at the u and v set now:
+        z = M^{-1} rate_bar, u_bar = (dR/du)^T z, v_bar = (dR/dv)^T z."""
+        if self._adjoint_forms is None:  # compiled on first use: forward runs never need them
+            J = self._residual(self.z)
+            self._adjoint_forms = (
+                dolfinx.fem.form(ufl.derivative(J, self.u, ufl.TestFunction(self.V))),
+                dolfinx.fem.form(ufl.derivative(J, self.v, ufl.TestFunction(self.W))))
+        b = self.load_vector
+        b.array_w[:] = rate_bar
+        self._solve_mass(b, self.solution)
+        self.z.x.array[:self.n_owned] = self.solution.array_r
+        self.z.x.scatter_forward()
+        out = []
+        for form in self._adjoint_forms:
+            vec = dolfinx.fem.petsc.assemble_vector(form)
+            add_ghost_contributions(vec)
+            out.append(vec.array_r.copy())
+            vec.destroy()
+        return out[0], out[1].reshape(-1, self.d)
 
     def project(self, rho0, quadrature_degree: int) -> tuple[np.ndarray, float]:
         """L2 projection of a UFL density (of x = SpatialCoordinate) onto DG-k:

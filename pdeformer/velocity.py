@@ -12,18 +12,25 @@ from __future__ import annotations
 import numpy as np
 
 from ._dolfinx import owned_node_coordinates
-from .attention import Sources, attention_velocity
+from .attention import Sources, VelocityCotangent, attention_velocity, attention_velocity_vjp
 from .heads import HeadMeasure
 
 
 class AttentionVelocity:
     def __init__(self, W, heads: HeadMeasure, chunk_mb: float = 2.0):
         self.targets = owned_node_coordinates(W)
-        self.heads = heads
+        self.heads = heads  # read at every call: training updates it in place
         self.chunk_mb = chunk_mb
-        self._A = [heads.attention_matrices(l) for l in range(heads.layers)]
 
     def __call__(self, sources: Sources, layer: int) -> np.ndarray:
         """Velocity of ``layer`` at the owned nodes, (n_nodes, d)."""
-        return attention_velocity(self.targets, sources, self._A[layer], self.heads.values(layer),
-                                  chunk_mb=self.chunk_mb)
+        return attention_velocity(self.targets, sources, self.heads.attention_matrices(layer),
+                                  self.heads.values(layer), chunk_mb=self.chunk_mb)
+
+    def vjp(self, points: np.ndarray, weights: np.ndarray, layer: int, g: np.ndarray
+            ) -> VelocityCotangent:
+        """Cotangents (source weights, A, V of ``layer``) of <g, v> for this rank's
+        nodes; the weight part is summed over ranks by the caller."""
+        return attention_velocity_vjp(self.targets, points, weights,
+                                      self.heads.attention_matrices(layer),
+                                      self.heads.values(layer), g, chunk_mb=self.chunk_mb)

@@ -63,7 +63,7 @@ def test_point_density_files(tmp_path):
     np.savez(tmp_path / "neg.npz", points=pts, density=vals - 5)
     with pytest.raises(InputError, match=">= 0"):
         PointDensity.read(str(tmp_path / "neg.npz"), 2, "prompts[0].path")
-    with pytest.raises(InputError, match="no such density file"):
+    with pytest.raises(InputError, match="none.npz: no such file"):
         PointDensity.read(str(tmp_path / "none.npz"), 2, "prompts[0].path")
 
 

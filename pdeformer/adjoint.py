@@ -1,0 +1,154 @@
+r"""The adjoint sweep: exact gradient of the discrete risk with respect to every head.
+
+The forward map of one prompt is the composition of SSP stages
+Y_i = sum_j alpha_ij Y_j + dt beta_ij L(Y_j), L(Y) = M^{-1} R(Y, v(Y)), where
+v(Y) = attention velocity of the quadrature weights w = B Y. The adjoint runs these
+steps backwards in depth (design §2): for a stage cotangent Lbar, with z = M^{-1} Lbar,
+
+* transport:   Ybar += (dR/dY)^T z                  -- the adjoint transport (downwind) operator,
+* velocity:    vbar  = (dR/dv)^T z                  -- then through the kernel:
+* source term: Ybar += B^T (omega * wbar(vbar))     -- the nonlocal term S_t: each token is
+                                                      a key and a value for all others,
+* heads:       Abar_h, Vbar_h += (dv/dA_h, dv/dV_h)^T vbar,
+
+which is the transposed chain rule of the discrete forward map: the gradient is that of
+the computed risk to round-off (a Taylor test falls as eps^2), not an approximation of
+the continuous one. The step plan is frozen (steps_per_layer, or counts fixed at the
+start of the evaluation), so the discrete risk is a smooth function of the heads.
+
+Memory: every step stores the density and velocity at each stage:
+steps x stages x (DG dofs + d velocity nodes) doubles per prompt (see :meth:`tape_bytes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+from .errors import SolverBreakdown
+from .forward import ForwardSolver, located
+from .objectives import default_quadrature_degree
+from .parallel import any_rank
+from .transport import CellQuadrature
+
+
+@dataclass
+class Gradient:
+    risk: float
+    risks: list[float]       # per prompt
+    dQ: np.ndarray           # (L, H, k, d): dR/dQ
+    dK: np.ndarray
+    dV: np.ndarray           # (L, H, d, d)
+    tape_bytes: int = 0      # largest forward tape held (per rank)
+
+    def norm(self) -> float:
+        return float(np.sqrt(sum(np.sum(a * a) for a in (self.dQ, self.dK, self.dV))))
+
+
+class AdjointSolver:
+    """Risk and its gradient for the heads of a :class:`ForwardSolver`'s problem."""
+
+    def __init__(self, forward: ForwardSolver, objective, targets: list, quadrature_degree=None):
+        self.forward = forward
+        self.objective = objective
+        self.targets = targets
+        tr = forward.transport
+        degree = quadrature_degree or default_quadrature_degree(objective.kind, tr.degree)
+        self.rule = CellQuadrature(tr.mesh, degree, tr.u)
+        if forward.disc["steps_per_layer"] is None:
+            forward.freeze_steps = True
+
+    # ------------------------------------------------------------ risk
+    def objective_at(self, index: int, coeffs: np.ndarray) -> tuple[float, np.ndarray]:
+        """F_s(rho) and dF_s/dc (owned DG coefficients) for density coefficients c."""
+        tr = self.forward.transport
+        tr.set_state(coeffs)
+        F, dF = self.objective.value_and_gradient(self.rule.points, self.rule.measure,
+                                                  self.rule.values(), self.targets[index],
+                                                  tr.comm)
+        return F, self.rule.transpose(dF, tr.cell_dofs, tr.n_owned)
+
+    def risk(self) -> tuple[float, list[float]]:
+        """R = (1/S) sum_s F_s(rho_1^s), forward only (same frozen step plan)."""
+        risks = []
+        for s in range(len(self.forward.problem.prompts)):
+            coeffs, _ = self.forward.solve_prompt(s)
+            risks.append(self.objective_at(s, coeffs)[0])
+        return float(np.mean(risks)), risks
+
+    # ------------------------------------------------------------ gradient
+    def gradient(self, refreeze: bool = True) -> Gradient:
+        """Risk and dR/dQ, dR/dK, dR/dV. Without steps_per_layer the step counts are
+        frozen during this evaluation's forward passes (``refreeze``) and kept for
+        later :meth:`risk` calls, which then see the same discrete map."""
+        fw = self.forward
+        if refreeze:
+            fw.step_counts.clear()
+        heads = fw.problem.heads
+        S = len(fw.problem.prompts)
+        dA = np.zeros((heads.layers, heads.heads, heads.dim, heads.dim))
+        dV = np.zeros_like(heads.V)
+        risks, tape_bytes = [], 0
+        for s in range(S):
+            tape = []
+            coeffs, _ = fw.solve_prompt(s, tape=tape)
+            tape_bytes = max(tape_bytes, sum(Y.nbytes + v.nbytes for _, _, st in tape for Y, v in st))
+            F, lam = self.objective_at(s, coeffs)
+            risks.append(F)
+            name = fw.problem.prompts[s][0]
+            for layer, dt, stages in reversed(tape):
+                with located(f"adjoint of prompt {name!r}, layer {layer}"):
+                    lam = self._step_vjp(lam, layer, dt, stages, dA, dV)
+        comm = fw.comm
+        for a in (dA, dV):
+            comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
+        dA /= S
+        dV /= S
+        # A = K^T Q: dR/dQ = K dR/dA, dR/dK = Q (dR/dA)^T
+        dQ = np.einsum("lhki,lhij->lhkj", heads.K, dA)
+        dK = np.einsum("lhki,lhji->lhkj", heads.Q, dA)
+        return Gradient(float(np.mean(risks)), risks, dQ, dK, dV, tape_bytes)
+
+    def _step_vjp(self, lam, layer, dt, stages, dA, dV) -> np.ndarray:
+        """Cotangent of a step's start from that of its end (Shu-Osher form reversed)."""
+        scheme = self.forward.scheme
+        s = scheme.stages
+        Ybar = [None] * (s + 1)
+        Lbar = [None] * s
+        Ybar[s] = lam
+
+        def add(lst, j, x):
+            lst[j] = x if lst[j] is None else lst[j] + x
+
+        for i in range(s, 0, -1):
+            if Ybar[i] is not None:
+                for j, (a, b) in enumerate(zip(scheme.alpha[i - 1], scheme.beta[i - 1])):
+                    if a:
+                        add(Ybar, j, a * Ybar[i])
+                    if b:
+                        add(Lbar, j, (dt * b) * Ybar[i])
+            j = i - 1  # every stage after j has been visited: Lbar[j] is complete
+            if Lbar[j] is not None:
+                Y, vel = stages[j]
+                add(Ybar, j, self._rate_vjp(Y, vel, layer, Lbar[j], dA, dV))
+        return Ybar[0]
+
+    def _rate_vjp(self, Y, vel, layer, Lbar, dA, dV) -> np.ndarray:
+        fw = self.forward
+        tr = fw.transport
+        tr.set_state(Y)
+        tr.set_velocity(vel)
+        with fw.timer.phase("adjoint transport"):
+            Ybar, vbar = tr.rate_vjp(Lbar)
+        with fw.timer.phase("adjoint velocity"):
+            w_all = tr.all_source_weights()
+            ct = fw.velocity_field.vjp(tr.source_points, w_all, layer, vbar)
+            tr.comm.Allreduce(MPI.IN_PLACE, ct.weights, op=MPI.SUM)
+        wbar = ct.weights[tr.source_slice]
+        if any_rank(tr.comm, not (np.all(np.isfinite(wbar)) and np.all(np.isfinite(Ybar)))):
+            raise SolverBreakdown("the adjoint is NaN or overflows (attention too sharp?)")
+        dA[layer] += ct.A
+        dV[layer] += ct.V
+        return Ybar + tr.sources.transpose(wbar * tr.sources.measure, tr.cell_dofs, tr.n_owned)

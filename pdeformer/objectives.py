@@ -1,0 +1,186 @@
+r"""Objectives F_s(rho_1) of the risk R = (1/S) sum_s F_s(rho_1^s) (design §2).
+
+Each objective sees rho_1 through a quadrature on the rank's own cells -- points y_q,
+measure omega_q, values rho_q -- and returns F (the same on every rank) and its
+derivative dF/drho_q at the rank's own points, from which the adjoint starts.
+
+* ``potential``: F = int U rho, U a named potential (``quadratic``: weight/2 |x - center|^2,
+  ``linear``: <direction, x>, ``gaussian``: -weight exp(-|x - center|^2 / (2 width^2)));
+* ``moments``: F = 1/2 |mean - m*|^2 + 1/2 ||cov - C*||_F^2 (moments of rho/int rho);
+* ``l2``: F = 1/2 int (rho - rho*)^2;
+* ``mmd``: F = 1/2 MMD^2 = 1/2 iint k d(rho - rho*) d(rho - rho*), Gaussian kernel
+  k(x, y) = exp(-|x - y|^2 / (2 bandwidth^2)), against a target density (on the same
+  quadrature points) or a target point cloud.
+
+Pure numpy (plus MPI reductions): testable without dolfinx.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from .parallel import allgather_rows
+
+POTENTIALS = ("quadratic", "linear", "gaussian")
+
+
+def _sum(comm, local):
+    """Allreduce a scalar or array sum."""
+    local = np.asarray(local, dtype=float)
+    out = np.empty_like(local)
+    comm.Allreduce(local, out, op=MPI.SUM)
+    return out
+
+
+class Potential:
+    kind = "potential"
+    needs_target = False
+
+    def __init__(self, potential: str, center, weight: float, direction=None, width: float = 1.0):
+        self.potential = potential
+        self.center = np.asarray(center, float)
+        self.weight = float(weight)
+        self.direction = None if direction is None else np.asarray(direction, float)
+        self.width = float(width)
+
+    def U(self, x: np.ndarray) -> np.ndarray:
+        if self.potential == "linear":
+            return x @ self.direction
+        r2 = np.sum((x - self.center) ** 2, axis=1)
+        if self.potential == "quadratic":
+            return 0.5 * self.weight * r2
+        return -self.weight * np.exp(-r2 / (2 * self.width**2))
+
+    def value_and_gradient(self, points, measure, rho, target, comm):
+        dF = measure * self.U(points)
+        return float(_sum(comm, dF @ rho)), dF
+
+
+class Moments:
+    """Mean and covariance of the normalised density against a target (mean, cov)."""
+
+    kind = "moments"
+    needs_target = True
+
+    def value_and_gradient(self, points, measure, rho, target, comm):
+        mstar, Cstar = target["mean"], target["cov"]
+        y = points - mstar                      # about the target mean: no cancellation
+        d = y.shape[1]
+        w = measure * rho
+        tot = _sum(comm, np.concatenate([[w.sum()], w @ y, np.einsum("q,qi,qj->ij", w, y, y).ravel()]))
+        m0, m1, m2 = tot[0], tot[1:1 + d], tot[1 + d:].reshape(d, d)
+        mean = m1 / m0                          # mean - m*
+        G = m2 / m0 - np.outer(mean, mean) - Cstar
+        F = 0.5 * mean @ mean + 0.5 * np.sum(G * G)
+        a = mean - 2 * G @ mean
+        dF = measure * ((y - mean) @ a / m0
+                        + (np.einsum("qi,ij,qj->q", y, G, y) - np.sum(G * m2) / m0) / m0)
+        return float(F), dF
+
+
+class L2:
+    kind = "l2"
+    needs_target = True
+
+    def value_and_gradient(self, points, measure, rho, target, comm):
+        diff = rho - target["density"].density(points)
+        return float(_sum(comm, 0.5 * measure @ (diff * diff))), measure * diff
+
+
+class MMD:
+    """1/2 MMD^2 with a Gaussian kernel; the kernel sums run over all ranks' points
+    (gathered) in row chunks of about ``chunk_mb`` megabytes."""
+
+    kind = "mmd"
+    needs_target = True
+
+    def __init__(self, bandwidth: float, chunk_mb: float = 8.0):
+        self.bandwidth = float(bandwidth)
+        self.chunk_mb = chunk_mb
+        self._self_term = {}  # target id -> 1/2 b^T K b (fixed)
+
+    def kernel_apply(self, x: np.ndarray, y: np.ndarray, c: np.ndarray) -> np.ndarray:
+        """(K c)_i = sum_j k(x_i, y_j) c_j."""
+        out = np.empty(x.shape[0])
+        rows = max(1, int(self.chunk_mb * 2**20 / (8 * max(len(y), 1))))
+        y2 = np.sum(y * y, axis=1)
+        s = -0.5 / self.bandwidth**2
+        for i0 in range(0, x.shape[0], rows):
+            xi = x[i0:i0 + rows]
+            D = np.sum(xi * xi, axis=1)[:, None] + y2[None, :] - 2 * xi @ y.T
+            np.maximum(D, 0, out=D)
+            out[i0:i0 + rows] = np.exp(s * D) @ c
+        return out
+
+    def target_measure(self, target, all_points, all_measure):
+        if target["kind"] == "points":
+            return target["points"], target["weights"]
+        dens = target["density"]
+        return all_points, all_measure * dens.density(all_points)
+
+    def value_and_gradient(self, points, measure, rho, target, comm):
+        a_local = measure * rho
+        all_points = allgather_rows(comm, points)
+        a = allgather_rows(comm, a_local)
+        z, b = self.target_measure(target, all_points, allgather_rows(comm, measure))
+        Ka = self.kernel_apply(points, all_points, a)
+        Kb = self.kernel_apply(points, z, b)
+        key = id(target)
+        if key not in self._self_term:
+            bKb = float(_sum(comm, b[self._my_rows(comm, len(b))] @
+                             self.kernel_apply(z[self._my_rows(comm, len(b))], z, b)))
+            self._self_term[key] = 0.5 * bKb
+        F = float(_sum(comm, 0.5 * a_local @ Ka - a_local @ Kb)) + self._self_term[key]
+        return F, measure * (Ka - Kb)
+
+    @staticmethod
+    def _my_rows(comm, n):
+        per = -(-n // comm.size)
+        return slice(comm.rank * per, min(n, (comm.rank + 1) * per))
+
+
+def make_objective(cfg: dict):
+    """The objective of a checked ``[objective]`` table (None when absent)."""
+    if cfg is None or cfg.get("kind") is None:
+        return None
+    kind = cfg["kind"]
+    if kind == "potential":
+        return Potential(cfg["potential"], cfg["center"], cfg["weight"], cfg.get("direction"),
+                         cfg.get("width", 1.0))
+    if kind == "moments":
+        return Moments()
+    if kind == "l2":
+        return L2()
+    return MMD(cfg["bandwidth"])
+
+
+def default_quadrature_degree(kind: str, degree: int) -> int:
+    """Quadrature of rho_1 per objective: exact for rho * quadratics (potential, moments),
+    for rho^2 plus a smooth target's share (l2); mmd sums kernels over all points, so it
+    takes the fewest points that integrate rho itself exactly."""
+    return {"potential": degree + 2, "moments": degree + 2, "l2": 2 * degree + 2,
+            "mmd": degree + 1}[kind]
+
+
+def make_target(spec: dict | None, d: int, index: int):
+    """The target of ``prompts[index]`` for dimension d: {"kind": "moments", "mean", "cov"},
+    {"kind": <density kind>, "density"} or {"kind": "points", "points", "weights"}."""
+    from .errors import ConfigError
+    from .prompts import PointCloud, _rectangular, _spd, make_prompt
+    if spec is None:
+        return None
+    key = f"prompts[{index}].target"
+    kind = spec["kind"]
+    if kind == "moments":
+        mean = np.asarray(spec["mean"], float) if _rectangular(spec["mean"]) else None
+        if mean is None or mean.shape != (d,):
+            raise ConfigError(f"{key}.mean", f"expected {d} numbers (d = {d}), got {spec['mean']!r}")
+        cov = spec["cov"]
+        if d == 1 and isinstance(cov, list) and len(cov) == 1 and isinstance(cov[0], float):
+            cov = cov[0]
+        return {"kind": kind, "mean": mean, "cov": _spd(f"{key}.cov", cov, d)}
+    if kind == "points":
+        cloud = PointCloud.read(spec["path"], d, f"{key}.path")
+        return {"kind": kind, "points": cloud.points, "weights": cloud.weights}
+    return {"kind": kind, "density": make_prompt(spec, d, index, key)}

@@ -1,0 +1,249 @@
+r"""Training: the gradient flow of the head measure, one Euler step at a time.
+
+Each head particle theta_{l,h} = (Q, K, V) of every layer moves by
+
+    gd:    theta <- theta - lr * L * H * dR/dtheta      (explicit Euler step of the
+                                                         conditional-Wasserstein flow,
+                                                         mean-field scaling, design §2)
+    adam:  Adam on the same scaled gradient L * H * dR/dtheta.
+
+Iteration k computes R and dR/dtheta at theta_k (a row of history.csv) and, for k < steps,
+moves to theta_{k+1}. Checkpoints hold theta, the optimiser state, the next step, the
+RNG state, the history so far and a fingerprint of the problem; they are written to a
+temporary file and renamed, so a kill during the write leaves the previous one intact.
+A restart continues from the last checkpoint (also after ``steps`` was raised) and
+gives the same history as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+
+import numpy as np
+
+from .errors import InputError
+from .heads import HeadMeasure
+from .output import write_csv, write_head_points, write_pvd
+
+log = logging.getLogger("pdeformer")
+
+PARAMS = ("Q", "K", "V")
+HISTORY = ["step", "risk", "grad_norm", "step_size", "displacement", "wall_time"]
+
+
+class GradientDescent:
+    name = "gd"
+
+    def __init__(self, lr: float, layers: int, heads: int):
+        self.lr = lr
+        self.scale = lr * layers * heads
+
+    @property
+    def step_size(self) -> float:
+        return self.scale
+
+    def step(self, params: dict, grads: dict) -> None:
+        for n in PARAMS:
+            params[n] -= self.scale * grads[n]
+
+    def state(self) -> dict:
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        pass
+
+
+class Adam:
+    name = "adam"
+
+    def __init__(self, lr, layers, heads, beta1=0.9, beta2=0.999, eps=1e-8, shapes=None):
+        self.lr, self.beta1, self.beta2, self.eps = lr, beta1, beta2, eps
+        self.mf = layers * heads
+        self.t = 0
+        self.m = {n: np.zeros(s) for n, s in shapes.items()}
+        self.v = {n: np.zeros(s) for n, s in shapes.items()}
+
+    @property
+    def step_size(self) -> float:
+        return self.lr
+
+    def step(self, params: dict, grads: dict) -> None:
+        self.t += 1
+        for n in PARAMS:
+            g = self.mf * grads[n]
+            self.m[n] = self.beta1 * self.m[n] + (1 - self.beta1) * g
+            self.v[n] = self.beta2 * self.v[n] + (1 - self.beta2) * g * g
+            mhat = self.m[n] / (1 - self.beta1**self.t)
+            vhat = self.v[n] / (1 - self.beta2**self.t)
+            params[n] -= self.lr * mhat / (np.sqrt(vhat) + self.eps)
+
+    def state(self) -> dict:
+        out = {"adam_t": np.array(self.t)}
+        for n in PARAMS:
+            out[f"adam_m_{n}"] = self.m[n]
+            out[f"adam_v_{n}"] = self.v[n]
+        return out
+
+    def load_state(self, state: dict) -> None:
+        self.t = int(state["adam_t"])
+        for n in PARAMS:
+            self.m[n] = np.array(state[f"adam_m_{n}"])
+            self.v[n] = np.array(state[f"adam_v_{n}"])
+
+
+def make_optimizer(train: dict, heads: HeadMeasure):
+    if train["optimizer"] == "adam":
+        return Adam(train["lr"], heads.layers, heads.heads, train["beta1"], train["beta2"],
+                    train["eps"], {n: getattr(heads, n).shape for n in PARAMS})
+    return GradientDescent(train["lr"], heads.layers, heads.heads)
+
+
+# ------------------------------------------------------------------ fingerprints
+
+def _file_digest(path: str | None) -> str | None:
+    if path is None or not os.path.isfile(path):
+        return None
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fingerprint(cfg: dict) -> dict:
+    """What a checkpoint must agree on to be continued: section -> canonical JSON."""
+    mesh = dict(cfg["mesh"])
+    mesh["file_sha256"] = _file_digest(mesh["file"])
+    if mesh["file"]:
+        h5 = os.path.splitext(mesh["file"])[0] + ".h5"
+        mesh["h5_sha256"] = _file_digest(h5)
+    model = dict(cfg["model"])
+    model["params_sha256"] = _file_digest(model["params"])
+    prompts = []
+    for p in cfg["prompts"]:
+        p = json.loads(json.dumps(p))
+        for table in (p, p.get("target") or {}):
+            if "path" in table:
+                table["sha256"] = _file_digest(table["path"])
+        prompts.append(p)
+    parts = {"mesh": mesh, "model": model, "prompts": prompts,
+             "discretisation": cfg["discretisation"], "objective": cfg["objective"],
+             "optimizer": cfg["train"]["optimizer"]}
+    return {k: json.dumps(v, sort_keys=True, default=str) for k, v in parts.items()}
+
+
+# ------------------------------------------------------------------ checkpoints
+
+def write_checkpoint(filename: str, heads: HeadMeasure, optimizer, step: int, history: list,
+                     rng: np.random.Generator, cfg: dict) -> None:
+    """Atomic: written next to the target, flushed to disk, then renamed over it."""
+    meta = {"step": step, "history": history, "optimizer": optimizer.name,
+            "rng": rng.bit_generator.state, "fingerprint": fingerprint(cfg)}
+    tmp = filename + ".tmp"
+    with open(tmp, "wb") as f:
+        np.savez(f, Q=heads.Q, K=heads.K, V=heads.V, meta=np.array(json.dumps(meta)),
+                 **optimizer.state())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, filename)
+
+
+def read_checkpoint(filename: str, cfg: dict) -> dict:
+    """Arrays and metadata of a checkpoint; refused (InputError) when it was made for
+    another problem. Run on rank 0."""
+    if not os.path.isfile(filename):
+        raise InputError(f"--restart: no checkpoint at {filename}")
+    try:
+        with np.load(filename, allow_pickle=False) as f:
+            data = {k: np.array(f[k]) for k in f.files}
+        meta = json.loads(str(data.pop("meta")))
+    except Exception as e:  # damaged file
+        raise InputError(f"--restart: {filename}: not a readable checkpoint ({type(e).__name__}: {e})") from None
+    mine = fingerprint(cfg)
+    differ = [k for k in mine if meta["fingerprint"].get(k) != mine[k]]
+    if differ:
+        raise InputError(f"--restart: {filename} was made for another problem "
+                         f"(different {', '.join(differ)}); use a fresh output.dir")
+    data["meta"] = meta
+    return data
+
+
+# ------------------------------------------------------------------ the loop
+
+class Trainer:
+    """Gradient-flow training of the heads of an :class:`AdjointSolver`'s problem."""
+
+    def __init__(self, adjoint, cfg: dict, outdir: str):
+        self.adjoint = adjoint
+        self.cfg = cfg
+        self.train = cfg["train"]
+        self.outdir = outdir
+        self.heads = adjoint.forward.problem.heads
+        self.comm = adjoint.forward.comm
+        self.optimizer = make_optimizer(self.train, self.heads)
+        self.rng = np.random.default_rng(cfg["model"]["seed"])
+        self.history: list[dict] = []
+        self.start = 0
+        self.frames: list[tuple[float, str]] = []
+        self.checkpoint_file = os.path.join(outdir, "checkpoint.npz")
+
+    def restart(self) -> None:
+        from .parallel import on_root
+        data = on_root(self.comm, read_checkpoint, self.checkpoint_file, self.cfg)
+        meta = data.pop("meta")
+        for n in PARAMS:
+            getattr(self.heads, n)[:] = data.pop(n)
+        self.optimizer.load_state(data)
+        self.rng.bit_generator.state = meta["rng"]
+        self.history = meta["history"]
+        self.start = meta["step"]
+        self.frames = [(float(r["step"]), f"heads_{int(r['step']):04d}.vtu") for r in self.history
+                       if self._is_output_step(int(r["step"]))]
+        log.info("restart from %s at step %d", self.checkpoint_file, self.start)
+
+    def _is_output_step(self, k: int) -> bool:
+        return k % self.train["output_every"] == 0 or k == self.train["steps"]
+
+    def run(self) -> list[dict]:
+        steps = self.train["steps"]
+        params = {n: getattr(self.heads, n) for n in PARAMS}  # views: updated in place
+        t0 = time.perf_counter() - (self.history[-1]["wall_time"] if self.history else 0.0)
+        for k in range(self.start, steps + 1):
+            g = self.adjoint.gradient()
+            grads = {"Q": g.dQ, "K": g.dK, "V": g.dV}
+            before = {n: p.copy() for n, p in params.items()} if k < steps else None
+            if k < steps:
+                self.optimizer.step(params, grads)
+            disp = float(np.sqrt(sum(np.sum((params[n] - before[n]) ** 2) for n in PARAMS))) \
+                if before is not None else 0.0
+            row = {"step": k, "risk": g.risk, "grad_norm": g.norm(),
+                   "step_size": self.optimizer.step_size, "displacement": disp,
+                   "wall_time": time.perf_counter() - t0}
+            self.history.append(row)
+            log.info("train step %4d  risk=%.10e  |grad|=%.3e  step=%.3g  %7.1f s",
+                     k, g.risk, row["grad_norm"], disp, row["wall_time"])
+            if self.comm.rank == 0:
+                self._write(k, before)
+            if k < steps and ((k + 1) % self.train["checkpoint_every"] == 0 or k + 1 == steps):
+                if self.comm.rank == 0:
+                    write_checkpoint(self.checkpoint_file, self.heads, self.optimizer, k + 1,
+                                     self.history, self.rng, self.cfg)
+            self.last_gradient = g
+        return self.history
+
+    def _write(self, k: int, before) -> None:
+        """history.csv every step; params and head points of theta_k on output steps."""
+        write_csv(os.path.join(self.outdir, "history.csv"), HISTORY,
+                  [[r[c] for c in HISTORY] for r in self.history])
+        if not self._is_output_step(k):
+            return
+        current = HeadMeasure(*(before[n] for n in PARAMS)) if before is not None else self.heads
+        current.save(os.path.join(self.outdir, f"params_{k:04d}.npz"))
+        name = f"heads_{k:04d}.vtu"
+        write_head_points(os.path.join(self.outdir, name), current)
+        self.frames = [f for f in self.frames if f[0] != k] + [(float(k), name)]
+        write_pvd(os.path.join(self.outdir, "heads.pvd"), self.frames)

@@ -1,0 +1,187 @@
+"""`pdeformer gradient` and `pdeformer train` end to end: serial vs 2 ranks, the first-order
+decrease of the risk, restarts, atomic checkpoints, head point files, bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import requires_dolfinx, run_cli, write_config
+from test_cli import check_one_line_error
+
+pytestmark = [requires_dolfinx]
+
+CONFIG = """
+[mesh]
+lower = [-3.0, -3.0]
+upper = [3.0, 3.0]
+cells = [10, 10]
+
+[discretisation]
+limiter = false
+steps_per_layer = 8
+
+[model]
+layers = 2
+heads = 2
+seed = 3
+init_scale = 0.8
+
+[objective]
+kind = "moments"
+
+[train]
+steps = 5
+lr = 0.05
+checkpoint_every = 2
+
+[output]
+dir = "out"
+fields = false
+
+[[prompts]]
+name = "a"
+kind = "gaussian_mixture"
+means = [[0.5, 0.2], [-0.6, 0.1]]
+covs = [0.2, 0.3]
+target = { mean = [0.3, -0.2], cov = [[0.4, 0.1], [0.1, 0.3]] }
+
+[[prompts]]
+name = "b"
+kind = "gaussian_mixture"
+means = [[-0.2, -0.4]]
+covs = [0.25]
+target = { mean = [0.0, 0.5], cov = 0.3 }
+"""
+
+
+def history(folder):
+    with open(os.path.join(folder, "history.csv"), newline="") as f:
+        return [{k: float(v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+def summary(folder):
+    with open(os.path.join(folder, "summary.json")) as f:
+        return json.load(f)
+
+
+@pytest.mark.mpi
+def test_gradient_serial_and_two_ranks_agree(tmp_path):
+    cfg = write_config(tmp_path, CONFIG)
+    run_cli(["gradient", cfg, "--set", "output.dir=s"], cwd=str(tmp_path))
+    run_cli(["gradient", cfg, "--set", "output.dir=p"], nprocs=2, cwd=str(tmp_path))
+    a, b = np.load(tmp_path / "s" / "gradient.npz"), np.load(tmp_path / "p" / "gradient.npz")
+    for n in ("dQ", "dK", "dV"):
+        assert a[n].shape == (2, 2, 2, 2)
+        assert np.abs(a[n] - b[n]).max() < 1e-10, n
+        assert np.abs(a[n]).max() > 1e-4           # not trivially zero
+    sa, sb = summary(tmp_path / "s"), summary(tmp_path / "p")
+    assert abs(sa["risk"] - sb["risk"]) < 1e-12 and sb["ranks"] == 2
+    assert sa["risk"] == pytest.approx(float(a["risk"]), rel=1e-15)
+    assert sa["tape_bytes_per_rank"] > 0
+    # forward with the same [objective] and step plan reports the same risk
+    run_cli(["forward", cfg, "--set", "output.dir=f"], cwd=str(tmp_path))
+    assert summary(tmp_path / "f")["objective"]["risk"] == pytest.approx(sa["risk"], rel=1e-12)
+
+
+def test_risk_decrease_matches_first_order(tmp_path):
+    """gd with a small step: R_k - R_{k+1} = lr L H |dR/dtheta|^2 (1 + O(lr)), and the
+    risk falls every step."""
+    cfg = write_config(tmp_path, CONFIG)
+    run_cli(["train", cfg, "--set", "train.lr=0.02", "train.steps=4"], cwd=str(tmp_path))
+    h = history(tmp_path / "out")
+    assert [r["step"] for r in h] == [0, 1, 2, 3, 4]
+    L, H, lr = 2, 2, 0.02
+    for r0, r1 in zip(h, h[1:]):
+        drop, predicted = r0["risk"] - r1["risk"], lr * L * H * r0["grad_norm"] ** 2
+        assert drop > 0
+        assert abs(drop / predicted - 1) < 0.03, (drop, predicted)   # O(lr |Hess| / |grad|^2)
+        assert r0["step_size"] == pytest.approx(lr * L * H)
+        assert r0["displacement"] == pytest.approx(lr * L * H * r0["grad_norm"], rel=1e-12)
+
+
+def test_restart_extends_and_repeats_the_history(tmp_path):
+    cfg = write_config(tmp_path, CONFIG)
+    run_cli(["train", cfg, "--set", "output.dir=full", "train.optimizer=adam", "train.lr=0.01"], cwd=str(tmp_path))
+    run_cli(["train", cfg, "--set", "output.dir=part", "train.optimizer=adam", "train.lr=0.01",
+             "train.steps=3"], cwd=str(tmp_path))
+    run_cli(["train", cfg, "--restart", "--set", "output.dir=part", "train.optimizer=adam",
+             "train.lr=0.01"], cwd=str(tmp_path))
+    full, part = history(tmp_path / "full"), history(tmp_path / "part")
+    assert len(full) == len(part) == 6
+    for a, b in zip(full, part):
+        for k in ("step", "risk", "grad_norm", "displacement"):
+            assert a[k] == b[k], (k, a, b)                 # bit for bit
+    assert summary(tmp_path / "part")["restarted_at"] == 3
+    # the params files and head points agree too; heads.pvd lists every output step
+    from pdeformer.output import read_pvd, read_vtu
+    p_full, p_part = np.load(tmp_path / "full" / "params_0005.npz"), np.load(tmp_path / "part" / "params_0005.npz")
+    assert all(np.array_equal(p_full[n], p_part[n]) for n in "QKV")
+    frames = read_pvd(str(tmp_path / "part" / "heads.pvd"))
+    assert [t for t, _ in frames] == [0, 1, 2, 3, 4, 5]
+    pts = read_vtu(frames[-1][1])
+    assert pts["points"].shape == (4, 3)                 # L x H heads
+    np.testing.assert_array_equal(pts["point_data"]["V"], p_part["V"].reshape(4, -1))
+    np.testing.assert_allclose(pts["points"][:, 0], [0.25, 0.25, 0.75, 0.75])   # layer centres
+
+
+def test_restart_refusals(tmp_path):
+    cfg = write_config(tmp_path, CONFIG)
+    proc = run_cli(["train", cfg, "--restart"], cwd=str(tmp_path), check=False)
+    check_one_line_error(proc, "--restart: no checkpoint at")
+    run_cli(["train", cfg, "--set", "train.steps=2"], cwd=str(tmp_path))
+    proc = run_cli(["train", cfg, "--restart", "--set", "model.heads=3"], cwd=str(tmp_path), check=False)
+    check_one_line_error(proc, "was made for another problem (different model)")
+    proc = run_cli(["train", cfg, "--restart", "--set", "prompts[1].means=[[0.0,0.0]]"],
+                   cwd=str(tmp_path), check=False)
+    check_one_line_error(proc, "(different prompts)")
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    """A failure (a kill) during the write leaves the previous checkpoint readable."""
+    from pdeformer.config import load_config
+    from pdeformer.heads import HeadMeasure
+    from pdeformer import train
+    cfg = load_config(write_config(tmp_path, CONFIG))
+    heads = HeadMeasure.random(2, 2, 2, 2, seed=0)
+    opt = train.make_optimizer(cfg["train"], heads)
+    rng = np.random.default_rng(0)
+    path = str(tmp_path / "checkpoint.npz")
+    train.write_checkpoint(path, heads, opt, 4, [{"step": 0}], rng, cfg)
+
+    def killed(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fsync", killed)
+    saved = heads.V.copy()
+    heads.V += 1.0
+    with pytest.raises(KeyboardInterrupt):
+        train.write_checkpoint(path, heads, opt, 6, [{"step": 0}], rng, cfg)
+    data = train.read_checkpoint(path, cfg)
+    assert data["meta"]["step"] == 4
+    assert np.array_equal(data["V"], saved)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["objective.kind=hinge"], "objective.kind: expected one of"),
+    (["prompts[1].target={kind='uniform',lower=[0.0,0.0],upper=[1.0,1.0]}"],
+     "prompts[1].target: a 'uniform' target does not fit objective.kind = 'moments'"),
+    (["prompts[0].target.mean=[0.1,0.2,0.3]"], "prompts[0].target.mean: expected 2 numbers"),
+    (["train.lr=0"], "train.lr: expected a positive number"),
+    (["train.steps=-1"], "train.steps: expected an integer in 0.."),
+    (["discretisation.limiter=true"], "discretisation.limiter: the limiter is not differentiable"),
+    (["objective.kind=mmd"], "objective.bandwidth: missing"),
+])
+def test_training_bad_input(tmp_path, args, expected):
+    cfg = write_config(tmp_path, CONFIG)
+    check_one_line_error(run_cli(["train", cfg, "--set", *args], cwd=str(tmp_path), check=False), expected)
+
+
+def test_target_missing(tmp_path):
+    cfg = write_config(tmp_path, CONFIG.replace('target = { mean = [0.0, 0.5], cov = 0.3 }\n', ""))
+    check_one_line_error(run_cli(["gradient", cfg], cwd=str(tmp_path), check=False),
+                         "prompts[1].target: missing: objective.kind = 'moments' needs")
