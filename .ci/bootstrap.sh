@@ -10,13 +10,15 @@
 #    another Python (the other Debian release, a different module) is rebuilt.
 # 3. Install pdeformer editable into it (console script `pdeformer`), with pip barred
 #    from touching numpy, mpi4py and petsc4py (no deps, and a constraints file).
+# On Debian the BLAS is OpenBLAS (libopenblas0-pthread): the attention kernel is matrix
+# products, several times faster than with the reference BLAS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${VENV:-.venv}
 DEBIAN_PACKAGES=(python3-dolfinx-real python3-petsc4py-real python3-mpi4py openmpi-bin
                  python3-venv python3-pip python3-setuptools python3-pytest python3-scipy
-                 python3-h5py python3-dev gcc libc6-dev git)
+                 python3-h5py python3-dev gcc libc6-dev git libopenblas0-pthread)
 say() { echo "setup: $*"; }
 die() { echo "setup: error: $*" >&2; exit 2; }
 

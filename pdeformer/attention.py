@@ -79,16 +79,19 @@ class TiltedMoments:
 
 
 class _Workspace:
-    """Source-side arrays shared by all heads and chunks of one kernel call."""
+    """Source-side arrays shared by all heads and chunks of one kernel call.
+
+    Both sums are matrix products (BLAS): the shifted scores
+    [b, 1] @ [y; log|w|] and the moments exp(scores) @ [1, y_c, y_c y_c^T]."""
 
     def __init__(self, sources: Sources, order: int, chunk_mb: float):
         y = sources.points
         M, d = y.shape
         self.d = d
-        self.yT = np.ascontiguousarray(y.T)  # (d, M): rows are contiguous coordinates
         w = sources.weights
         with np.errstate(divide="ignore"):
-            self.logw = np.log(np.abs(w))
+            logw = np.log(np.abs(w))
+        self.scores_rhs = np.ascontiguousarray(np.vstack([y.T, logw]))  # (d+1, M)
         sign = np.sign(w)
         # Moment columns are taken about a centre c to limit cancellation in C.
         self.centre = 0.5 * (y.min(axis=0) + y.max(axis=0)) if M else np.zeros(d)
@@ -96,31 +99,23 @@ class _Workspace:
         cols = [sign, *(sign * yc[:, a] for a in range(d))]
         if order >= 2:
             cols += [sign * yc[:, a] * yc[:, b] for a in range(d) for b in range(a, d)]
-        self.moment_rows = np.ascontiguousarray(np.array(cols))  # (ncols, M)
-        self.rows = max(1, int(chunk_mb * 2**20 / (16 * max(M, 1))))
+        self.moment_cols = np.ascontiguousarray(np.array(cols).T)  # (M, ncols)
+        self.rows = max(1, int(chunk_mb * 2**20 / (8 * max(M, 1))))
         self.M = M
-        self.S = self.T = None
-
-    def _buffers(self, n: int):
-        if self.S is None or self.S.shape[0] < n:
-            self.S = np.empty((n, self.M))
-            self.T = np.empty((n, self.M)) if self.d > 1 else None
-        return self.S[:n], (self.T[:n] if self.T is not None else None)
+        self.S = None
 
     def chunk_sums(self, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For targets' b (n,d): the row shift s_i = max_j <b_i,y_j> + log|w_j| and the
         shifted sums sum_j sign_j e^{<b_i,y_j> + log|w_j| - s_i} * [1, y_c, y_c y_c]_j."""
-        S, T = self._buffers(b.shape[0])
-        np.multiply(b[:, 0:1], self.yT[0], out=S)
-        for a in range(1, self.d):
-            np.multiply(b[:, a:a + 1], self.yT[a], out=T)
-            S += T
-        S += self.logw
+        n = b.shape[0]
+        if self.S is None or self.S.shape[0] < n:
+            self.S = np.empty((n, self.M))
+        S = self.S[:n]
+        np.matmul(np.hstack([b, np.ones((n, 1))]), self.scores_rhs, out=S)
         shift = S.max(axis=1, keepdims=True)
         S -= shift
         np.exp(S, out=S)
-        # numpy's own SIMD loop: faster than a (reference) BLAS gemm with d+1 columns
-        return shift[:, 0], np.einsum("ij,kj->ik", S, self.moment_rows)
+        return shift[:, 0], S @ self.moment_cols
 
 
 def _moments_from_sums(ws: _Workspace, shift, sums, order):
@@ -224,20 +219,16 @@ def attention_velocity_vjp(targets: np.ndarray, points: np.ndarray, weights: np.
     if N == 0 or M == 0:
         return out
     sources = Sources.from_arrays(y, weights)
-    yT = np.ascontiguousarray(y.T)
+    y_one = np.ascontiguousarray(np.vstack([y.T, np.ones(M)]))   # (d+1, M)
     for h, i0, i1, log_z, mean, cov in _chunk_moments(x, sources, A, 2, chunk_mb / 2):
         xs, gs = x[i0:i1], g[i0:i1]
         u = gs @ V[h] / H                                   # rows: V_h^T g_i / H
         out.V[h] += gs.T @ mean / H
         out.A[h] += np.einsum("nab,nb,nc->ac", cov, u, xs)
-        b = xs @ A[h].T
-        E = b[:, 0:1] * yT[0]
-        for a in range(1, d):
-            E += b[:, a:a + 1] * yT[a]
-        E -= log_z[:, None]
+        E = np.hstack([xs @ A[h].T, -log_z[:, None]]) @ y_one   # <b_i, y_j> - log Z_i
         with np.errstate(over="ignore"):
             np.exp(E, out=E)
         coef = np.hstack([u, -np.einsum("na,na->n", u, mean)[:, None]])   # (n, d+1)
-        T = np.einsum("ij,ik->jk", E, coef)                                 # (M, d+1)
+        T = E.T @ coef                                                      # (M, d+1)
         out.weights += np.einsum("ja,ja->j", y, T[:, :d]) + T[:, d]
     return out

@@ -13,6 +13,7 @@ job ends. Anything unexpected prints its traceback and aborts the whole MPI job.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from . import __version__
@@ -141,6 +142,9 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
+    if comm.size > 1:  # one BLAS thread per rank unless told otherwise (before numpy loads)
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+            os.environ.setdefault(var, "1")
     try:
         return _info(args, comm) if args.command == "info" else _run(args, comm)
     except PdeformerError as e:

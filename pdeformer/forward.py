@@ -282,12 +282,13 @@ class ForwardSolver:
                         n_left = (n_frame - frame_steps if n_frame is not None
                                   else self._cfl_steps(t_end - t, dt_cfl, vmax, layer_steps))
                         dt = (t_end - t) / n_left
-                        if dt > dt_cfl and not warned:
+                        # fixed or frozen steps: warn past cfl = 1, about the stability limit
+                        if dt * self.disc["cfl"] > dt_cfl and not warned:
                             warned = True
                             if self.comm.rank == 0:
-                                log.warning("warning: %s: the fixed step %.3g exceeds the CFL step "
-                                            "%.3g (|v| = %.3g); raise steps_per_layer if the run "
-                                            "goes unstable", where, dt, dt_cfl, vmax)
+                                log.warning("warning: %s: the fixed step %.3g is past the stability "
+                                            "limit (cfl 1 at |v| = %.3g); raise steps_per_layer",
+                                            where, dt, vmax)
                         state = self._step(state, dt, layer, vel0, tape)
                         if any_rank(self.comm, not np.all(np.isfinite(state[0]))):
                             raise SolverBreakdown("the density is NaN or overflows after this step")
