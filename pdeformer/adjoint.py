@@ -143,10 +143,8 @@ class AdjointSolver:
         with fw.timer.phase("adjoint transport"):
             Ybar, vbar = tr.rate_vjp(Lbar)
         with fw.timer.phase("adjoint velocity"):
-            w_all = tr.all_source_weights()
-            ct = fw.velocity_field.vjp(tr.source_points, w_all, layer, vbar)
-            tr.comm.Allreduce(MPI.IN_PLACE, ct.weights, op=MPI.SUM)
-        wbar = ct.weights[tr.source_slice]
+            ct = fw.velocity_field.vjp(tr.sources.points, tr.sources.weights(), layer, vbar)
+        wbar = ct.weights
         if any_rank(tr.comm, not (np.all(np.isfinite(wbar)) and np.all(np.isfinite(Ybar)))):
             raise SolverBreakdown("the adjoint is NaN or overflows (attention too sharp?)")
         dA[layer] += ct.A

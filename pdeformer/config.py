@@ -194,7 +194,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "init_scale": Key(number(positive=True), 1.0, "Q, K, V entries ~ N(0, init_scale^2 / d)"),
     },
     "attention": {
-        "backend": Key(string(("direct",)), "direct", "how the attention velocity is summed"),
+        "backend": Key(string(("direct", "laplace", "auto")), "auto",
+                       "direct summation, a log-Laplace table (d <= 2), or auto"),
+        "tol": Key(number(positive=True, hi=1e-1), 1e-8, "accuracy of the laplace table (relative)"),
         "chunk_mb": Key(number(positive=True, hi=4096), 2.0, "working memory of one kernel chunk (MB)"),
     },
     "output": {

@@ -157,7 +157,7 @@ class ForwardSolver:
             self.transport = DGTransport(problem.mesh, disc["degree"], disc["velocity_degree"],
                                          disc["quadrature_degree"], cfg["petsc"])
             self.velocity_field = AttentionVelocity(self.transport.W, problem.heads,
-                                                    cfg["attention"]["chunk_mb"])
+                                                    cfg["attention"], self.comm)
         self.scheme = SCHEMES[disc["scheme"]]
         # uniform steps per frame with counts frozen at the frame's start (gradients need
         # a step plan that does not move with the heads); step_counts can be preset
@@ -207,7 +207,7 @@ class ForwardSolver:
         tr = self.transport
         with self.timer.phase("velocity"):
             tr.set_state(coeffs)
-            vel = self.velocity_field(tr.current_sources(), layer)
+            vel = self.velocity_field(tr.sources.points, tr.source_weights(), layer)
         self.stats["velocity_evaluations"] += 1
         if any_rank(self.comm, not np.all(np.isfinite(vel))):
             raise SolverBreakdown("the velocity is NaN or overflows")

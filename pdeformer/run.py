@@ -83,9 +83,11 @@ class Run:
                      "cell_type": dfx.cell_type_name(p.mesh),
                      "density_dofs": tr.V.dofmap.index_map.size_global,
                      "velocity_nodes": tr.W.dofmap.index_map.size_global,
-                     "attention_sources": int(tr.source_points.shape[0])},
+                     "attention_sources": int(tr.n_sources)},
             "model": {"layers": p.heads.layers, "heads": p.heads.heads, "key_dim": p.heads.key_dim},
             "prompts": self.solver.prompt_info, "stats": self.solver.stats, "timings": timings,
+            "attention": {"backend": self.cfg["attention"]["backend"], "tol": self.cfg["attention"]["tol"],
+                          **self.solver.velocity_field.stats},
             **results}
         if self.comm.rank == 0:
             write_json(self.path("summary.json"), summary)

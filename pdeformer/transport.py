@@ -36,9 +36,8 @@ import dolfinx.fem
 import dolfinx.fem.petsc
 
 from . import _dolfinx as dfx
-from .attention import Sources
 from .errors import ConfigError, InputError, SolverBreakdown
-from .parallel import allgather_rows, any_rank
+from .parallel import any_rank
 
 MASS_PREFIX = "pdeformer_mass_"
 MASS_DEFAULTS = {"ksp_type": "preonly", "pc_type": "bjacobi", "sub_pc_type": "lu"}
@@ -146,10 +145,7 @@ class DGTransport:
         self._build_mass_solver(petsc_options or {})
         self._build_cell_data()
         self.sources = CellQuadrature(mesh, source_degree, self.u)
-        self.source_points = allgather_rows(self.comm, self.sources.points)
-        counts = self.comm.allgather(len(self.sources.points))
-        start = sum(counts[:self.comm.rank])
-        self.source_slice = slice(start, start + counts[self.comm.rank])  # this rank's part
+        self.n_sources = self.comm.allreduce(len(self.sources.points), op=MPI.SUM)
         simplex = dfx.cell_type_name(mesh) in ("interval", "triangle", "tetrahedron")
         self.moment_rule = CellQuadrature(mesh, degree + 2 if simplex else degree + 4, self.u)
         # rho is checked (limiter, min_rho) at the vertices, the attention sources and the
@@ -245,16 +241,13 @@ class DGTransport:
         self.v.x.array[:owned_values.size] = owned_values.ravel()
         self.v.x.scatter_forward()
 
-    def all_source_weights(self) -> np.ndarray:
-        """rho omega at every rank's quadrature points (zeros included), gathered."""
-        return allgather_rows(self.comm, self.sources.weights())
-
-    def current_sources(self) -> Sources:
-        """rho on all ranks' quadrature points: the sources of the attention kernel."""
-        sources = Sources.from_arrays(self.source_points, self.all_source_weights())
-        if len(sources) == 0:
+    def source_weights(self) -> np.ndarray:
+        """rho omega at this rank's attention quadrature points (zeros included); a
+        density that is zero everywhere (all mass gone) stops the run."""
+        w = self.sources.weights()
+        if not any_rank(self.comm, np.any(w != 0)):
             raise SolverBreakdown("the density is zero everywhere: all mass has left the mesh")
-        return sources
+        return w
 
     # ---------------------------------------------------------------- operator
     def rate(self) -> tuple[np.ndarray, float]:

@@ -1,36 +1,131 @@
-"""The attention velocity on the mesh: kernel sources from rho, targets at velocity nodes.
+"""The attention velocity on the mesh: sources from rho, targets at the velocity nodes.
 
 v_t[rho](x) = (1/H) sum_h V_h grad Lambda_rho(A_h x) (design §1). Sources are rho's
-quadrature points on every rank's owned cells, gathered on all ranks (each rank then
-holds the whole density); targets are the rank's own nodes of the Lagrange velocity
-space, so no rank computes another's values and the result does not depend on the
-partition beyond summation order.
+quadrature points on every rank's owned cells; targets are the rank's own nodes of the
+Lagrange velocity space. Two ways to sum (``[attention] backend``):
+
+* ``direct``: the sources of all ranks are gathered on every rank and every target meets
+  every source (pdeformer.attention); exact.
+* ``laplace``: Lambda_rho's gradient tabulated once on a Chebyshev grid in b, summed over
+  each rank's own sources and all-reduced, then interpolated for every head and target
+  (pdeformer.laplace); accurate to ``tol``.
+* ``auto``: laplace where its error estimate meets ``tol`` and it is cheaper than direct,
+  direct otherwise (sharp attention, d = 3). Every choice is counted in :attr:`stats`.
+
+Either way the result depends on the partition only through summation order.
 """
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
+from mpi4py import MPI
 
 from ._dolfinx import owned_node_coordinates
 from .attention import Sources, VelocityCotangent, attention_velocity, attention_velocity_vjp
+from .errors import SolverBreakdown
 from .heads import HeadMeasure
+from .laplace import N_MAX_FORCED, b_range, choose_table, direct_estimate, flops_estimate
+from .parallel import allgather_rows
+
+log = logging.getLogger("pdeformer")
 
 
 class AttentionVelocity:
-    def __init__(self, W, heads: HeadMeasure, chunk_mb: float = 2.0):
+    def __init__(self, W, heads: HeadMeasure, attention: dict | None = None, comm=None):
+        attention = attention or {}
         self.targets = owned_node_coordinates(W)
         self.heads = heads  # read at every call: training updates it in place
-        self.chunk_mb = chunk_mb
+        self.backend = attention.get("backend", "direct")
+        self.tol = attention.get("tol", 1e-8)
+        self.chunk_mb = attention.get("chunk_mb", 2.0)
+        self.comm = comm or W.mesh.comm
+        self._gathered = None  # (points object, all points, slice of this rank)
+        self.stats = {"direct": 0, "laplace": 0, "largest_estimate": 0.0, "largest_grid": 0}
 
-    def __call__(self, sources: Sources, layer: int) -> np.ndarray:
-        """Velocity of ``layer`` at the owned nodes, (n_nodes, d)."""
-        return attention_velocity(self.targets, sources, self.heads.attention_matrices(layer),
-                                  self.heads.values(layer), chunk_mb=self.chunk_mb)
+    # ------------------------------------------------------------------ helpers
+    def _all_points(self, points):
+        if self._gathered is None or self._gathered[0] is not points:
+            counts = self.comm.allgather(len(points))
+            start = sum(counts[:self.comm.rank])
+            self._gathered = (points, allgather_rows(self.comm, points),
+                              slice(start, start + len(points)))
+        return self._gathered[1], self._gathered[2]
+
+    def _table(self, points, weights, A):
+        """A laplace table for this evaluation, or None where direct must (or should) do."""
+        d = points.shape[1]
+        if self.backend == "direct" or (d > 2 and self.backend == "auto"):
+            return None
+        if d > 2:
+            raise ValueError("backend 'laplace' is implemented for d = 1 and 2")
+        n_max = N_MAX_FORCED
+        if self.backend == "auto":
+            M = self.comm.allreduce(len(points), op=MPI.SUM)
+            N = self.comm.allreduce(len(self.targets), op=MPI.SUM)
+            H = A.shape[0]
+            cheaper = [n for n in (17, 33, 65, 129, 257)
+                       if flops_estimate(n, d, M, N * H) < direct_estimate(N, H, M)]
+            if not cheaper:
+                return None
+            n_max = cheaper[-1]
+        try:
+            lo, hi = b_range(self.targets, A, self.comm)
+            if not (np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))):
+                raise FloatingPointError("attention matrices are not finite")
+            table, est = choose_table(points, weights, lo, hi, self.comm, self.tol, n_max=n_max)
+        except FloatingPointError as e:
+            if self.backend == "laplace":
+                raise SolverBreakdown(f"attention backend 'laplace': {e}; use 'auto' or 'direct'") from None
+            return None
+        self.stats["largest_estimate"] = max(self.stats["largest_estimate"], est)
+        if est > self.tol:
+            if self.backend == "auto":
+                return None
+            raise SolverBreakdown(f"attention backend 'laplace' cannot reach tol = {self.tol:g} "
+                                  f"(estimate {est:.2g} with a {table.n}-point grid); use 'auto' "
+                                  "or 'direct', or raise attention.tol")
+        self.stats["largest_grid"] = max(self.stats["largest_grid"], table.n)
+        return table
+
+    # ------------------------------------------------------------------ velocity
+    def __call__(self, points: np.ndarray, weights: np.ndarray, layer: int) -> np.ndarray:
+        """Velocity of ``layer`` at the owned nodes, (n_nodes, d), for the density given
+        by this rank's source points and weights."""
+        A, V = self.heads.attention_matrices(layer), self.heads.values(layer)
+        table = self._table(points, weights, A)
+        if table is None:
+            self.stats["direct"] += 1
+            all_points, _ = self._all_points(points)
+            sources = Sources.from_arrays(all_points, allgather_rows(self.comm, weights))
+            return attention_velocity(self.targets, sources, A, V, chunk_mb=self.chunk_mb)
+        self.stats["laplace"] += 1
+        H, N, d = A.shape[0], self.targets.shape[0], A.shape[1]
+        b = np.einsum("hij,nj->hni", A, self.targets).reshape(-1, d)
+        m = table.means(b).reshape(H, N, d)
+        return np.einsum("hij,hnj->ni", V, m) / H
 
     def vjp(self, points: np.ndarray, weights: np.ndarray, layer: int, g: np.ndarray
             ) -> VelocityCotangent:
-        """Cotangents (source weights, A, V of ``layer``) of <g, v> for this rank's
-        nodes; the weight part is summed over ranks by the caller."""
-        return attention_velocity_vjp(self.targets, points, weights,
-                                      self.heads.attention_matrices(layer),
-                                      self.heads.values(layer), g, chunk_mb=self.chunk_mb)
+        """Cotangents of <g, v> (g at this rank's nodes): this rank's source weights,
+        and A, V of ``layer`` (this rank's share; the caller sums over ranks)."""
+        A, V = self.heads.attention_matrices(layer), self.heads.values(layer)
+        table = self._table(points, weights, A)
+        if table is None:
+            all_points, mine = self._all_points(points)
+            ct = attention_velocity_vjp(self.targets, all_points, allgather_rows(self.comm, weights),
+                                        A, V, g, chunk_mb=self.chunk_mb)
+            self.comm.Allreduce(MPI.IN_PLACE, ct.weights, op=MPI.SUM)
+            ct.weights = ct.weights[mine].copy()
+            return ct
+        H, N, d = A.shape[0], self.targets.shape[0], A.shape[1]
+        x = self.targets
+        b = np.einsum("hij,nj->hni", A, x).reshape(-1, d)
+        u = np.einsum("nk,hkj->hnj", g, V) / H            # V_h^T g_i / H
+        m = table.means(b).reshape(H, N, d)
+        J = table.jacobians(b).reshape(H, N, d, d)        # dm_k/db_a
+        dV = np.einsum("nk,hnj->hkj", g, m) / H
+        dA = np.einsum("hnka,hnk,nc->hac", J, u, x)
+        mbar = table.table_cotangent(b, u.reshape(-1, d))
+        return VelocityCotangent(table.weights_cotangent(mbar), dA, dV)

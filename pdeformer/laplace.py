@@ -1,0 +1,342 @@
+r"""Fast attention: the log-Laplace transform of rho tabulated once for all heads.
+
+Every head's velocity is V_h grad Lambda_rho(A_h x) with
+Lambda_rho(b) = log int e^{<b,y>} rho(y) dy (design §4). Lambda depends on rho alone, so
+its gradient m(b) (and Hessian C(b)) are tabulated on a tensor Chebyshev-Lobatto grid
+covering every b = A_h x, and each head and target costs an interpolation:
+
+* table: e^{<b,y>} = prod_a e^{b_a y_a} factorises per coordinate, so for d = 2 the sums
+  Z[g1,g2] = sum_j w_j e^{b1_g1 y1_j} e^{b2_g2 y2_j} (and the y-moments) are matrix
+  products (n x M)(M x n). Each rank sums its own sources; one Allreduce of the n^d
+  tables completes them (no source gather).
+* log-domain safety: every factor is shifted by its largest exponent over the sources
+  (so it is <= 1), and the sources are split into tiles small enough that the product
+  of two shifted factors cannot underflow (|b| x tile size bounded); tiles combine by
+  log-sum-exp. Moments are ratios, so the shifts cancel.
+* interpolation: barycentric in each coordinate, (P x n) weights; with the tables it is
+  again matrix products, P = targets x heads.
+* accuracy: the grid size n is chosen from the b-range and ``tol`` by the decay of the
+  tables' Chebyshev coefficients (doubling n until the tail is below tol); the grid box
+  is rounded outward to a dyadic lattice, so box and n stay fixed under small changes
+  of the heads and the interpolated map is smooth in them (gradients are exact for it).
+
+Reverse mode (:meth:`LaplaceTable.vjp`): table cotangents are the transposed
+interpolation of the target cotangents (matrix products again); the source-weight
+cotangents follow from dm/dw_j = e^{<b,y_j>} (y_j - m) / Z per grid node, i.e. the
+transposed factorised sum -- the adjoint's nonlocal source term at the same cost.
+
+Implemented for d = 1 and 2. In d = 3 an n^3 table with n ~ 33-65 costs more than direct
+summation at the sizes pdeformer meshes reach, so ``auto`` uses direct there.
+"""
+
+from __future__ import annotations
+
+
+import numpy as np
+from mpi4py import MPI
+
+N_MIN, N_MAX = 17, 257
+N_MAX_FORCED = 1025     # backend "laplace" (not auto) may refine this far before giving up
+UNDERFLOW_GAP = 600.0   # keep every shifted exponent above e^-600 (float64 ~ e^-708)
+MAX_TILES = 4096
+
+
+def chebyshev_lobatto(n: int, lo: float, hi: float) -> tuple[np.ndarray, np.ndarray]:
+    """n Chebyshev-Lobatto points on [lo, hi] (increasing) and their barycentric weights."""
+    k = np.arange(n)
+    x = -np.cos(np.pi * k / (n - 1))
+    lam = (-1.0) ** k
+    lam[0] *= 0.5
+    lam[-1] *= 0.5
+    return lo + (hi - lo) * (x + 1) / 2, lam
+
+
+def barycentric_weights(x: np.ndarray, nodes: np.ndarray, lam: np.ndarray) -> np.ndarray:
+    """(P, n) matrix W with p(x_i) = sum_g W[i, g] p_g for the polynomial interpolant
+    (barycentric formula; a point on a node gets that node's value)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        W = lam / (x[:, None] - nodes[None, :])
+        W /= W.sum(axis=1, keepdims=True)
+    idx = np.clip(np.searchsorted(nodes, x), 0, len(nodes) - 1)
+    for cand in (idx, np.maximum(idx - 1, 0)):
+        hit = nodes[cand] == x
+        if np.any(hit):
+            W[hit] = 0.0
+            W[hit, cand[hit]] = 1.0
+    return W
+
+
+def differentiation_matrix(nodes: np.ndarray, lam: np.ndarray) -> np.ndarray:
+    """D with (D p)_g = p'(node_g) for the interpolating polynomial of p (Berrut-Trefethen)."""
+    diff = nodes[:, None] - nodes[None, :]
+    np.fill_diagonal(diff, 1.0)
+    D = (lam[None, :] / lam[:, None]) / diff
+    np.fill_diagonal(D, 0.0)
+    np.fill_diagonal(D, -D.sum(axis=1))
+    return D
+
+
+def chebyshev_tail(values: np.ndarray) -> float:
+    """Largest |Chebyshev coefficient| in the top quarter of modes along any axis of a
+    table on Lobatto nodes (coefficients by an FFT of the even extension)."""
+    c = np.asarray(values, float)
+    for axis in range(c.ndim):
+        n = c.shape[axis]
+        ext = np.concatenate([c, np.flip(c, axis=axis).take(range(1, n - 1), axis=axis)], axis=axis)
+        c = np.fft.rfft(ext, axis=axis).real / (n - 1)
+    n = c.shape[0]
+    cut = n - max(2, n // 4)
+    mask = np.zeros(c.shape, bool)
+    for axis in range(c.ndim):
+        idx = [slice(None)] * c.ndim
+        idx[axis] = slice(cut, None)
+        mask[tuple(idx)] = True
+    return float(np.abs(c[mask]).max())
+
+
+def grid_box(b_lo: np.ndarray, b_hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The b-range rounded outward to a dyadic lattice (1/8 of its width, at least 1/16):
+    the same box for small changes of the heads."""
+    width = np.maximum(b_hi - b_lo, 0.5)
+    step = 2.0 ** np.floor(np.log2(width / 8))
+    return np.floor(b_lo / step) * step - step, np.ceil(b_hi / step) * step + step
+
+
+class LaplaceTable:
+    """m(b) = grad Lambda (and C(b) = Hess Lambda if ``order`` is 2) on a Chebyshev grid.
+
+    ``points``/``weights`` are this rank's sources; tables are summed over ``comm``."""
+
+    def __init__(self, points, weights, lo, hi, n: int, comm, order: int = 1, tiles=None):
+        self.d = points.shape[1]
+        if self.d > 2:
+            raise ValueError("the laplace backend is implemented for d = 1 and 2")
+        self.comm, self.n, self.order = comm, n, order
+        self.lo, self.hi = np.asarray(lo, float), np.asarray(hi, float)
+        self.axes = [chebyshev_lobatto(n, a, b) for a, b in zip(self.lo, self.hi)]
+        self.ncols = 1 + self.d + (self.d * (self.d + 1) // 2 if order >= 2 else 0)
+        self.tiles = tiles if tiles is not None else self._split(points, weights)
+        self._build()
+
+    # ------------------------------------------------------------------ tables
+    def _split(self, points, weights) -> list:
+        """Tiles of the sources' bounding box, small enough that no shifted product of
+        per-axis factors underflows: max|b| x tile extent <= UNDERFLOW_GAP per axis."""
+        lo, hi = np.empty(self.d), np.empty(self.d)
+        self.comm.Allreduce(points.min(axis=0) if len(points) else np.full(self.d, np.inf), lo, op=MPI.MIN)
+        self.comm.Allreduce(points.max(axis=0) if len(points) else np.full(self.d, -np.inf), hi, op=MPI.MAX)
+        bmax = np.maximum(np.abs(self.lo), np.abs(self.hi))
+        counts = np.maximum(1, np.ceil(bmax * (hi - lo) * self.d / UNDERFLOW_GAP))
+        if not np.all(np.isfinite(counts)) or np.prod(counts) > MAX_TILES:
+            raise FloatingPointError(f"attention too sharp for a laplace table (|b| up to {bmax.max():.3g})")
+        counts = counts.astype(int)
+        edges = [np.linspace(a, b, k + 1) for a, b, k in zip(lo, hi, counts)]
+        index = np.zeros(len(points), int)
+        for a in range(self.d):
+            i = np.clip(np.searchsorted(edges[a], points[:, a], side="right") - 1, 0, counts[a] - 1)
+            index = index * counts[a] + i
+        order = [np.flatnonzero(index == t) for t in range(int(np.prod(counts)))]
+        return [(points[i], weights[i], i) for i in order]
+
+    def _factors(self, pts):
+        """Per axis: b_g * y_j (n, M) and its max over the tile's points (global)."""
+        raw = [np.outer(nodes, pts[:, a]) for a, (nodes, _) in enumerate(self.axes)]
+        shifts = []
+        for r in raw:
+            local = r.max(axis=1) if r.shape[1] else np.full(self.n, -np.inf)
+            s = np.empty(self.n)
+            self.comm.Allreduce(local, s, op=MPI.MAX)
+            shifts.append(np.where(np.isfinite(s), s, 0.0))
+        return raw, shifts
+
+    def _build(self):
+        d, n = self.d, self.n
+        self.tile_data = []
+        sums, logscale = [], []
+        for pts, w, _ in self.tiles:
+            raw, shifts = self._factors(pts)
+            E = [np.exp(r - s[:, None]) for r, s in zip(raw, shifts)]
+            cols = self._moment_columns(pts, w)              # (M, ncols)
+            if d == 1:
+                local = (E[0] @ cols).T                       # (ncols, n)
+            else:
+                local = np.stack([(E[0] * c) @ E[1].T for c in cols.T])   # (ncols, n, n)
+            local = np.ascontiguousarray(local)
+            total = np.empty(local.shape)
+            self.comm.Allreduce(local, total, op=MPI.SUM)
+            scale = shifts[0] if d == 1 else shifts[0][:, None] + shifts[1][None, :]
+            self.tile_data.append((pts, w, shifts))
+            sums.append(total)
+            logscale.append(scale)
+        # combine tiles by log-sum-exp per node: ref = max_t (scale_t + log Z_t)
+        with np.errstate(divide="ignore"):
+            logs = [ls + np.log(np.maximum(sm[0], 0.0)) for ls, sm in zip(logscale, sums)]
+        ref = np.max(logs, axis=0)
+        ref = np.where(np.isfinite(ref), ref, 0.0)
+        S = sum(np.exp(ls - ref) * sm for ls, sm in zip(logscale, sums))
+        Z = S[0]
+        if np.any(~(Z > 0)):
+            raise FloatingPointError("laplace table: the partition function vanishes "
+                                     "(negative or underflowing weights)")
+        self.log_z = np.log(Z) + ref
+        self.Zhat = Z
+        self.ref = ref
+        self.m = S[1:1 + d] / Z                              # (d, grid)
+        if self.order >= 2:
+            C = np.empty((d, d) + Z.shape)
+            c = 1 + d
+            for a in range(d):
+                for b in range(a, d):
+                    C[a, b] = S[c] / Z - self.m[a] * self.m[b]
+                    C[b, a] = C[a, b]
+                    c += 1
+            self.C = C
+
+    def _moment_columns(self, pts, w):
+        d = self.d
+        cols = [w, *(w * pts[:, a] for a in range(d))]
+        if self.order >= 2:
+            cols += [w * pts[:, a] * pts[:, b] for a in range(d) for b in range(a, d)]
+        return np.array(cols).T if len(cols[0]) else np.zeros((0, self.ncols))
+
+    def error_estimate(self) -> float:
+        """Interpolation error of m relative to its size: 4 x the largest Chebyshev
+        coefficient in the top quarter of modes (measured: within 0.3-200 x the true
+        error for n = 17-129, never below it by more than 3 x before the factor 4)."""
+        scale = max(np.abs(self.m).max(), 1e-300)
+        return 4.0 * max(chebyshev_tail(t) for t in self.m) / scale
+
+    # ------------------------------------------------------------------ evaluation
+    CHUNK = 2048  # points per block: the (chunk x n) weights stay in cache
+
+    def weights_at(self, b: np.ndarray) -> list:
+        return [barycentric_weights(b[:, a], nodes, lam) for a, (nodes, lam) in enumerate(self.axes)]
+
+    def interpolate(self, table: np.ndarray, W: list) -> np.ndarray:
+        """Values of one tabulated function at the points whose weights are W."""
+        if self.d == 1:
+            return W[0] @ table
+        return np.einsum("pg,pg->p", W[0] @ table, W[1])
+
+    def blocks(self, P: int):
+        for i0 in range(0, P, self.CHUNK):
+            yield slice(i0, min(P, i0 + self.CHUNK))
+
+    def means(self, b: np.ndarray) -> np.ndarray:
+        """m(b) of the interpolant at points b (P, d) -> (P, d)."""
+        out = np.empty_like(b)
+        for blk in self.blocks(b.shape[0]):
+            W = self.weights_at(b[blk])
+            for k in range(self.d):
+                out[blk, k] = self.interpolate(self.m[k], W)
+        return out
+
+    def covariances(self, b: np.ndarray) -> np.ndarray:
+        """C(b) (P, d, d) interpolated from the order-2 table."""
+        d = self.d
+        out = np.empty((b.shape[0], d, d))
+        for blk in self.blocks(b.shape[0]):
+            W = self.weights_at(b[blk])
+            for a in range(d):
+                for c in range(a, d):
+                    out[blk, a, c] = out[blk, c, a] = self.interpolate(self.C[a, c], W)
+        return out
+
+    def jacobians(self, b: np.ndarray) -> np.ndarray:
+        """d m_k / d b_a of the interpolant at b: (P, d, d) [k, a]."""
+        d = self.d
+        tables = []
+        for a, (nodes, lam) in enumerate(self.axes):
+            D = differentiation_matrix(nodes, lam)
+            tables.append([np.moveaxis(np.tensordot(D, self.m[k], axes=(1, a)), 0, a)
+                           for k in range(d)])
+        out = np.empty((b.shape[0], d, d))
+        for blk in self.blocks(b.shape[0]):
+            W = self.weights_at(b[blk])
+            for a in range(d):
+                for k in range(d):
+                    out[blk, k, a] = self.interpolate(tables[a][k], W)
+        return out
+
+    # ------------------------------------------------------------------ reverse mode
+    def table_cotangent(self, b: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """mbar[k] = sum_p u[p, k] W(b_p) (transposed interpolation), summed over ranks."""
+        d = self.d
+        local = np.zeros((d,) + self.m.shape[1:])
+        for blk in self.blocks(b.shape[0]):
+            W = self.weights_at(b[blk])
+            for k in range(d):
+                if d == 1:
+                    local[k] += W[0].T @ u[blk, k]
+                else:
+                    local[k] += (W[0] * u[blk, k:k + 1]).T @ W[1]
+        total = np.empty_like(local)
+        self.comm.Allreduce(local, total, op=MPI.SUM)
+        return total
+
+    def weights_cotangent(self, mbar: np.ndarray) -> np.ndarray:
+        """d<mbar, m>/dw_j for this rank's sources (in their original order), with
+        dm_g/dw_j = e^{<b_g, y_j>} (y_j - m_g) / Z_g on every grid node g."""
+        d = self.d
+        out = np.zeros(sum(len(t[2]) for t in self.tiles))
+        for (pts, w, shifts), (_, _, idx) in zip(self.tile_data, self.tiles):
+            if len(pts) == 0:
+                continue
+            raw = [np.outer(nodes, pts[:, a]) for a, (nodes, _) in enumerate(self.axes)]
+            E = [np.exp(r - s[:, None]) for r, s in zip(raw, shifts)]
+            scale = shifts[0] if d == 1 else shifts[0][:, None] + shifts[1][None, :]
+            factor = np.exp(scale - self.ref) / self.Zhat     # e^{shift}/Z on the grid
+            beta = [mbar[k] * factor for k in range(d)]       # coefficient of y_k
+            beta0 = -sum(mbar[k] * self.m[k] for k in range(d)) * factor
+            if d == 1:
+                acc = E[0].T @ beta0 + pts[:, 0] * (E[0].T @ beta[0])
+            else:
+                def diag(X):
+                    return np.einsum("jc,cj->j", E[0].T @ X, E[1])
+                acc = diag(beta0) + sum(pts[:, k] * diag(beta[k]) for k in range(d))
+            out[idx] = acc
+        return out
+
+
+def choose_table(points, weights, b_lo, b_hi, comm, tol: float, order: int = 1,
+                 n_max: int = N_MAX, n_start: int | None = None):
+    """The smallest table on the rounded box whose error estimate meets ``tol``, doubling
+    n (17, 33, 65, ...) up to n_max; returns (table, estimate). The estimate of the last
+    table tried is returned even when it misses tol (then the caller decides)."""
+    lo, hi = grid_box(np.asarray(b_lo, float), np.asarray(b_hi, float))
+    n = n_start or N_MIN
+    tiles = None
+    while True:
+        table = LaplaceTable(points, weights, lo, hi, n, comm, order, tiles)
+        tiles = table.tiles
+        est = table.error_estimate()
+        if est <= tol or 2 * n - 1 > n_max:
+            return table, est
+        n = 2 * n - 1
+
+
+def b_range(targets: np.ndarray, A: np.ndarray, comm) -> tuple[np.ndarray, np.ndarray]:
+    """min and max over heads, this rank's targets and all ranks of b = A_h x."""
+    d = A.shape[1]
+    if targets.shape[0]:
+        b = np.einsum("hij,nj->hni", A, targets).reshape(-1, d)
+        lo, hi = b.min(axis=0), b.max(axis=0)
+    else:
+        lo, hi = np.full(d, np.inf), np.full(d, -np.inf)
+    glo, ghi = np.empty(d), np.empty(d)
+    comm.Allreduce(lo, glo, op=MPI.MIN)
+    comm.Allreduce(hi, ghi, op=MPI.MAX)
+    return glo, ghi
+
+
+def flops_estimate(n: int, d: int, sources: int, points: int) -> float:
+    """Matrix-product flops of an order-1 table (1 + d sums over the sources) and of
+    interpolating its d components at ``points`` (for the auto backend)."""
+    return 2.0 * n**d * sources * (1 + d) + 2.0 * points * n**d * d
+
+
+def direct_estimate(targets: int, heads: int, sources: int) -> float:
+    """Direct summation in the same units: one exp plus a score and moment product per
+    pair costs about 50 matrix-product flops (measured with OpenBLAS: 1.65 ns per pair
+    against 0.03 ns per flop)."""
+    return 50.0 * targets * heads * sources
