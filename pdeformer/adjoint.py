@@ -94,7 +94,7 @@ class AdjointSolver:
         for s in range(S):
             tape = []
             coeffs, _ = fw.solve_prompt(s, tape=tape)
-            tape_bytes = max(tape_bytes, sum(Y.nbytes + v.nbytes for _, _, st in tape for Y, v in st))
+            tape_bytes = max(tape_bytes, sum(Y.nbytes + v.nbytes for _, _, st in tape for Y, v, _ in st))
             F, lam = self.objective_at(s, coeffs)
             risks.append(F)
             name = fw.problem.prompts[s][0]
@@ -131,11 +131,11 @@ class AdjointSolver:
                         add(Lbar, j, (dt * b) * Ybar[i])
             j = i - 1  # every stage after j has been visited: Lbar[j] is complete
             if Lbar[j] is not None:
-                Y, vel = stages[j]
-                add(Ybar, j, self._rate_vjp(Y, vel, layer, Lbar[j], dA, dV))
+                Y, vel, plan = stages[j]
+                add(Ybar, j, self._rate_vjp(Y, vel, plan, layer, Lbar[j], dA, dV))
         return Ybar[0]
 
-    def _rate_vjp(self, Y, vel, layer, Lbar, dA, dV) -> np.ndarray:
+    def _rate_vjp(self, Y, vel, plan, layer, Lbar, dA, dV) -> np.ndarray:
         fw = self.forward
         tr = fw.transport
         tr.set_state(Y)
@@ -143,7 +143,7 @@ class AdjointSolver:
         with fw.timer.phase("adjoint transport"):
             Ybar, vbar = tr.rate_vjp(Lbar)
         with fw.timer.phase("adjoint velocity"):
-            ct = fw.velocity_field.vjp(tr.sources.points, tr.sources.weights(), layer, vbar)
+            ct = fw.velocity_field.vjp(tr.sources.points, tr.sources.weights(), layer, vbar, plan)
         wbar = ct.weights
         if any_rank(tr.comm, not (np.all(np.isfinite(wbar)) and np.all(np.isfinite(Ybar)))):
             raise SolverBreakdown("the adjoint is NaN or overflows (attention too sharp?)")

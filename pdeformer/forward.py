@@ -238,7 +238,7 @@ class ForwardSolver:
         want_v = any(tr.needs_velocity for tr in trackers)
         state = [self.initial_coeffs[index].copy(), np.zeros(1)]
         march = {"steps": 0, "dt": math.nan}
-        cache = None  # (state, layer, velocity): the next step's first stage reuses it
+        cache = None  # (state, layer, velocity, plan): the next step's first stage reuses it
 
         def emit(t, layer, boundary):
             nonlocal cache
@@ -248,7 +248,7 @@ class ForwardSolver:
                 try:
                     with located(f"prompt {name!r}, layer {at}, t = {t:.6g}"):
                         vel = self.velocity(state[0], at)
-                    cache = (state, at, vel)
+                    cache = (state, at, vel, self.velocity_field.last_plan)
                 except SolverBreakdown as e:  # still record the density, then stop
                     failure = e
             frame = Frame(name, index, t, layer, boundary, march["steps"], march["dt"],
@@ -271,10 +271,11 @@ class ForwardSolver:
                 while t < t_end:
                     with located(f"prompt {name!r}, layer {layer}, t = {t:.6g}") as where:
                         if cache is not None and cache[0] is state and cache[1] == layer:
-                            vel0 = cache[2]
+                            vel0, plan0 = cache[2], cache[3]
                             self.transport.set_velocity(vel0)
                         else:
                             vel0 = self.velocity(state[0], layer)
+                            plan0 = self.velocity_field.last_plan
                         dt_cfl, vmax = self.transport.cfl_step(self.disc["cfl"] * self.scheme.cfl_factor)
                         if n_frame is None and self.freeze_steps:  # uniform steps, count frozen now
                             n_frame = self._cfl_steps(t_end - t, dt_cfl, vmax, layer_steps)
@@ -289,7 +290,7 @@ class ForwardSolver:
                                 log.warning("warning: %s: the fixed step %.3g is past the stability "
                                             "limit (cfl 1 at |v| = %.3g); raise steps_per_layer",
                                             where, dt, vmax)
-                        state = self._step(state, dt, layer, vel0, tape)
+                        state = self._step(state, dt, layer, (vel0, plan0), tape)
                         if any_rank(self.comm, not np.all(np.isfinite(state[0]))):
                             raise SolverBreakdown("the density is NaN or overflows after this step")
                     frame_steps += 1
@@ -320,17 +321,21 @@ class ForwardSolver:
                                   "steps in this layer")
         return max(1, math.ceil(n - 1e-9))
 
-    def _step(self, state, dt, layer, vel0, tape=None):
+    def _step(self, state, dt, layer, first, tape=None):
+        """One SSP step; ``first`` = (velocity, kernel plan) of the first stage, already
+        computed for the step size."""
         tr = self.transport
         limiter = self.disc["limiter"]
         stages = []
 
         def rhs(Y, j):
-            vel = self.velocity(Y[0], layer) if j > 0 else vel0
-            if j == 0:
-                tr.set_velocity(vel0)
+            if j > 0:
+                vel, plan = self.velocity(Y[0], layer), self.velocity_field.last_plan
+            else:
+                vel, plan = first
+                tr.set_velocity(vel)
             if tape is not None:
-                stages.append((Y[0], vel))
+                stages.append((Y[0], vel, plan))
             with self.timer.phase("transport"):
                 tr.set_state(Y[0])
                 du, rate = tr.rate()

@@ -26,7 +26,7 @@ from ._dolfinx import owned_node_coordinates
 from .attention import Sources, VelocityCotangent, attention_velocity, attention_velocity_vjp
 from .errors import SolverBreakdown
 from .heads import HeadMeasure
-from .laplace import N_MAX_FORCED, b_range, choose_table, direct_estimate, flops_estimate
+from .laplace import N_MAX, N_MAX_FORCED, SIZES, LaplaceTable, b_range, choose_table, direct_estimate, flops_estimate
 from .parallel import allgather_rows
 
 log = logging.getLogger("pdeformer")
@@ -42,6 +42,8 @@ class AttentionVelocity:
         self.chunk_mb = attention.get("chunk_mb", 2.0)
         self.comm = comm or W.mesh.comm
         self._gathered = None  # (points object, all points, slice of this rank)
+        self.last_plan = None   # how the last velocity was summed: None (direct) or (lo, hi, n)
+        self._hint = None       # table size of the last evaluation: where the next search starts
         self.stats = {"direct": 0, "laplace": 0, "largest_estimate": 0.0, "largest_grid": 0}
 
     # ------------------------------------------------------------------ helpers
@@ -65,8 +67,8 @@ class AttentionVelocity:
             M = self.comm.allreduce(len(points), op=MPI.SUM)
             N = self.comm.allreduce(len(self.targets), op=MPI.SUM)
             H = A.shape[0]
-            cheaper = [n for n in (17, 33, 65, 129, 257)
-                       if flops_estimate(n, d, M, N * H) < direct_estimate(N, H, M)]
+            cheaper = [n for n in SIZES if n <= N_MAX
+                       and flops_estimate(n, d, M, N * H) < direct_estimate(N, H, M)]
             if not cheaper:
                 return None
             n_max = cheaper[-1]
@@ -74,7 +76,9 @@ class AttentionVelocity:
             lo, hi = b_range(self.targets, A, self.comm)
             if not (np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))):
                 raise FloatingPointError("attention matrices are not finite")
-            table, est = choose_table(points, weights, lo, hi, self.comm, self.tol, n_max=n_max)
+            table, est = choose_table(points, weights, lo, hi, self.comm, self.tol, n_max=n_max,
+                                      hint=self._hint)
+            self._hint = table.n
         except FloatingPointError as e:
             if self.backend == "laplace":
                 raise SolverBreakdown(f"attention backend 'laplace': {e}; use 'auto' or 'direct'") from None
@@ -92,9 +96,10 @@ class AttentionVelocity:
     # ------------------------------------------------------------------ velocity
     def __call__(self, points: np.ndarray, weights: np.ndarray, layer: int) -> np.ndarray:
         """Velocity of ``layer`` at the owned nodes, (n_nodes, d), for the density given
-        by this rank's source points and weights."""
+        by this rank's source points and weights. :attr:`last_plan` records how."""
         A, V = self.heads.attention_matrices(layer), self.heads.values(layer)
         table = self._table(points, weights, A)
+        self.last_plan = None if table is None else (table.lo, table.hi, table.n)
         if table is None:
             self.stats["direct"] += 1
             all_points, _ = self._all_points(points)
@@ -106,12 +111,13 @@ class AttentionVelocity:
         m = table.means(b).reshape(H, N, d)
         return np.einsum("hij,hnj->ni", V, m) / H
 
-    def vjp(self, points: np.ndarray, weights: np.ndarray, layer: int, g: np.ndarray
-            ) -> VelocityCotangent:
+    def vjp(self, points: np.ndarray, weights: np.ndarray, layer: int, g: np.ndarray,
+            plan=None) -> VelocityCotangent:
         """Cotangents of <g, v> (g at this rank's nodes): this rank's source weights,
-        and A, V of ``layer`` (this rank's share; the caller sums over ranks)."""
+        and A, V of ``layer`` (this rank's share; the caller sums over ranks). ``plan``
+        is the forward evaluation's :attr:`last_plan`: the same sum is differentiated."""
         A, V = self.heads.attention_matrices(layer), self.heads.values(layer)
-        table = self._table(points, weights, A)
+        table = None if plan is None else LaplaceTable(points, weights, *plan, self.comm)
         if table is None:
             all_points, mine = self._all_points(points)
             ct = attention_velocity_vjp(self.targets, all_points, allgather_rows(self.comm, weights),
@@ -123,9 +129,8 @@ class AttentionVelocity:
         x = self.targets
         b = np.einsum("hij,nj->hni", A, x).reshape(-1, d)
         u = np.einsum("nk,hkj->hnj", g, V) / H            # V_h^T g_i / H
-        m = table.means(b).reshape(H, N, d)
-        J = table.jacobians(b).reshape(H, N, d, d)        # dm_k/db_a
+        m, J, mbar = table.reverse(b, u.reshape(-1, d))    # J: dm_k/db_a
+        m, J = m.reshape(H, N, d), J.reshape(H, N, d, d)
         dV = np.einsum("nk,hnj->hkj", g, m) / H
         dA = np.einsum("hnka,hnk,nc->hac", J, u, x)
-        mbar = table.table_cotangent(b, u.reshape(-1, d))
         return VelocityCotangent(table.weights_cotangent(mbar), dA, dV)

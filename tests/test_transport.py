@@ -194,9 +194,9 @@ def record_steps(solver):
         cfl.append(cfl_step(c)[0])
         return cfl[-1], 0.0
 
-    def recording_step(state, dt, layer, vel0, tape=None):
+    def recording_step(state, dt, layer, first, tape=None):
         steps.append((layer, dt, cfl[-1]))
-        return step(state, dt, layer, vel0, tape)
+        return step(state, dt, layer, first, tape)
 
     solver._step, solver.transport.cfl_step = recording_step, recording_cfl
     return steps
