@@ -36,7 +36,8 @@ import numpy as np
 from mpi4py import MPI
 
 N_MIN, N_MAX = 17, 257
-SIZES = (17, 25, 33, 49, 65, 97, 129, 193, 257, 385, 513, 769, 1025)  # ~1.5x steps
+SIZES = (17, 25, 33, 49, 65, 81, 97, 129, 161, 193, 225, 257, 321, 385, 449, 513, 641,
+         769, 897, 1025)  # steps of about 1.25x
 N_MAX_FORCED = 1025     # backend "laplace" (not auto) may refine this far before giving up
 UNDERFLOW_GAP = 600.0   # keep every shifted exponent above e^-600 (float64 ~ e^-708)
 MAX_TILES = 4096
@@ -77,14 +78,40 @@ def differentiation_matrix(nodes: np.ndarray, lam: np.ndarray) -> np.ndarray:
     return D
 
 
-def chebyshev_tail(values: np.ndarray) -> float:
-    """Largest |Chebyshev coefficient| in the top eighth of modes along any axis of a
-    table on Lobatto nodes (coefficients by an FFT of the even extension)."""
+def chebyshev_coefficients(values: np.ndarray) -> np.ndarray:
+    """Tensor Chebyshev coefficients of a table on Lobatto nodes (FFT of the even
+    extension along each axis)."""
     c = np.asarray(values, float)
     for axis in range(c.ndim):
         n = c.shape[axis]
         ext = np.concatenate([c, np.flip(c, axis=axis).take(range(1, n - 1), axis=axis)], axis=axis)
         c = np.fft.rfft(ext, axis=axis).real / (n - 1)
+    return c
+
+
+def predicted_size(table, tol: float) -> int:
+    """Table size at which the Chebyshev coefficients of m, decaying geometrically as
+    fitted on the upper half of this (smaller) table's modes, fall to tol/4."""
+    shells = None
+    for t in table.m:
+        c = np.abs(chebyshev_coefficients(t))
+        k = np.indices(c.shape).max(axis=0)          # the mode's shell: max index
+        shell = np.zeros(c.shape[0])
+        np.maximum.at(shell, k.ravel(), c.ravel())
+        shells = shell if shells is None else np.maximum(shells, shell)
+    scale = max(np.abs(table.m).max(), 1e-300)
+    ks = np.arange(len(shells))[len(shells) // 2:]
+    logs = np.log(np.maximum(shells[ks], 1e-300 * scale) / scale)
+    slope, icpt = np.polyfit(ks, logs, 1)
+    if slope >= -1e-3:
+        return SIZES[-1]
+    return int(np.ceil((np.log(tol / 4) - icpt) / slope))
+
+
+def chebyshev_tail(values: np.ndarray) -> float:
+    """Largest |Chebyshev coefficient| in the top eighth of modes along any axis of a
+    table on Lobatto nodes (coefficients by an FFT of the even extension)."""
+    c = chebyshev_coefficients(values)
     n = c.shape[0]
     cut = n - max(2, n // 8)
     mask = np.zeros(c.shape, bool)
@@ -313,6 +340,109 @@ class LaplaceTable:
         return out
 
 
+class FineGrid:
+    """Second level for many points (d = 2): the table's Chebyshev interpolant sampled
+    on a uniform nf x nf grid (two small matrix products), then interpolated locally by
+    tensor Lagrange polynomials of degree P_LOCAL (P_LOCAL + 1 points per axis). The
+    cost per point no longer grows with n; the map stays piecewise polynomial, and its
+    reverse mode is the exact transpose (scatter-add, then the transposed sampling)."""
+
+    P_LOCAL = 5
+
+    def __init__(self, table: "LaplaceTable", nf: int):
+        self.table, self.nf = table, nf
+        p = self.P_LOCAL
+        self.h = (table.hi - table.lo) / (nf - 1)
+        # S_a (nf x n): the Chebyshev interpolant's values at the uniform points of axis a
+        self.sample = [barycentric_weights(table.lo[a] + self.h[a] * np.arange(nf), nodes, lam)
+                       for a, (nodes, lam) in enumerate(table.axes)]
+        self.flat = self._sampled(list(table.m))            # m on the fine grid
+        self._den = np.array([np.prod([a - c for c in range(p + 1) if c != a]) for a in range(p + 1)])
+
+    def _sampled(self, tables: list) -> np.ndarray:
+        nf = self.nf
+        vals = np.stack([self.sample[0] @ t @ self.sample[1].T for t in tables], axis=-1)
+        return vals.reshape(nf * nf, len(tables))
+
+    def _locate(self, b: np.ndarray):
+        """Stencil start, local Lagrange weights and their t-derivatives per axis: with
+        q(t) = prod_c (t - c), L_a = q lam_a / (t - a) and L_a' = L_a sum_{c != a} 1/(t - c);
+        points on a stencil node are nudged by 1e-13 cells (below every tolerance)."""
+        p, nf = self.P_LOCAL, self.nf
+        t = (b - self.table.lo) / self.h                     # grid coordinates
+        start = np.clip(np.floor(t).astype(int) - (p - 1) // 2, 0, nf - 1 - p)
+        L, dL = [], []
+        c = np.arange(p + 1)
+        for a in range(2):
+            x = (t[:, a] - start[:, a])[:, None] - c          # (P, p+1): t - c
+            x[x == 0.0] = 1e-13
+            inv = 1.0 / x
+            q = np.prod(x, axis=1, keepdims=True)
+            La = q * inv / self._den
+            L.append(La)
+            dL.append(La * (inv.sum(axis=1, keepdims=True) - inv))
+        idx = ((start[:, 0][:, None, None] + c[None, :, None]) * nf
+               + start[:, 1][:, None, None] + c[None, None, :])
+        return idx, L, dL
+
+    def means(self, b: np.ndarray) -> np.ndarray:
+        """m at points b (P, d) from the sampled tables."""
+        out = np.empty((b.shape[0], self.table.d))
+        for blk in self.table._blocks(b.shape[0]):
+            idx, L, _ = self._locate(b[blk])
+            g = self.flat[idx]                               # (P, p+1, p+1, d)
+            out[blk] = np.einsum("pak,pa->pk", np.einsum("pack,pc->pak", g, L[1]), L[0])
+        return out
+
+    def reverse(self, b: np.ndarray, u: np.ndarray):
+        """As LaplaceTable.reverse, for this two-level interpolant."""
+        d, nf, P = self.table.d, self.nf, b.shape[0]
+        m = np.empty((P, d))
+        J = np.empty((P, d, d))
+        acc = np.zeros((d, nf * nf))
+        for blk in self.table._blocks(P):
+            idx, L, dL = self._locate(b[blk])
+            g = self.flat[idx]                               # (n, p+1, p+1, d)
+            g2 = np.einsum("pack,pc->pak", g, L[1])
+            m[blk] = np.einsum("pak,pa->pk", g2, L[0])
+            J[blk, :, 0] = np.einsum("pak,pa->pk", g2, dL[0]) / self.h[0]
+            J[blk, :, 1] = np.einsum("pack,pc,pa->pk", g, dL[1], L[0]) / self.h[1]
+            w = (L[0][:, :, None] * L[1][:, None, :]).reshape(len(idx), -1)
+            for k in range(d):
+                acc[k] += np.bincount(idx.reshape(len(idx), -1).ravel(),
+                                      (w * u[blk, k:k + 1]).ravel(), minlength=nf * nf)
+        local = np.stack([self.sample[0].T @ acc[k].reshape(nf, nf) @ self.sample[1] for k in range(d)])
+        mbar = np.empty_like(local)
+        self.table.comm.Allreduce(local, mbar, op=MPI.SUM)
+        return m, J, mbar
+
+    def error(self, samples: int = 400) -> float:
+        """Largest difference to the Chebyshev interpolant at fixed pseudo-random points
+        of the box, relative to the size of m (the same points on every rank)."""
+        t = self.table
+        rng = np.random.default_rng(12345)
+        b = t.lo + (t.hi - t.lo) * rng.random((samples, t.d))
+        ref = t.means(b)
+        return float(np.abs(self.means(b) - ref).max() / max(np.abs(t.m).max(), 1e-300))
+
+
+FINE_FROM = 129  # table size from which the two-level interpolation is faster (measured)
+
+
+def fine_grid(table: "LaplaceTable", tol: float, nf: int | None = None):
+    """A FineGrid whose local error is below tol/2 (nf = 2n, 4n, 8n), or None when
+    interpolating directly from the table is the better choice (or nothing meets it)."""
+    if table.d != 2 or (nf is None and table.n < FINE_FROM):
+        return None
+    if nf is not None:
+        return FineGrid(table, nf)
+    for factor in (2, 4, 8):
+        fg = FineGrid(table, factor * table.n)
+        if fg.error() <= tol / 2:
+            return fg
+    return None
+
+
 def choose_table(points, weights, b_lo, b_hi, comm, tol: float, order: int = 1,
                  n_max: int = N_MAX, hint: int | None = None):
     """The smallest n in SIZES (up to n_max) whose table meets ``tol`` by its error
@@ -333,7 +463,13 @@ def choose_table(points, weights, b_lo, b_hi, comm, tol: float, order: int = 1,
             built[i] = (table, table.error_estimate())
         return built[i]
 
-    i = sizes.index(hint) if hint in sizes else 0
+    if hint in sizes:
+        i = sizes.index(hint)
+    else:  # a small table tells how fast the coefficients fall: start near the answer
+        i = sizes.index(33) if 33 in sizes else 0
+        if build(i)[1] > tol:
+            want = 1.2 * predicted_size(build(i)[0], tol)   # the fit undershoots a little
+            i = next((j for j, n in enumerate(sizes) if n >= want), len(sizes) - 1)
     if build(i)[1] <= tol:
         while i > 0 and build(i - 1)[1] <= tol:
             i -= 1

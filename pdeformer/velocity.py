@@ -26,7 +26,7 @@ from ._dolfinx import owned_node_coordinates
 from .attention import Sources, VelocityCotangent, attention_velocity, attention_velocity_vjp
 from .errors import SolverBreakdown
 from .heads import HeadMeasure
-from .laplace import N_MAX, N_MAX_FORCED, SIZES, LaplaceTable, b_range, choose_table, direct_estimate, flops_estimate
+from .laplace import N_MAX, N_MAX_FORCED, SIZES, LaplaceTable, fine_grid, b_range, choose_table, direct_estimate, flops_estimate
 from .parallel import allgather_rows
 
 log = logging.getLogger("pdeformer")
@@ -99,7 +99,9 @@ class AttentionVelocity:
         by this rank's source points and weights. :attr:`last_plan` records how."""
         A, V = self.heads.attention_matrices(layer), self.heads.values(layer)
         table = self._table(points, weights, A)
-        self.last_plan = None if table is None else (table.lo, table.hi, table.n)
+        interp = None if table is None else (fine_grid(table, self.tol) or table)
+        self.last_plan = None if table is None else \
+            (table.lo, table.hi, table.n, interp.nf if interp is not table else None)
         if table is None:
             self.stats["direct"] += 1
             all_points, _ = self._all_points(points)
@@ -108,7 +110,7 @@ class AttentionVelocity:
         self.stats["laplace"] += 1
         H, N, d = A.shape[0], self.targets.shape[0], A.shape[1]
         b = np.einsum("hij,nj->hni", A, self.targets).reshape(-1, d)
-        m = table.means(b).reshape(H, N, d)
+        m = interp.means(b).reshape(H, N, d)
         return np.einsum("hij,hnj->ni", V, m) / H
 
     def vjp(self, points: np.ndarray, weights: np.ndarray, layer: int, g: np.ndarray,
@@ -117,7 +119,11 @@ class AttentionVelocity:
         and A, V of ``layer`` (this rank's share; the caller sums over ranks). ``plan``
         is the forward evaluation's :attr:`last_plan`: the same sum is differentiated."""
         A, V = self.heads.attention_matrices(layer), self.heads.values(layer)
-        table = None if plan is None else LaplaceTable(points, weights, *plan, self.comm)
+        table = interp = None
+        if plan is not None:
+            lo, hi, n, nf = plan
+            table = LaplaceTable(points, weights, lo, hi, n, self.comm)
+            interp = table if nf is None else fine_grid(table, self.tol, nf)
         if table is None:
             all_points, mine = self._all_points(points)
             ct = attention_velocity_vjp(self.targets, all_points, allgather_rows(self.comm, weights),
@@ -129,7 +135,7 @@ class AttentionVelocity:
         x = self.targets
         b = np.einsum("hij,nj->hni", A, x).reshape(-1, d)
         u = np.einsum("nk,hkj->hnj", g, V) / H            # V_h^T g_i / H
-        m, J, mbar = table.reverse(b, u.reshape(-1, d))    # J: dm_k/db_a
+        m, J, mbar = interp.reverse(b, u.reshape(-1, d))   # J: dm_k/db_a
         m, J = m.reshape(H, N, d), J.reshape(H, N, d, d)
         dV = np.einsum("nk,hnj->hkj", g, m) / H
         dA = np.einsum("hnka,hnk,nc->hac", J, u, x)

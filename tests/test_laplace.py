@@ -126,3 +126,29 @@ def test_interpolation_building_blocks():
     lo2, hi2 = grid_box(np.array([-1.3001, 0.2001]), np.array([2.7001, 0.2099]))
     np.testing.assert_array_equal(lo, lo2)            # small changes keep the box
     np.testing.assert_array_equal(hi, hi2)
+
+
+def test_two_level_interpolation_accuracy_and_reverse_mode():
+    """The fine uniform grid with local degree-5 interpolation stays within tol of the
+    Chebyshev interpolant, and its reverse mode is the derivative of its own map."""
+    from pdeformer.laplace import FineGrid, fine_grid
+    x, y, w, A = case("two_blobs", 0.5, seed=9, heads=2)
+    lo, hi = grid_box(*b_range(x, A, COMM))
+    table = LaplaceTable(y, w, lo, hi, 129, COMM)
+    fg = fine_grid(table, 1e-9)
+    assert fg is not None and fg.error() <= 5e-10
+    b = np.einsum("hij,nj->hni", A, x).reshape(-1, 2)
+    assert np.abs(fg.means(b) - table.means(b)).max() <= 1e-9 * np.abs(table.m).max()
+    u = np.random.default_rng(1).normal(size=b.shape)
+    m, J, mbar = fg.reverse(b, u)
+    # d<u, m(b)>/db by central differences of the two-level map (J), and its transpose
+    db = 1e-6 * np.random.default_rng(2).normal(size=b.shape)
+    fd = (np.sum(u * fg.means(b + db)) - np.sum(u * fg.means(b - db))) / 2
+    assert abs(fd - np.einsum("pk,pka,pa->", u, J, db)) < 1e-8 * abs(fd)
+    # <mbar, T> = <u, m(T)> for the linear map table -> values (table values perturbed)
+    T = np.random.default_rng(3).normal(size=table.m.shape)
+    saved = table.m.copy()
+    table.m[:] = T
+    moved = FineGrid(table, fg.nf).means(b)
+    table.m[:] = saved
+    assert abs(np.sum(mbar * T) - np.sum(u * moved)) < 1e-10 * abs(np.sum(u * moved))

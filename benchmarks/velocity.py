@@ -1,0 +1,91 @@
+"""Attention velocity: direct summation against the laplace table (d = 2).
+
+    .venv/bin/python benchmarks/velocity.py            # the full table (several minutes)
+    .venv/bin/python benchmarks/velocity.py --quick    # N = 1e4 only
+
+For sources = targets = N in {1e4, 3e4, 1e5} and H in {1, 16, 64} heads: wall time of
+direct summation and of the laplace backend (tol 1e-8), their ratio, and the largest
+error of laplace relative to the largest velocity. Direct summation costs exactly
+N_targets x N_sources x H, so it is timed on the first 2000 targets and scaled to N
+(marked "~"); errors are measured on those targets. Also: the direct kernel's rate in
+target-source-head pairs per second as a fraction of numpy's exp rate (elements per
+second), both on one core of this machine.
+"""
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from pdeformer.attention import Sources, attention_matrices, attention_velocity  # noqa: E402
+from pdeformer.laplace import N_MAX_FORCED, b_range, choose_table, fine_grid  # noqa: E402
+
+SUBSET = 2000
+
+
+def problem(N, H, seed=0):
+    rng = np.random.default_rng(seed)
+    y = rng.uniform(-4, 4, (N, 2))
+    w = (np.exp(-np.sum((y - [-1, 0]) ** 2, 1) / 0.3) + np.exp(-np.sum((y - [1, 0.5]) ** 2, 1) / 0.2)) / N
+    x = rng.uniform(-4, 4, (N, 2))
+    Q = rng.standard_normal((H, 2, 2)) / np.sqrt(2)
+    K = rng.standard_normal((H, 2, 2)) / np.sqrt(2)
+    V = rng.standard_normal((H, 2, 2)) / np.sqrt(2)
+    return x, y, w, attention_matrices(Q, K), V
+
+
+def laplace_velocity(x, y, w, A, V, tol, comm=MPI.COMM_SELF):
+    table, est = choose_table(y, w, *b_range(x, A, comm), comm, tol, n_max=N_MAX_FORCED)
+    interp = fine_grid(table, tol) or table
+    H = A.shape[0]
+    b = np.einsum("hij,nj->hni", A, x).reshape(-1, 2)
+    m = interp.means(b).reshape(H, -1, 2)
+    return np.einsum("hij,hnj->ni", V, m) / H, table.n, getattr(interp, "nf", None), est
+
+
+def exp_rate():
+    a = -np.random.default_rng(0).random(4_000_000)
+    out = np.empty_like(a)
+    np.exp(a, out=out)
+    t = time.perf_counter()
+    for _ in range(5):
+        np.exp(a, out=out)
+    return 5 * a.size / (time.perf_counter() - t)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tol", type=float, default=1e-8)
+    args = ap.parse_args()
+    sizes = [10_000] if args.quick else [10_000, 30_000, 100_000]
+    print(f"{'N':>7} {'H':>3} {'direct [s]':>11} {'laplace [s]':>11} {'ratio':>8} {'max rel err':>11}  table")
+    rates = []
+    for N in sizes:
+        for H in (1, 16, 64):
+            x, y, w, A, V = problem(N, H)
+            n_sub = min(N, SUBSET)
+            t = time.perf_counter()
+            ref = attention_velocity(x[:n_sub], Sources.from_arrays(y, w), A, V)
+            t_direct = (time.perf_counter() - t) * N / n_sub
+            rates.append(N * N * H / t_direct)
+            t = time.perf_counter()
+            v, n, nf, est = laplace_velocity(x, y, w, A, V, args.tol)
+            t_lap = time.perf_counter() - t
+            err = np.abs(v[:n_sub] - ref).max() / np.abs(ref).max()
+            approx = "~" if n_sub < N else " "
+            grid = f"n={n}" + (f", fine {nf}" if nf else "") + f", estimate {est:.1e}"
+            print(f"{N:>7} {H:>3} {approx}{t_direct:>10.2f} {t_lap:>11.3f} {t_direct / t_lap:>8.1f} {err:>11.2e}  {grid}",
+                  flush=True)
+    er = exp_rate()
+    print(f"\nnumpy exp: {er:.3e} elements/s; direct kernel: {np.median(rates):.3e} pairs/s "
+          f"= {np.median(rates) / er:.2f} of the exp rate (median over the table)")
+
+
+if __name__ == "__main__":
+    main()
