@@ -8,11 +8,12 @@ PYTEST_ARGS ?=
 # Open MPI refuses root and more ranks than cores unless told; other MPIs get no flags.
 MPIRUN = mpirun $(shell mpirun --version 2>/dev/null | grep -q "Open MPI" && echo "--oversubscribe $$([ $$(id -u) = 0 ] && echo --allow-run-as-root)")
 
-.PHONY: setup run test test-slow test-mpi clean help
+.PHONY: setup run forward test test-slow clean help
 
 help:
 	@echo "make setup      install what is missing (Debian packages, .venv, pdeformer)"
-	@echo "make run        forward pass of $(CONFIG) under mpirun -n $(NP)"
+	@echo "make run        a short training of $(CONFIG) under mpirun -n $(NP)"
+	@echo "make forward    the forward pass of $(CONFIG) under mpirun -n $(NP)"
 	@echo "make test       the test suite (serial and mpirun -n 2 cases)"
 	@echo "make test-slow  the slow convergence studies"
 
@@ -20,6 +21,9 @@ setup:
 	@bash .ci/bootstrap.sh
 
 run: setup
+	$(MPIRUN) -n $(NP) $(VENV)/bin/pdeformer train $(CONFIG)
+
+forward: setup
 	$(MPIRUN) -n $(NP) $(VENV)/bin/pdeformer forward $(CONFIG)
 
 test: setup

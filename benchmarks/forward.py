@@ -1,0 +1,55 @@
+"""The default forward run (runs/default.toml) with each attention backend.
+
+    .venv/bin/python benchmarks/forward.py [--ranks 2] [--set key=value ...]
+
+Runs `pdeformer forward` under mpirun with backend direct, laplace and auto (the config's
+tol), and prints the wall time of each and the largest difference of every diagnostic
+column against direct summation.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from pdeformer.output import read_diagnostics  # noqa: E402
+from pdeformer.parallel import mpirun_command  # noqa: E402
+
+
+def run(backend, ranks, extra, folder):
+    out = os.path.join(folder, backend)
+    cmd = mpirun_command(ranks) + [sys.executable, "-m", "pdeformer", "forward",
+                                   os.path.join(ROOT, "runs", "default.toml"), "-q", "--set",
+                                   f"attention.backend={backend}", f"output.dir={out}",
+                                   "output.fields=false", *extra]
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True)
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    return summary, read_diagnostics(os.path.join(out, "diagnostics.csv"))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--set", nargs="*", default=[])
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        results = {b: run(b, args.ranks, args.set, folder) for b in ("direct", "laplace", "auto")}
+    ref = results["direct"][1]
+    print(f"runs/default.toml forward on {args.ranks} rank(s)")
+    print(f"{'backend':>8} {'wall [s]':>9} {'velocity [s]':>12} {'max |diagnostic - direct|':>26}  choices")
+    for b, (summary, rows) in results.items():
+        diff = max(abs(r[k] - q[k]) for r, q in zip(rows, ref) for k in r if k != "prompt")
+        att = summary["attention"]
+        print(f"{b:>8} {summary['timings']['total']:>9.1f} {summary['timings'].get('velocity', 0):>12.1f} "
+              f"{diff:>26.2e}  direct {att['direct']}, laplace {att['laplace']}, "
+              f"largest grid {att['largest_grid']}, tol {att['tol']:g}")
+
+
+if __name__ == "__main__":
+    main()
