@@ -27,7 +27,11 @@ def run(backend, ranks, extra, folder):
                                    os.path.join(ROOT, "runs", "default.toml"), "-q", "--set",
                                    f"attention.backend={backend}", f"output.dir={out}",
                                    "output.fields=false", *extra]
-    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True)
+    # env: Python's copy of the environment, without what MPI_Init put into this process's
+    # own (a child mpirun would take itself for part of this job)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ))
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr}")
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     return summary, read_diagnostics(os.path.join(out, "diagnostics.csv"))

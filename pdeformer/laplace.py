@@ -178,7 +178,7 @@ class LaplaceTable:
         return raw, shifts
 
     def _build(self):
-        d, n = self.d, self.n
+        d = self.d
         self.tile_data = []
         sums, logscale = [], []
         for pts, w, _ in self.tiles:

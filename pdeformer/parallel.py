@@ -138,7 +138,11 @@ class Timer:
 
 
 def mpirun_command(nprocs: int) -> list[str]:
-    """``mpirun -n P`` with the flags Open MPI needs here (root, more ranks than cores)."""
+    """``mpirun -n P`` with the flags Open MPI needs here (root, more ranks than cores).
+
+    Launch it with ``env=dict(os.environ)``: once mpi4py has initialised MPI in the
+    calling process, that process's C environment carries the job's variables, and a
+    child mpirun inheriting them fails."""
     exe = shutil.which("mpirun") or shutil.which("mpiexec")
     if exe is None:
         raise RuntimeError("mpirun not found (Debian: apt-get install openmpi-bin)")

@@ -82,7 +82,6 @@ def test_sharp_attention_does_not_overflow():
 def test_reverse_mode_is_the_derivative_of_the_table_map():
     """With the grid fixed, v = sum_h V_h m(A_h x)/H from the table is a smooth function
     of w and A; the table's reverse mode matches central differences."""
-    from pdeformer.velocity import AttentionVelocity
     x, y, w, A = case("two_blobs", 0.5, seed=5, heads=3)
     lo, hi = grid_box(*b_range(x, A, COMM))
     V = np.random.default_rng(6).normal(size=(3, 2, 2))
