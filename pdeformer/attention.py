@@ -190,11 +190,13 @@ class VelocityCotangent:
     weights: np.ndarray  # (M,)
     A: np.ndarray        # (H, d, d)
     V: np.ndarray        # (H, d, d)
+    targets: np.ndarray | None = None   # (N, d): d/dx_i, with ``positions``
+    points: np.ndarray | None = None    # (M, d): d/dy_j, with ``positions``
 
 
 def attention_velocity_vjp(targets: np.ndarray, points: np.ndarray, weights: np.ndarray,
                            A: np.ndarray, V: np.ndarray, g: np.ndarray, *,
-                           chunk_mb: float = 2.0) -> VelocityCotangent:
+                           chunk_mb: float = 2.0, positions: bool = False) -> VelocityCotangent:
     r"""Cotangents of the attention velocity for the velocity cotangent g (N, d).
 
     With p_h(x, y) = e^{<A_h x, y>} / Z_h(x) and u_h(x) = V_h^T g(x) / H:
@@ -207,7 +209,10 @@ def attention_velocity_vjp(targets: np.ndarray, points: np.ndarray, weights: np.
 
     (d m / d w_j = p (y_j - m), d m / d b = C). The w-part is the discrete form of the
     adjoint's nonlocal source term S_t (design §2): every token is also a key and a
-    value for the others. Sums over the sources use the exact per-target log Z, so
+    value for the others. With ``positions`` (particles), also the position cotangents
+    xbar_i = sum_h A_h^T C_h(x_i) u_h(x_i) (b = A x) and, from
+    d m / d y_j = p w_j (I + (y_j - m) b^T),
+    ybar_j = w_j sum_h sum_i p_h(x_i, y_j) [u_h(x_i) + (u_h(x_i).(y_j - m_h(x_i))) b_h(x_i)]. Sums over the sources use the exact per-target log Z, so
     e^{<b, y> - log Z} only overflows for points far outside the attended mass under
     very sharp attention (then the result is not finite and the caller stops)."""
     x = np.atleast_2d(np.asarray(targets, dtype=float))
@@ -215,7 +220,9 @@ def attention_velocity_vjp(targets: np.ndarray, points: np.ndarray, weights: np.
     g = np.asarray(g, dtype=float).reshape(x.shape)
     H, N, d = A.shape[0], x.shape[0], x.shape[1]
     M = y.shape[0]
-    out = VelocityCotangent(np.zeros(M), np.zeros_like(A, dtype=float), np.zeros_like(V, dtype=float))
+    out = VelocityCotangent(np.zeros(M), np.zeros_like(A, dtype=float), np.zeros_like(V, dtype=float),
+                            np.zeros((N, d)) if positions else None,
+                            np.zeros((M, d)) if positions else None)
     if N == 0 or M == 0:
         return out
     sources = Sources.from_arrays(y, weights)
@@ -228,7 +235,17 @@ def attention_velocity_vjp(targets: np.ndarray, points: np.ndarray, weights: np.
         E = np.hstack([xs @ A[h].T, -log_z[:, None]]) @ y_one   # <b_i, y_j> - log Z_i
         with np.errstate(over="ignore"):
             np.exp(E, out=E)
-        coef = np.hstack([u, -np.einsum("na,na->n", u, mean)[:, None]])   # (n, d+1)
-        T = E.T @ coef                                                      # (M, d+1)
+        r = np.einsum("na,na->n", u, mean)
+        coef = np.hstack([u, -r[:, None]])                                  # (n, d+1)
+        if positions:
+            b = xs @ A[h].T
+            out.targets[i0:i1] += np.einsum("nab,nb,ac->nc", cov, u, A[h])
+            coef = np.hstack([coef, -r[:, None] * b, (u[:, :, None] * b[:, None, :]).reshape(-1, d * d)])
+        T = E.T @ coef                                                      # (M, ...)
         out.weights += np.einsum("ja,ja->j", y, T[:, :d]) + T[:, d]
+        if positions:
+            ub = T[:, 2 * d + 1:].reshape(M, d, d)                          # sum_i p u_a b_c
+            out.points += T[:, :d] + T[:, d + 1:2 * d + 1] + np.einsum("ja,jac->jc", y, ub)
+    if positions:
+        out.points *= np.asarray(weights, float)[:, None]
     return out

@@ -2,6 +2,7 @@
 
     mpirun -n P pdeformer forward RUN.toml [--set section.key=value ...]
     mpirun -n P pdeformer gradient RUN.toml
+    mpirun -n P pdeformer particles RUN.toml [--gradient]
     mpirun -n P pdeformer train RUN.toml [--restart]
     pdeformer info
 
@@ -61,6 +62,12 @@ def _parser() -> argparse.ArgumentParser:
              "Solve the forward pass of every prompt with a frozen step plan, evaluate the "
              "[objective], and run the adjoint backwards in depth: writes gradient.npz (dQ, dK, "
              "dV, the derivatives of the discrete risk) and summary.json (risk, timings)."),
+            ("particles", "the particle model: N tokens per prompt through the layers",
+             "Sample [particles] tokens from every prompt (seeded: the same tokens on any number "
+             "of ranks) and move them with the same kernel, heads and SSP scheme. Writes "
+             "diagnostics.csv (weighted moments), tokens_<prompt>.pvd for ParaView and "
+             "summary.json; with --gradient also gradient.npz (exact adjoint of the particle "
+             "system)."),
             ("train", "gradient-flow training of the head particles",
              "Train the heads: each step computes the risk and its gradient and moves every head "
              "particle by -lr L H dR/dtheta ([train] optimizer = gd) or with Adam. Writes "
@@ -73,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
         c.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", nargs="+",
                        action="extend", default=[], help="override config values (as for forward)")
         c.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+        if name == "particles":
+            c.add_argument("--gradient", action="store_true",
+                           help="also the gradient of the particle risk (needs an [objective])")
         if name == "train":
             c.add_argument("--restart", action="store_true",
                            help="continue from the last checkpoint in output.dir (also after "
@@ -107,6 +117,8 @@ def _run(args, comm) -> int:
         summary = run.run_forward(cfg, comm)
     elif args.command == "gradient":
         summary = run.run_gradient(cfg, comm)
+    elif args.command == "particles":
+        summary = run.run_particles(cfg, comm, gradient=args.gradient)
     else:
         summary = run.run_train(cfg, comm, restart=args.restart)
     if comm.rank == 0:
@@ -122,6 +134,10 @@ def _run(args, comm) -> int:
         elif args.command == "gradient":
             print(f"  gradient.npz, summary.json, pdeformer.log; risk {summary['risk']:.10e}, "
                   f"|gradient| {summary['gradient_norm']:.6e}")
+        elif args.command == "particles":
+            print("  diagnostics.csv, summary.json, pdeformer.log"
+                  + (", tokens_<prompt>.pvd (ParaView)" if files["tokens"] else "")
+                  + (", gradient.npz" if "gradient" in files else ""))
         else:
             print(f"  history.csv, params_XXXX.npz, heads.pvd (ParaView), checkpoint.npz, summary.json; "
                   f"risk {summary['initial_risk']:.6e} -> {summary['final_risk']:.6e}")

@@ -226,6 +226,13 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "checkpoint_every": Key(integer(1, 10**6), 5, "write a checkpoint every n steps"),
         "output_every": Key(integer(1, 10**6), 1, "write params_XXXX.npz and head points every n steps"),
     },
+    "particles": {
+        "tokens": Key(integer(1, 10**8), 10000, "tokens N sampled from each prompt"),
+        "seed": Key(integer(0, 2**63 - 1), 0, "seed of the token samples"),
+        "steps_per_layer": Key(integer(1, 10**7), None,
+                               "steps per layer (default: discretisation.steps_per_layer or 10)"),
+        "points": Key(boolean, True, "write the tokens at every layer boundary (tokens_<prompt>.pvd)"),
+    },
     "petsc": {},  # free-form PETSc options for the DG mass solver, see petsc_options
 }
 

@@ -156,8 +156,8 @@ class ForwardSolver:
         with self.timer.phase("setup"):
             self.transport = DGTransport(problem.mesh, disc["degree"], disc["velocity_degree"],
                                          disc["quadrature_degree"], cfg["petsc"])
-            self.velocity_field = AttentionVelocity(self.transport.W, problem.heads,
-                                                    cfg["attention"], self.comm)
+            self.velocity_field = AttentionVelocity.on_space(self.transport.W, problem.heads,
+                                                             cfg["attention"], self.comm)
         self.scheme = SCHEMES[disc["scheme"]]
         # uniform steps per frame with counts frozen at the frame's start (gradients need
         # a step plan that does not move with the heads); step_counts can be preset
@@ -170,6 +170,9 @@ class ForwardSolver:
             initial = [self.initial_state(i) for i in range(len(problem.prompts))]
         self.initial_coeffs = [c for c, _ in initial]
         self.prompt_info = [info for _, info in initial]
+
+    def describe(self) -> str:
+        return f"DG-{self.disc['degree']}"
 
     # ------------------------------------------------------------ building blocks
     def initial_state(self, index: int) -> tuple[np.ndarray, dict]:

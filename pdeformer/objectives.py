@@ -56,6 +56,18 @@ class Potential:
         dF = measure * self.U(points)
         return float(_sum(comm, dF @ rho)), dF
 
+    def grad_U(self, x: np.ndarray) -> np.ndarray:
+        if self.potential == "linear":
+            return np.broadcast_to(self.direction, x.shape).copy()
+        r = x - self.center
+        if self.potential == "quadratic":
+            return self.weight * r
+        return self.weight * np.exp(-np.sum(r * r, axis=1) / (2 * self.width**2))[:, None] * r / self.width**2
+
+    def particle_value_and_gradient(self, x, w, target, comm):
+        """F = sum_i w_i U(x_i) and dF/dx_i for weighted tokens."""
+        return float(_sum(comm, w @ self.U(x))), w[:, None] * self.grad_U(x)
+
 
 class Moments:
     """Mean and covariance of the normalised density against a target (mean, cov)."""
@@ -77,6 +89,16 @@ class Moments:
         dF = measure * ((y - mean) @ a / m0
                         + (np.einsum("qi,ij,qj->q", y, G, y) - np.sum(G * m2) / m0) / m0)
         return float(F), dF
+
+    def particle_value_and_gradient(self, x, w, target, comm):
+        """Weighted moments of tokens: dF/dx_i = w_i/W [(mean - m*) + 2 G (x_i - mean)]."""
+        F, _ = self.value_and_gradient(x, w, np.ones(len(w)), target, comm)
+        y = x - target["mean"]
+        d = y.shape[1]
+        tot = _sum(comm, np.concatenate([[w.sum()], w @ y, np.einsum("q,qi,qj->ij", w, y, y).ravel()]))
+        W, mean = tot[0], tot[1:1 + d] / tot[0]
+        G = tot[1 + d:].reshape(d, d) / W - np.outer(mean, mean) - target["cov"]
+        return F, (w / W)[:, None] * (mean + 2 * (y - mean) @ G)
 
 
 class L2:
@@ -133,6 +155,34 @@ class MMD:
             self._self_term[key] = 0.5 * bKb
         F = float(_sum(comm, 0.5 * a_local @ Ka - a_local @ Kb)) + self._self_term[key]
         return F, measure * (Ka - Kb)
+
+    def particle_value_and_gradient(self, x, w, target, comm):
+        """1/2 MMD^2 between weighted tokens and the target (its point cloud, or tokens
+        sampled from a target density: ``target["samples"]``), and dF/dx_i."""
+        z, b = (target["points"], target["weights"]) if target["kind"] == "points" else target["samples"]
+        F, _ = self._particle_terms(x, w, z, b, comm)
+        return F, self._particle_gradient(x, w, z, b, comm)
+
+    def _particle_terms(self, x, w, z, b, comm):
+        all_x, all_w = allgather_rows(comm, x), allgather_rows(comm, w)
+        Kw, Kb = self.kernel_apply(x, all_x, all_w), self.kernel_apply(x, z, b)
+        key = ("points", id(z))
+        if key not in self._self_term:
+            rows = self._my_rows(comm, len(b))
+            self._self_term[key] = 0.5 * float(_sum(comm, b[rows] @ self.kernel_apply(z[rows], z, b)))
+        return float(_sum(comm, 0.5 * w @ Kw - w @ Kb)) + self._self_term[key], (all_x, all_w)
+
+    def _particle_gradient(self, x, w, z, b, comm):
+        """dF/dx_i = w_i [sum_j w_j grad_1 k(x_i, x_j) - sum_t b_t grad_1 k(x_i, z_t)],
+        grad_1 k(x, y) = -k(x, y) (x - y) / bandwidth^2."""
+        all_x, all_w = allgather_rows(comm, x), allgather_rows(comm, w)
+        out = np.zeros_like(x)
+        s = 1.0 / self.bandwidth**2
+        for ys, cs, sign in ((all_x, all_w, 1.0), (z, b, -1.0)):
+            Kc = self.kernel_apply(x, ys, cs)                    # sum_j k c_j
+            Kcy = np.stack([self.kernel_apply(x, ys, cs * ys[:, a]) for a in range(x.shape[1])], 1)
+            out += sign * (-s) * (x * Kc[:, None] - Kcy)
+        return w[:, None] * out
 
     @staticmethod
     def _my_rows(comm, n):

@@ -184,23 +184,12 @@ def _as_components(node, a):
 
 # ------------------------------------------------------------------------- VTK writing
 
-def write_head_points(filename: str, heads) -> None:
-    """The head measure as a VTK point set (.vtu, ASCII): one point per head at
-    (t_l, tr(V)/d, tr(A)/d), t_l the centre of its layer, with point data layer, head,
-    Q, K, V, A (flattened row-major) and their Frobenius norms."""
-    L, H, k, d = heads.Q.shape
-    A = np.stack([heads.attention_matrices(l) for l in range(L)])
-    t = (np.arange(L) + 0.5) / L
-    n = L * H
+def write_points(filename: str, points: np.ndarray, data: dict) -> None:
+    """A VTK point set (.vtu, ASCII, one vertex cell per point) with point data;
+    points (n, d <= 3) are padded to 3 coordinates."""
+    n = points.shape[0]
     pts = np.zeros((n, 3))
-    pts[:, 0] = np.repeat(t, H)
-    pts[:, 1] = np.trace(heads.V, axis1=2, axis2=3).ravel() / d
-    pts[:, 2] = np.trace(A, axis1=2, axis2=3).ravel() / d
-    data = {"layer": np.repeat(np.arange(L), H).astype(float), "head": np.tile(np.arange(H), L).astype(float)}
-    for name, arr in (("Q", heads.Q), ("K", heads.K), ("V", heads.V), ("A", A)):
-        flat = arr.reshape(n, -1)
-        data[name] = flat
-        data[f"norm_{name}"] = np.linalg.norm(flat, axis=1)
+    pts[:, :points.shape[1]] = points
 
     def array(name, a):
         a = np.asarray(a, float)
@@ -216,9 +205,27 @@ def write_head_points(filename: str, heads) -> None:
            f'<DataArray type="Int64" Name="connectivity" format="ascii">{" ".join(map(str, range(n)))}</DataArray>',
            f'<DataArray type="Int64" Name="offsets" format="ascii">{" ".join(map(str, range(1, n + 1)))}</DataArray>',
            f'<DataArray type="UInt8" Name="types" format="ascii">{" ".join(["1"] * n)}</DataArray>',
-           "</Cells>", "<PointData>", *(array(k_, v) for k_, v in data.items()), "</PointData>",
+           "</Cells>", "<PointData>", *(array(k, v) for k, v in data.items()), "</PointData>",
            "</Piece>", "</UnstructuredGrid>", "</VTKFile>"]
     _atomic_text(filename, "\n".join(xml) + "\n")
+
+
+def write_head_points(filename: str, heads) -> None:
+    """The head measure as a VTK point set: one point per head at (t_l, tr(V)/d,
+    tr(A)/d), t_l the centre of its layer, with point data layer, head, Q, K, V, A
+    (flattened row-major) and their Frobenius norms."""
+    L, H, k, d = heads.Q.shape
+    A = np.stack([heads.attention_matrices(l) for l in range(L)])
+    t = (np.arange(L) + 0.5) / L
+    n = L * H
+    pts = np.stack([np.repeat(t, H), np.trace(heads.V, axis1=2, axis2=3).ravel() / d,
+                    np.trace(A, axis1=2, axis2=3).ravel() / d], axis=1)
+    data = {"layer": np.repeat(np.arange(L), H).astype(float), "head": np.tile(np.arange(H), L).astype(float)}
+    for name, arr in (("Q", heads.Q), ("K", heads.K), ("V", heads.V), ("A", A)):
+        flat = arr.reshape(n, -1)
+        data[name] = flat
+        data[f"norm_{name}"] = np.linalg.norm(flat, axis=1)
+    write_points(filename, pts, data)
 
 
 def write_pvd(filename: str, entries: list[tuple[float, str]]) -> None:

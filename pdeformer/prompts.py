@@ -62,6 +62,13 @@ class GaussianMixture:
     def total_mass(self) -> float:
         return 1.0
 
+    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """n tokens drawn from the mixture."""
+        comp = rng.choice(len(self.weights), size=n, p=self.weights)
+        z = rng.standard_normal((n, self.dim))
+        chol = np.linalg.cholesky(self.covs)
+        return self.means[comp] + np.einsum("nij,nj->ni", chol[comp], z)
+
     def mean(self) -> np.ndarray:
         return self.weights @ self.means
 
@@ -101,6 +108,9 @@ class UniformBox:
 
     def total_mass(self) -> float:
         return 1.0
+
+    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        return self.lower + (self.upper - self.lower) * rng.random((n, self.dim))
 
     def mass_inside(self, lower, upper) -> float:
         """Exact mass of the box [lower, upper] (the overlap of two boxes)."""
@@ -213,6 +223,36 @@ class PointDensity:
                 raise InputError(f"{self.source}: the points are degenerate (they span no "
                                  f"{self.dim}-D volume)") from None
         return self._interp
+
+    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """n tokens from the linear interpolant. 1-D: a segment by its mass, then the exact
+        inverse of the linear density in it. d >= 2: a simplex by volume x largest vertex
+        value, a uniform point in it, accepted with probability density / that value."""
+        if self.dim == 1:
+            order = np.argsort(self.points[:, 0])
+            x, f = self.points[order, 0], self.values[order]
+            mass = 0.5 * (f[1:] + f[:-1]) * np.diff(x)
+            seg = rng.choice(len(mass), size=n, p=mass / mass.sum())
+            a, b, h = f[seg], f[seg + 1], np.diff(x)[seg]
+            u = rng.random(n) * 0.5 * (a + b)          # inverse of a s + (b - a) s^2 / 2
+            with np.errstate(divide="ignore", invalid="ignore"):
+                s = np.where(np.abs(b - a) > 1e-14 * np.maximum(a, b),
+                             (-a + np.sqrt(a * a + 2 * (b - a) * u)) / (b - a), u / np.maximum(a, 1e-300))
+            return (x[seg] + h * np.clip(s, 0, 1))[:, None]
+        tri = self._interpolator().tri
+        corners = self.points[tri.simplices]
+        vals = self.values[tri.simplices]
+        vol = np.abs(np.linalg.det(corners[:, 1:] - corners[:, :1]))
+        envelope = vol * vals.max(axis=1)   # proposal: uniform under each simplex's max
+        out = np.empty((0, self.dim))
+        while len(out) < n:
+            m = 2 * (n - len(out)) + 16
+            k = rng.choice(len(envelope), size=m, p=envelope / envelope.sum())
+            lam = rng.dirichlet(np.ones(self.dim + 1), size=m)
+            dens = np.einsum("mi,mi->m", lam, vals[k])
+            keep = rng.random(m) * vals[k].max(axis=1) <= dens
+            out = np.vstack([out, np.einsum("mi,mia->ma", lam[keep], corners[k[keep]])])
+        return out[:n]
 
     def total_mass(self) -> float:
         """Integral of the linear interpolant over the data's convex hull."""

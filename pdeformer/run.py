@@ -44,7 +44,8 @@ class Run:
     """What every command shares: inputs checked first (nothing is written for bad
     input), then the output folder, the log file, provenance and the summary."""
 
-    def __init__(self, command: str, cfg: dict, comm, differentiable: bool = False):
+    def __init__(self, command: str, cfg: dict, comm, differentiable: bool = False,
+                 solver=ForwardSolver):
         self.command, self.cfg, self.comm = command, cfg, comm
         self.timer = Timer()
         out = cfg["output"]
@@ -52,8 +53,8 @@ class Run:
             raise ConfigError("output.format", f"'vtx' needs dolfinx built with ADIOS2 "
                               f"(this is dolfinx {dfx.VERSION_STRING} without it); use 'vtk'")
         with self.timer.phase("setup"):
-            self.problem = build_problem(cfg, comm, differentiable)
-        self.solver = ForwardSolver(self.problem, self.timer)
+            self.problem = build_problem(cfg, comm, differentiable and solver is ForwardSolver)
+        self.solver = solver(self.problem, self.timer)
         self.outdir = out["dir"]
         on_root(comm, _make_outdir, self.outdir)
         self.info = provenance(comm) if comm.rank == 0 else {}
@@ -74,16 +75,17 @@ class Run:
             remove_log_file(handler)
 
     def summary(self, status: str, error, **results) -> dict:
-        p, tr = self.problem, self.solver.transport
+        p = self.problem
         timings = self.timer.report(self.comm)
+        mesh = {"dim": p.dim, "cells": dfx.global_cells(p.mesh), "cell_type": dfx.cell_type_name(p.mesh)}
+        tr = getattr(self.solver, "transport", None)
+        if tr is not None:
+            mesh.update(density_dofs=tr.V.dofmap.index_map.size_global,
+                        velocity_nodes=tr.W.dofmap.index_map.size_global,
+                        attention_sources=int(tr.n_sources))
         summary = {
             "command": self.command, "status": status, "error": str(error) if error else None,
-            "config": self.cfg, "provenance": self.info, "ranks": self.comm.size,
-            "mesh": {"dim": p.dim, "cells": dfx.global_cells(p.mesh),
-                     "cell_type": dfx.cell_type_name(p.mesh),
-                     "density_dofs": tr.V.dofmap.index_map.size_global,
-                     "velocity_nodes": tr.W.dofmap.index_map.size_global,
-                     "attention_sources": int(tr.n_sources)},
+            "config": self.cfg, "provenance": self.info, "ranks": self.comm.size, "mesh": mesh,
             "model": {"layers": p.heads.layers, "heads": p.heads.heads, "key_dim": p.heads.key_dim},
             "prompts": self.solver.prompt_info, "stats": self.solver.stats, "timings": timings,
             "attention": {"backend": self.cfg["attention"]["backend"], "tol": self.cfg["attention"]["tol"],
@@ -142,14 +144,17 @@ def run_forward(cfg: dict, comm=None) -> dict:
 
 
 class FinalStates(Tracker):
-    """Keeps the density of every prompt at t = 1."""
+    """Keeps the density (or the tokens and weights) of every prompt at t = 1."""
 
     def __init__(self):
         self.coeffs = []
+        self.tokens = []
 
     def frame(self, solver, frame):
         if frame.layer_boundary and frame.t == 1.0:
             self.coeffs.append(frame.coeffs)
+            if "weights" in frame.extra:
+                self.tokens.append((frame.coeffs, frame.extra["weights"]))
 
 
 def run_gradient(cfg: dict, comm=None) -> dict:
@@ -208,6 +213,59 @@ def run_train(cfg: dict, comm=None, restart: bool = False) -> dict:
             restarted_at=trainer.start if restart else None,
             files={"history": "history.csv", "checkpoint": "checkpoint.npz",
                    "heads": "heads.pvd", "log": "pdeformer.log"})
+        if error is not None:
+            raise error
+    return summary
+
+
+def run_particles(cfg: dict, comm=None, gradient: bool = False) -> dict:
+    """The particle model: tokens of every prompt through the layers (diagnostics.csv,
+    tokens_<prompt>.pvd); with an [objective] its risk, and with ``gradient`` the exact
+    gradient of the particle risk (gradient.npz, direct summation)."""
+    from .particles import ParticleAdjoint, ParticleSolver, TokenOutput
+
+    def solver(problem, timer):
+        return ParticleSolver(problem, timer, backend="direct" if gradient else None)
+
+    run = Run("particles", cfg, comm or MPI.COMM_WORLD, solver=solver)
+    p = run.problem
+    if gradient and p.objective is None:
+        raise ConfigError("objective.kind", "missing: --gradient needs an [objective]")
+    adjoint = ParticleAdjoint(run.solver, p.objective, p.targets) if p.objective else None
+    table = DiagnosticsTable(run.path("diagnostics.csv"))
+    trackers = [ProgressLog(), table]
+    tokens = TokenOutput(run.outdir) if cfg["particles"]["points"] else None
+    if tokens:
+        trackers.append(tokens)
+    finals = FinalStates()
+    trackers.append(finals)
+    with run.logged():
+        status, error, results = "completed", None, {}
+        try:
+            with run.timer.phase("particles"):
+                run.solver.run(trackers)
+            if adjoint is not None:
+                risks = [adjoint.objective.particle_value_and_gradient(
+                    x, w, adjoint.targets[s], run.comm)[0] for s, (x, w) in enumerate(finals.tokens)]
+                results["objective"] = {"risk": float(np.mean(risks)),
+                                        "risks": dict(zip([n for n, _ in p.prompts], risks))}
+                log.info("risk R = %.12e", results["objective"]["risk"])
+            if gradient:
+                with run.timer.phase("gradient"):
+                    g = adjoint.gradient()
+                if run.comm.rank == 0:
+                    with open(run.path("gradient.npz.tmp"), "wb") as f:
+                        np.savez(f, dQ=g.dQ, dK=g.dK, dV=g.dV, risk=np.array(g.risk))
+                    os.replace(run.path("gradient.npz.tmp"), run.path("gradient.npz"))
+                results.update(risk=g.risk, gradient_norm=g.norm())
+                log.info("|dR/dtheta| = %.6e", g.norm())
+        except SolverBreakdown as e:
+            status, error = "breakdown", e
+        summary = run.summary(
+            status, error, final_diagnostics=table.final(), **results,
+            files={"diagnostics": "diagnostics.csv", "log": "pdeformer.log",
+                   "tokens": tokens.files if tokens else [],
+                   **({"gradient": "gradient.npz"} if gradient else {})})
         if error is not None:
             raise error
     return summary

@@ -31,8 +31,8 @@ class ProgressLog(Tracker):
     def start(self, solver):
         self.t0 = time.perf_counter()
         p = solver.problem
-        log.info("forward: %d prompt(s), L = %d layers, H = %d heads, d = %d, DG-%d, %s, %d rank(s)",
-                 len(p.prompts), p.heads.layers, p.heads.heads, p.dim, solver.disc["degree"],
+        log.info("%d prompt(s), L = %d layers, H = %d heads, d = %d, %s, %s, %d rank(s)",
+                 len(p.prompts), p.heads.layers, p.heads.heads, p.dim, solver.describe(),
                  solver.scheme.name, solver.comm.size)
 
     def frame(self, solver, frame):

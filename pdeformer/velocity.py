@@ -33,18 +33,25 @@ log = logging.getLogger("pdeformer")
 
 
 class AttentionVelocity:
-    def __init__(self, W, heads: HeadMeasure, attention: dict | None = None, comm=None):
+    """The attention velocity of a head measure at this rank's targets: the nodes of a
+    velocity space (:meth:`on_space`), or points given per call (particles)."""
+
+    def __init__(self, targets, heads: HeadMeasure, attention: dict | None, comm):
         attention = attention or {}
-        self.targets = owned_node_coordinates(W)
+        self.targets = targets
         self.heads = heads  # read at every call: training updates it in place
         self.backend = attention.get("backend", "direct")
         self.tol = attention.get("tol", 1e-8)
         self.chunk_mb = attention.get("chunk_mb", 2.0)
-        self.comm = comm or W.mesh.comm
+        self.comm = comm
         self._gathered = None  # (points object, all points, slice of this rank)
         self.last_plan = None   # how the last velocity was summed: None (direct) or (lo, hi, n)
         self._hint = None       # table size of the last evaluation: where the next search starts
         self.stats = {"direct": 0, "laplace": 0, "largest_estimate": 0.0, "largest_grid": 0}
+
+    @classmethod
+    def on_space(cls, W, heads: HeadMeasure, attention: dict | None = None, comm=None):
+        return cls(owned_node_coordinates(W), heads, attention, comm or W.mesh.comm)
 
     # ------------------------------------------------------------------ helpers
     def _all_points(self, points):
@@ -55,7 +62,7 @@ class AttentionVelocity:
                               slice(start, start + len(points)))
         return self._gathered[1], self._gathered[2]
 
-    def _table(self, points, weights, A):
+    def _table(self, points, weights, A, x):
         """A laplace table for this evaluation, or None where direct must (or should) do."""
         d = points.shape[1]
         if self.backend == "direct" or (d > 2 and self.backend == "auto"):
@@ -65,7 +72,7 @@ class AttentionVelocity:
         n_max = N_MAX_FORCED
         if self.backend == "auto":
             M = self.comm.allreduce(len(points), op=MPI.SUM)
-            N = self.comm.allreduce(len(self.targets), op=MPI.SUM)
+            N = self.comm.allreduce(len(x), op=MPI.SUM)
             H = A.shape[0]
             cheaper = [n for n in SIZES if n <= N_MAX
                        and flops_estimate(n, d, M, N * H) < direct_estimate(N, H, M)]
@@ -73,7 +80,7 @@ class AttentionVelocity:
                 return None
             n_max = cheaper[-1]
         try:
-            lo, hi = b_range(self.targets, A, self.comm)
+            lo, hi = b_range(x, A, self.comm)
             if not (np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))):
                 raise FloatingPointError("attention matrices are not finite")
             table, est = choose_table(points, weights, lo, hi, self.comm, self.tol, n_max=n_max,
@@ -94,11 +101,13 @@ class AttentionVelocity:
         return table
 
     # ------------------------------------------------------------------ velocity
-    def __call__(self, points: np.ndarray, weights: np.ndarray, layer: int) -> np.ndarray:
-        """Velocity of ``layer`` at the owned nodes, (n_nodes, d), for the density given
-        by this rank's source points and weights. :attr:`last_plan` records how."""
+    def __call__(self, points: np.ndarray, weights: np.ndarray, layer: int,
+                 targets: np.ndarray | None = None) -> np.ndarray:
+        """Velocity of ``layer`` at this rank's targets, (n, d), for the density given by
+        this rank's source points and weights. :attr:`last_plan` records how."""
+        x = self.targets if targets is None else targets
         A, V = self.heads.attention_matrices(layer), self.heads.values(layer)
-        table = self._table(points, weights, A)
+        table = self._table(points, weights, A, x)
         interp = None if table is None else (fine_grid(table, self.tol) or table)
         self.last_plan = None if table is None else \
             (table.lo, table.hi, table.n, interp.nf if interp is not table else None)
@@ -106,18 +115,19 @@ class AttentionVelocity:
             self.stats["direct"] += 1
             all_points, _ = self._all_points(points)
             sources = Sources.from_arrays(all_points, allgather_rows(self.comm, weights))
-            return attention_velocity(self.targets, sources, A, V, chunk_mb=self.chunk_mb)
+            return attention_velocity(x, sources, A, V, chunk_mb=self.chunk_mb)
         self.stats["laplace"] += 1
-        H, N, d = A.shape[0], self.targets.shape[0], A.shape[1]
-        b = np.einsum("hij,nj->hni", A, self.targets).reshape(-1, d)
+        H, N, d = A.shape[0], x.shape[0], A.shape[1]
+        b = np.einsum("hij,nj->hni", A, x).reshape(-1, d)
         m = interp.means(b).reshape(H, N, d)
         return np.einsum("hij,hnj->ni", V, m) / H
 
     def vjp(self, points: np.ndarray, weights: np.ndarray, layer: int, g: np.ndarray,
-            plan=None) -> VelocityCotangent:
+            plan=None, targets: np.ndarray | None = None) -> VelocityCotangent:
         """Cotangents of <g, v> (g at this rank's nodes): this rank's source weights,
         and A, V of ``layer`` (this rank's share; the caller sums over ranks). ``plan``
         is the forward evaluation's :attr:`last_plan`: the same sum is differentiated."""
+        x = self.targets if targets is None else targets
         A, V = self.heads.attention_matrices(layer), self.heads.values(layer)
         table = interp = None
         if plan is not None:
@@ -126,13 +136,12 @@ class AttentionVelocity:
             interp = table if nf is None else fine_grid(table, self.tol, nf)
         if table is None:
             all_points, mine = self._all_points(points)
-            ct = attention_velocity_vjp(self.targets, all_points, allgather_rows(self.comm, weights),
+            ct = attention_velocity_vjp(x, all_points, allgather_rows(self.comm, weights),
                                         A, V, g, chunk_mb=self.chunk_mb)
             self.comm.Allreduce(MPI.IN_PLACE, ct.weights, op=MPI.SUM)
             ct.weights = ct.weights[mine].copy()
             return ct
-        H, N, d = A.shape[0], self.targets.shape[0], A.shape[1]
-        x = self.targets
+        H, N, d = A.shape[0], x.shape[0], A.shape[1]
         b = np.einsum("hij,nj->hni", A, x).reshape(-1, d)
         u = np.einsum("nk,hkj->hnj", g, V) / H            # V_h^T g_i / H
         m, J, mbar = interp.reverse(b, u.reshape(-1, d))   # J: dm_k/db_a

@@ -1,0 +1,285 @@
+r"""The particle (Lagrangian) counterpart: a finite transformer with N tokens.
+
+Each prompt is replaced by N tokens x_i sampled from it, with weights w_i = 1/N, and
+
+.. math::
+
+    \frac{d x_i}{dt} = v_t\Big[\sum_j w_j \delta_{x_j}\Big](x_i)
+                    = \frac1H \sum_h V_h \frac{\sum_j w_j e^{\langle A_h x_i, x_j\rangle} x_j}
+                                              {\sum_j w_j e^{\langle A_h x_i, x_j\rangle}},
+
+the same kernel, heads and SSP scheme as the Eulerian solver, with a fixed number of
+steps per layer (``[particles] steps_per_layer``, default
+``discretisation.steps_per_layer`` or 10). Tokens are drawn from the seeded stream
+(``particles.seed``, prompt index), so they are the same for any number of ranks; each
+rank moves its own block of tokens (the targets) and sees all of them as sources. Tokens
+live in R^d: none leave, so ``mass`` is 1 and ``outflow`` 0 in diagnostics.csv, and
+``min_rho`` (a density minimum) is not defined (nan).
+
+Gradients (:class:`ParticleAdjoint`) are the exact discrete adjoint of this ODE system
+(positions and head cotangents through the kernel's reverse mode, direct summation).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+from mpi4py import MPI
+
+from .errors import ConfigError, SolverBreakdown
+from .forward import Frame, located
+from .parallel import Timer, allgather_rows, any_rank
+from .timestepping import SCHEMES, ssp_step
+from .velocity import AttentionVelocity
+
+log = logging.getLogger("pdeformer")
+
+
+def weighted_moments(comm, x: np.ndarray, w: np.ndarray, centre: np.ndarray):
+    """Total weight, mean and covariance of weighted points (all ranks)."""
+    d = x.shape[1]
+    y = x - centre
+    local = np.concatenate([[w.sum()], w @ y, np.einsum("q,qi,qj->ij", w, y, y).ravel()])
+    tot = np.empty_like(local)
+    comm.Allreduce(local, tot, op=MPI.SUM)
+    first = tot[1:1 + d] / tot[0]
+    return float(tot[0]), centre + first, tot[1 + d:].reshape(d, d) / tot[0] - np.outer(first, first)
+
+
+class ParticleSolver:
+    """Moves the tokens of every prompt through the L layers (fixed steps)."""
+
+    def __init__(self, problem, timer: Timer | None = None, backend: str | None = None):
+        self.problem = problem
+        self.comm = problem.comm
+        self.timer = timer or Timer()
+        cfg = problem.cfg
+        self.disc = cfg["discretisation"]
+        pc = cfg["particles"]
+        self.tokens = pc["tokens"]
+        self.seed = pc["seed"]
+        self.steps_per_layer = pc["steps_per_layer"] or self.disc["steps_per_layer"] or 10
+        self.frames_per_layer = cfg["output"]["frames_per_layer"]
+        if self.steps_per_layer % self.frames_per_layer:
+            raise ConfigError("output.frames_per_layer",
+                              f"{self.frames_per_layer} does not divide the particle steps per "
+                              f"layer ({self.steps_per_layer})")
+        self.scheme = SCHEMES[self.disc["scheme"]]
+        attention = dict(cfg["attention"], **({"backend": backend} if backend else {}))
+        self.velocity_field = AttentionVelocity(None, problem.heads, attention, self.comm)
+        blocks = np.array_split(np.arange(self.tokens), self.comm.size)
+        self.block = blocks[self.comm.rank]
+        self.stats = {"steps": 0, "velocity_evaluations": 0}
+        self.prompt_info = [{"name": n, "tokens": self.tokens} for n, _ in problem.prompts]
+
+    def describe(self) -> str:
+        return f"{self.tokens} tokens, {self.steps_per_layer} steps/layer"
+
+    # ------------------------------------------------------------ tokens
+    def initial_tokens(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's block of the N tokens of prompt ``index`` and their weights 1/N.
+        All ranks draw the same N tokens (stream (seed, index)) and keep their block."""
+        prompt = self.problem.prompts[index][1]
+        rng = np.random.default_rng([self.seed, index])
+        x = prompt.sample(self.tokens, rng)
+        return np.ascontiguousarray(x[self.block]), np.full(len(self.block), 1.0 / self.tokens)
+
+    def velocity(self, x: np.ndarray, w: np.ndarray, layer: int) -> np.ndarray:
+        with self.timer.phase("velocity"):
+            v = self.velocity_field(x, w, layer, targets=x)
+        self.stats["velocity_evaluations"] += 1
+        if any_rank(self.comm, not np.all(np.isfinite(v))):
+            raise SolverBreakdown("the velocity is NaN or overflows")
+        return v
+
+    # ------------------------------------------------------------ the loop
+    def run(self, trackers=()) -> list[dict]:
+        for tr in trackers:
+            tr.start(self)
+        try:
+            for i in range(len(self.problem.prompts)):
+                self.solve_prompt(i, trackers)
+        finally:
+            for tr in trackers:
+                tr.finish(self)
+        return self.prompt_info
+
+    def solve_prompt(self, index: int, trackers=(), tape: list | None = None):
+        """Move the tokens of prompt ``index`` from t = 0 to 1; returns (x, w) of this
+        rank's tokens. ``tape`` collects (layer, dt, stage positions) for the adjoint."""
+        name = self.problem.prompts[index][0]
+        L, F = self.problem.heads.layers, self.frames_per_layer
+        x, w = self.initial_tokens(index)
+        n = self.steps_per_layer // F
+        dt = 1.0 / (L * self.steps_per_layer)
+        steps = 0
+
+        def emit(t, layer, boundary):
+            frame = Frame(name, index, t, layer, boundary, steps, dt if steps else math.nan, x, 0.0)
+            frame.extra["weights"] = w
+            with self.timer.phase("output"):
+                for tr in trackers:
+                    tr.frame(self, frame)
+
+        emit(0.0, -1, True)
+        for layer in range(L):
+            for f in range(1, F + 1):
+                for k in range(n):
+                    t = (layer + (f - 1) / F) / L + k * dt
+                    with located(f"prompt {name!r}, layer {layer}, t = {t:.6g}"):
+                        x = self._step(x, w, dt, layer, tape)
+                    steps += 1
+                emit((layer + f / F) / L, layer, f == F)
+        self.stats["steps"] += steps
+        self.prompt_info[index]["steps"] = steps
+        return x, w
+
+    def _step(self, x, w, dt, layer, tape):
+        stages = []
+
+        def rhs(Y, j):
+            if tape is not None:
+                stages.append(Y[0])
+            return [self.velocity(Y[0], w, layer)]
+
+        new = ssp_step(self.scheme, [x], dt, rhs)[0]
+        if tape is not None:
+            tape.append((layer, dt, stages))
+        if any_rank(self.comm, not np.all(np.isfinite(new))):
+            raise SolverBreakdown("the token positions are NaN or overflow")
+        return new
+
+    # ------------------------------------------------------------ diagnostics
+    def diagnostics(self, frame: Frame) -> dict:
+        """The forward columns for tokens: weighted moments (mass 1, outflow 0, min_rho nan)."""
+        mass, mean, cov = weighted_moments(self.comm, frame.coeffs, frame.extra["weights"],
+                                           np.zeros(frame.coeffs.shape[1]))
+        return {"prompt": frame.prompt, "t": frame.t, "mass": mass, "outflow": 0.0,
+                "min_rho": math.nan, "mean": mean, "cov": cov}
+
+
+class TokenOutput:
+    """tokens_<prompt>.pvd + tokens_<prompt>_XXXX.vtu: the tokens at every layer boundary
+    (rank 0 gathers them), point data ``weight``."""
+
+    needs_velocity = False
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self.frames: dict[str, list] = {}
+        self.files: list[str] = []
+
+    def start(self, solver):
+        pass
+
+    def frame(self, solver, frame):
+        import os
+        from .output import write_points, write_pvd
+        if not frame.layer_boundary:
+            return
+        x = allgather_rows(solver.comm, frame.coeffs)
+        w = allgather_rows(solver.comm, frame.extra["weights"])
+        if solver.comm.rank != 0:
+            return
+        k = len(self.frames.setdefault(frame.prompt, []))
+        name = f"tokens_{frame.prompt}_{k:04d}.vtu"
+        write_points(os.path.join(self.folder, name), x, {"weight": w})
+        self.frames[frame.prompt].append((frame.t, name))
+        pvd = f"tokens_{frame.prompt}.pvd"
+        write_pvd(os.path.join(self.folder, pvd), self.frames[frame.prompt])
+        if pvd not in self.files:
+            self.files.append(pvd)
+
+    def finish(self, solver):
+        pass
+
+
+class ParticleAdjoint:
+    """Risk and its exact gradient for the particle model (direct summation)."""
+
+    def __init__(self, solver: ParticleSolver, objective, targets: list):
+        if not hasattr(objective, "particle_value_and_gradient"):
+            raise ConfigError("objective.kind", f"{objective.kind!r} needs a density; tokens support "
+                              "potential, moments and mmd")
+        self.solver = solver
+        self.objective = objective
+        self.targets = [self._prepare(t, i) for i, t in enumerate(targets)]
+
+    def _prepare(self, target, index):
+        """Density targets of mmd become tokens sampled like the prompts' (seeded)."""
+        if target is None or target["kind"] in ("moments", "points"):
+            return target
+        rng = np.random.default_rng([self.solver.seed, 10**6 + index])
+        z = target["density"].sample(self.solver.tokens, rng)
+        return dict(target, samples=(z, np.full(len(z), 1.0 / len(z))))
+
+    def risk(self) -> tuple[float, list]:
+        risks = []
+        for s in range(len(self.solver.problem.prompts)):
+            x, w = self.solver.solve_prompt(s)
+            risks.append(self.objective.particle_value_and_gradient(x, w, self.targets[s],
+                                                                    self.solver.comm)[0])
+        return float(np.mean(risks)), risks
+
+    def gradient(self):
+        from .adjoint import Gradient
+        sv = self.solver
+        heads = sv.problem.heads
+        S = len(sv.problem.prompts)
+        dA = np.zeros((heads.layers, heads.heads, heads.dim, heads.dim))
+        dV = np.zeros_like(heads.V)
+        risks = []
+        for s in range(S):
+            tape = []
+            x, w = sv.solve_prompt(s, tape=tape)
+            F, lam = self.objective.particle_value_and_gradient(x, w, self.targets[s], sv.comm)
+            risks.append(F)
+            for layer, dt, stages in reversed(tape):
+                lam = self._step_vjp(lam, w, layer, dt, stages, dA, dV)
+        for a in (dA, dV):
+            sv.comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
+        dA /= S
+        dV /= S
+        dQ = np.einsum("lhki,lhij->lhkj", heads.K, dA)
+        dK = np.einsum("lhki,lhji->lhkj", heads.Q, dA)
+        return Gradient(float(np.mean(risks)), risks, dQ, dK, dV, 0)
+
+    def _step_vjp(self, lam, w, layer, dt, stages, dA, dV):
+        scheme = self.solver.scheme
+        s = scheme.stages
+        Ybar, Lbar = [None] * (s + 1), [None] * s
+        Ybar[s] = lam
+
+        def add(lst, j, v):
+            lst[j] = v if lst[j] is None else lst[j] + v
+
+        for i in range(s, 0, -1):
+            if Ybar[i] is not None:
+                for j, (a, b) in enumerate(zip(scheme.alpha[i - 1], scheme.beta[i - 1])):
+                    if a:
+                        add(Ybar, j, a * Ybar[i])
+                    if b:
+                        add(Lbar, j, (dt * b) * Ybar[i])
+            j = i - 1
+            if Lbar[j] is not None:
+                add(Ybar, j, self._rate_vjp(stages[j], w, layer, Lbar[j], dA, dV))
+        return Ybar[0]
+
+    def _rate_vjp(self, x, w, layer, g, dA, dV):
+        """Cotangent of the positions for the cotangent g of v(x) (targets and sources
+        are the same tokens: both parts add up)."""
+        from .attention import attention_velocity_vjp
+        sv = self.solver
+        heads = sv.problem.heads
+        comm = sv.comm
+        all_x, all_w = allgather_rows(comm, x), allgather_rows(comm, w)
+        with sv.timer.phase("adjoint velocity"):
+            ct = attention_velocity_vjp(x, all_x, all_w, heads.attention_matrices(layer),
+                                        heads.values(layer), g, positions=True)
+        comm.Allreduce(MPI.IN_PLACE, ct.points, op=MPI.SUM)
+        start = sum(comm.allgather(len(x))[:comm.rank])
+        dA[layer] += ct.A
+        dV[layer] += ct.V
+        return ct.targets + ct.points[start:start + len(x)]

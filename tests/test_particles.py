@@ -1,0 +1,157 @@
+"""The particle model: sampling, agreement with the Eulerian solver, the exact particle
+adjoint, and the `particles` command serially and on 2 ranks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from conftest import requires_dolfinx, run_cli, write_config
+
+pytestmark = [requires_dolfinx]
+
+RAW = {"mesh": {"lower": [-3.5, -3.5], "upper": [3.5, 3.5], "cells": [32, 32]},
+       "discretisation": {"limiter": False, "steps_per_layer": 8},
+       "model": {"layers": 2, "heads": 2, "seed": 3, "init_scale": 0.8},
+       "objective": {"kind": "moments"}, "output": {"fields": False},
+       "prompts": [{"kind": "gaussian_mixture", "means": [[0.5, 0.2], [-0.6, 0.1]], "covs": [0.2, 0.3],
+                    "target": {"mean": [0.3, -0.2], "cov": [[0.4, 0.1], [0.1, 0.3]]}}]}
+
+
+def problem(tmp_path, **particles):
+    from pdeformer.config import check_config
+    from pdeformer.forward import build_problem
+    cfg = check_config(dict(RAW, particles=particles), str(tmp_path))
+    return build_problem(cfg, MPI.COMM_WORLD)
+
+
+def test_sampling_matches_the_prompts():
+    from pdeformer.prompts import GaussianMixture, PointDensity, UniformBox
+    rng = np.random.default_rng(0)
+    g = GaussianMixture([1, 3], [[0, 1], [1, -1]], [np.eye(2) * 0.3, [[0.5, 0.1], [0.1, 0.2]]])
+    u = UniformBox([-1, 0], [1, 0.5])
+    pts = np.stack(np.meshgrid(np.linspace(-1, 1, 21), np.linspace(-1, 1, 21)), -1).reshape(-1, 2)
+    f = PointDensity(pts, 2.0 + pts[:, 0] - pts[:, 1])   # mean (1/6, -1/6) exactly
+    n = 200_000
+    for prompt, mean in ((g, g.mean()), (u, u.mean()), (f, [1 / 6, -1 / 6])):
+        x = prompt.sample(n, rng)
+        se = x.std(axis=0) / np.sqrt(n)
+        assert np.all(np.abs(x.mean(axis=0) - mean) < 4 * se), (type(prompt).__name__, x.mean(0), mean)
+    np.testing.assert_allclose(np.cov(g.sample(n, rng).T), g.cov(), atol=0.02)
+
+
+def test_particle_moments_agree_with_the_eulerian_solver(tmp_path):
+    """Mean and covariance at t = 1 of 8 independent 2000-token runs against DG-1 on
+    32^2 cells: within 3 standard errors of the mean over the runs (the DG error of
+    these moments is ~1e-3, far below 3 SE ~ 1e-2)."""
+    from pdeformer.forward import ForwardSolver
+    from pdeformer.particles import ParticleSolver, weighted_moments
+    fw = ForwardSolver(problem(tmp_path))
+    coeffs, _ = fw.solve_prompt(0)
+    _, mean_e, cov_e = fw.transport.moments(coeffs, np.zeros(2))
+    runs = []
+    for seed in range(8):
+        sv = ParticleSolver(problem(tmp_path, tokens=2000, seed=seed))
+        x, w = sv.solve_prompt(0)
+        _, mean, cov = weighted_moments(MPI.COMM_WORLD, x, w, np.zeros(2))
+        runs.append(np.concatenate([mean, cov.ravel()[[0, 1, 3]]]))
+    runs = np.array(runs)
+    euler = np.concatenate([mean_e, cov_e.ravel()[[0, 1, 3]]])
+    se = runs.std(axis=0, ddof=1) / np.sqrt(len(runs))
+    assert np.all(np.abs(runs.mean(axis=0) - euler) < 3 * se), (runs.mean(0), euler, se)
+
+
+def test_particle_gradient_is_exact_and_approaches_the_eulerian_one(tmp_path):
+    from pdeformer.adjoint import AdjointSolver
+    from pdeformer.forward import ForwardSolver
+    from pdeformer.particles import ParticleAdjoint, ParticleSolver
+    p = problem(tmp_path)
+    ge = AdjointSolver(ForwardSolver(p), p.objective, p.targets).gradient()
+    ref = np.concatenate([ge.dQ.ravel(), ge.dK.ravel(), ge.dV.ravel()])
+    errors = {}
+    for N in (250, 2000):
+        errors[N] = []
+        for seed in range(3):
+            pp = problem(tmp_path, tokens=N, seed=seed)
+            adj = ParticleAdjoint(ParticleSolver(pp, backend="direct"), pp.objective, pp.targets)
+            g = adj.gradient()
+            v = np.concatenate([g.dQ.ravel(), g.dK.ravel(), g.dV.ravel()])
+            errors[N].append(np.linalg.norm(v - ref) / np.linalg.norm(ref))
+    # Monte Carlo error ~ N^-1/2: about 0.4 at N = 250 and 0.15 at N = 2000 here
+    assert np.mean(errors[2000]) < 0.6 * np.mean(errors[250]), errors
+    assert np.mean(errors[2000]) < 0.25, errors
+    # and it is the exact derivative of the particle risk: Taylor remainder ~ eps^2
+    rng = np.random.default_rng(4)
+    heads = pp.heads
+    d = {n: rng.normal(size=getattr(heads, n).shape) for n in "QKV"}
+    slope = sum(np.sum(getattr(g, "d" + n) * d[n]) for n in "QKV")
+    base = {n: getattr(heads, n).copy() for n in "QKV"}
+
+    def R(eps):
+        for n in "QKV":
+            getattr(heads, n)[:] = base[n] + eps * d[n]
+        return adj.risk()[0]
+
+    R0 = R(0.0)
+    rem = np.array([abs(R(e) - R0 - e * slope) for e in (4e-3, 2e-3, 1e-3)])
+    assert np.all(np.abs(np.log2(rem[:-1] / rem[1:]) - 2) < 0.1), rem
+
+
+CONFIG = """
+[mesh]
+lower = [-3.0, -3.0]
+upper = [3.0, 3.0]
+cells = [8, 8]
+
+[model]
+layers = 2
+heads = 3
+seed = 2
+
+[particles]
+tokens = 500
+seed = 7
+
+[objective]
+kind = "potential"
+center = [0.5, 0.0]
+
+[output]
+dir = "out"
+
+[[prompts]]
+name = "g"
+kind = "gaussian_mixture"
+means = [[0.3, -0.2]]
+covs = [0.3]
+"""
+
+
+@pytest.mark.mpi
+def test_particles_command_same_on_one_and_two_ranks(tmp_path):
+    from pdeformer.output import read_pvd, read_vtu
+    from test_cli import assert_same_diagnostics
+    cfg = write_config(tmp_path, CONFIG)
+    run_cli(["particles", cfg, "--gradient", "--set", "output.dir=s"], cwd=str(tmp_path))
+    run_cli(["particles", cfg, "--gradient", "--set", "output.dir=p"], nprocs=2, cwd=str(tmp_path))
+    rows, _ = assert_same_diagnostics(tmp_path / "s" / "diagnostics.csv", tmp_path / "p" / "diagnostics.csv", 1e-12)
+    assert [r["t"] for r in rows] == [0.0, 0.5, 1.0]
+    a, b = np.load(tmp_path / "s" / "gradient.npz"), np.load(tmp_path / "p" / "gradient.npz")
+    for n in ("dQ", "dK", "dV"):
+        assert np.abs(a[n] - b[n]).max() < 1e-12 and np.abs(a[n]).max() > 0
+    fa, fb = read_pvd(str(tmp_path / "s" / "tokens_g.pvd")), read_pvd(str(tmp_path / "p" / "tokens_g.pvd"))
+    assert [t for t, _ in fa] == [0.0, 0.5, 1.0]
+    xa, xb = read_vtu(fa[-1][1])["points"], read_vtu(fb[-1][1])["points"]
+    assert xa.shape == (500, 3)
+    np.testing.assert_allclose(xa, xb, atol=1e-12)
+    # the tokens at t = 0 are the prompt's samples: the same whatever the rank count
+    np.testing.assert_array_equal(read_vtu(fa[0][1])["points"], read_vtu(fb[0][1])["points"])
+
+
+def test_particles_refuse_l2(tmp_path):
+    from test_cli import check_one_line_error
+    cfg = write_config(tmp_path, CONFIG.replace('kind = "potential"\ncenter = [0.5, 0.0]', 'kind = "l2"')
+                       + "target = { kind = 'uniform', lower = [-1.0, -1.0], upper = [1.0, 1.0] }\n")
+    proc = run_cli(["particles", cfg, "--gradient"], cwd=str(tmp_path), check=False)
+    check_one_line_error(proc, "objective.kind: 'l2' needs a density")
