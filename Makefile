@@ -8,7 +8,9 @@ PYTEST_ARGS ?=
 # Open MPI refuses root and more ranks than cores unless told; other MPIs get no flags.
 MPIRUN = mpirun $(shell mpirun --version 2>/dev/null | grep -q "Open MPI" && echo "--oversubscribe $$([ $$(id -u) = 0 ] && echo --allow-run-as-root)")
 
-.PHONY: setup run forward test test-slow clean help
+STUDIES ?= mesh degree layers heads particles
+
+.PHONY: setup run forward test test-slow verification clean help
 
 help:
 	@echo "make setup      install what is missing (Debian packages, .venv, pdeformer)"
@@ -16,6 +18,7 @@ help:
 	@echo "make forward    the forward pass of $(CONFIG) under mpirun -n $(NP)"
 	@echo "make test       the test suite (serial and mpirun -n 2 cases)"
 	@echo "make test-slow  the slow convergence studies"
+	@echo "make verification  run runs/studies/*.toml and refresh docs/verification/"
 
 setup:
 	@bash .ci/bootstrap.sh
@@ -31,6 +34,14 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+verification: setup
+	@mkdir -p docs/verification
+	@for s in $(STUDIES); do \
+	  $(MPIRUN) -n $(NP) $(VENV)/bin/pdeformer converge runs/studies/$$s.toml -q || exit 1; \
+	  cp runs/studies/output/$$s/convergence.md docs/verification/$$s.md; \
+	  cp runs/studies/output/$$s/convergence.png docs/verification/$$s.png; \
+	done
 
 clean:
 	rm -rf runs/output output .pytest_cache

@@ -129,3 +129,39 @@ def versions() -> dict:
         except (ImportError, AttributeError):
             pass
     return out
+
+
+def evaluate_at_points(u, points: np.ndarray) -> np.ndarray:
+    """Values of a scalar Function u at arbitrary points (n, d), the same on every rank
+    (each rank evaluates the points in its owned cells; one Allreduce combines them).
+    Points outside the mesh give nan."""
+    import dolfinx.geometry as geo
+    from mpi4py import MPI
+    mesh = u.function_space.mesh
+    tdim = mesh.topology.dim
+    pts = np.zeros((points.shape[0], 3))
+    pts[:, :points.shape[1]] = points
+    n_owned = mesh.topology.index_map(tdim).size_local
+    if hasattr(geo, "bb_tree"):
+        tree = geo.bb_tree(mesh, tdim, np.arange(n_owned, dtype=np.int32))
+        candidates = geo.compute_collisions_points(tree, pts)
+    else:
+        tree = geo.BoundingBoxTree(mesh, tdim, np.arange(n_owned, dtype=np.int32))
+        candidates = geo.compute_collisions(tree, pts)
+    colliding = geo.compute_colliding_cells(mesh, candidates, pts)
+    found, cells = [], []
+    for i in range(pts.shape[0]):
+        links = colliding.links(i)
+        if len(links):
+            found.append(i)
+            cells.append(links[0])
+    local = np.zeros(2 * pts.shape[0])
+    if found:
+        found = np.array(found)
+        local[found] = u.eval(pts[found], np.array(cells, dtype=np.int32)).ravel()
+        local[pts.shape[0] + found] = 1.0
+    total = np.empty_like(local)
+    mesh.comm.Allreduce(local, total, op=MPI.SUM)
+    count = total[pts.shape[0]:]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(count > 0, total[:pts.shape[0]] / count, np.nan)

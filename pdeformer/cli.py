@@ -87,10 +87,37 @@ def _parser() -> argparse.ArgumentParser:
             c.add_argument("--restart", action="store_true",
                            help="continue from the last checkpoint in output.dir (also after "
                                 "train.steps was raised)")
+            c.add_argument("--walltime", metavar="HH:MM:SS", type=_duration,
+                           help="stop (with a checkpoint) before a step that would end past "
+                                "this time; continue later with --restart")
+
+    c = sub.add_parser(
+        "converge", help="a convergence study: one swept parameter against a reference",
+        description="Run every case of a study (a base run config, one swept parameter, a "
+                    "reference: exact, finest or another run) in this MPI job and write "
+                    "convergence.csv, convergence.md, convergence.png and summary.json.",
+        epilog="example: mpirun -n 2 pdeformer converge runs/studies/mesh.toml")
+    c.add_argument("config", nargs="?", help="study file (TOML, with a [study] table)")
+    c.add_argument("--set", dest="overrides", metavar="study.KEY=VALUE", nargs="+",
+                   action="extend", default=[], help="override study values")
+    c.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+    c.add_argument("--walltime", metavar="HH:MM:SS", type=_duration,
+                   help="stop before a case that would end past this time (partial table)")
 
     sub.add_parser("info", help="versions of pdeformer and its numerical stack",
                    description="Print the versions pdeformer runs with (dolfinx, PETSc, ...).")
     return p
+
+
+def _duration(text: str) -> float:
+    """'HH:MM:SS', 'MM:SS' or seconds -> seconds."""
+    try:
+        parts = [float(p) for p in text.split(":")]
+        if len(parts) > 3 or any(p < 0 for p in parts):
+            raise ValueError
+        return sum(p * 60**i for i, p in enumerate(reversed(parts)))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HH:MM:SS or seconds, got {text!r}") from None
 
 
 def _config_and_overrides(args) -> tuple[str, list[str]]:
@@ -111,6 +138,15 @@ def _run(args, comm) -> int:
     from .config import load_config
     from .parallel import setup_logging
     setup_logging(comm, logging.WARNING if args.quiet else logging.INFO)
+    if args.command == "converge":
+        from .converge import load_study, run_study
+        study = load_study(*_config_and_overrides(args))
+        summary = run_study(study, comm, walltime=args.walltime)
+        if comm.rank == 0:
+            print(f"pdeformer: output in {study['output_dir']}")
+            print("  " + ", ".join(summary["files"]) + ("" if summary["status"] == "completed"
+                                                         else f" (status {summary['status']})"))
+        return 0
     cfg = load_config(*_config_and_overrides(args))
     from . import run
     if args.command == "forward":
@@ -120,7 +156,7 @@ def _run(args, comm) -> int:
     elif args.command == "particles":
         summary = run.run_particles(cfg, comm, gradient=args.gradient)
     else:
-        summary = run.run_train(cfg, comm, restart=args.restart)
+        summary = run.run_train(cfg, comm, restart=args.restart, walltime=args.walltime)
     if comm.rank == 0:
         outdir = cfg["output"]["dir"]
         files = summary["files"]

@@ -192,6 +192,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "params": Key(path, None, "head parameters .npz with Q (L,H,k,d), K (L,H,k,d), V (L,H,d,d)"),
         "seed": Key(integer(0, 2**63 - 1), 0, "seed of the random heads"),
         "init_scale": Key(number(positive=True), 1.0, "Q, K, V entries ~ N(0, init_scale^2 / d)"),
+        "query_scale": Key(number(nonnegative=True), None,
+                           "scale of Q (default init_scale; 0: uniform attention)"),
+        "depth": Key(string(("iid", "smooth")), "iid",
+                     "random heads independent per layer, or linear in depth per head"),
     },
     "attention": {
         "backend": Key(string(("direct", "laplace", "auto")), "auto",

@@ -75,7 +75,8 @@ def build_heads(comm, model: dict, d: int) -> HeadMeasure:
     if model["key_dim"] is None:
         model["key_dim"] = d
     return HeadMeasure.random(model["layers"], model["heads"], model["key_dim"], d,
-                              seed=model["seed"], scale=model["init_scale"])
+                              seed=model["seed"], scale=model["init_scale"],
+                              query_scale=model["query_scale"], depth=model["depth"])
 
 
 def build_problem(cfg: dict, comm, differentiable: bool = False) -> Problem:

@@ -52,23 +52,37 @@ class HeadMeasure:
 
     @classmethod
     def random(cls, layers: int, heads: int, key_dim: int, dim: int, *, seed: int = 0,
-               scale: float = 1.0) -> "HeadMeasure":
-        """i.i.d. heads: entries of Q, K, V ~ N(0, scale^2 / d).
+               scale: float = 1.0, query_scale: float | None = None,
+               depth: str = "iid") -> "HeadMeasure":
+        """Random heads: entries of K, V ~ N(0, scale^2 / d), of Q ~ N(0, query_scale^2 / d)
+        (query_scale = 0: uniform attention, every token attends to all equally).
 
-        Head (l, h) is drawn from its own stream seeded by (seed, l, h), so its value
-        depends neither on the number of ranks nor on L or H: the first H heads of a
-        larger draw are the same heads (a real mean-field sequence as H grows)."""
-        Q = np.empty((layers, heads, key_dim, dim))
-        K = np.empty_like(Q)
-        V = np.empty((layers, heads, dim, dim))
-        sd = scale / math.sqrt(dim)
-        for l in range(layers):
-            for h in range(heads):
-                rng = np.random.default_rng([seed, l, h])
-                Q[l, h] = sd * rng.standard_normal((key_dim, dim))
-                K[l, h] = sd * rng.standard_normal((key_dim, dim))
-                V[l, h] = sd * rng.standard_normal((dim, dim))
-        return cls(Q, K, V)
+        ``depth = "iid"``: head (l, h) is drawn from its own stream (seed, l, h).
+        ``depth = "smooth"``: theta_{l,h} = theta0_h + (t_l - 1/2) theta1_h at the layer
+        centre t_l = (l + 1/2)/L, theta0_h, theta1_h from the stream (seed, h): a head
+        measure that is a smooth function of depth, so L -> infinity is a real limit.
+        Either way a head's value depends neither on the number of ranks nor on H (the
+        first H heads of a larger draw are the same heads: H -> infinity is a real
+        mean-field sequence)."""
+        qs = scale if query_scale is None else query_scale
+        sd = np.array([qs, scale, scale]) / math.sqrt(dim)
+        shapes = [(key_dim, dim), (key_dim, dim), (dim, dim)]
+        out = [np.empty((layers, heads) + sh) for sh in shapes]
+        for h in range(heads):
+            if depth == "smooth":
+                rng = np.random.default_rng([seed, 1 << 20, h])
+                base = [s * rng.standard_normal(sh) for s, sh in zip(sd, shapes)]
+                slope = [s * rng.standard_normal(sh) for s, sh in zip(sd, shapes)]
+            for l in range(layers):
+                if depth == "smooth":
+                    t = (l + 0.5) / layers - 0.5
+                    for arr, b, m in zip(out, base, slope):
+                        arr[l, h] = b + t * m
+                else:
+                    rng = np.random.default_rng([seed, l, h])
+                    for arr, s, sh in zip(out, sd, shapes):
+                        arr[l, h] = s * rng.standard_normal(sh)
+        return cls(*out)
 
     @classmethod
     def load(cls, filename: str, dim: int, layers: int | None = None, heads: int | None = None,

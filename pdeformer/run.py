@@ -189,14 +189,16 @@ def _counts(solver) -> dict:
     return out
 
 
-def run_train(cfg: dict, comm=None, restart: bool = False) -> dict:
-    """Gradient-flow training (see pdeformer.train); returns the summary."""
+def run_train(cfg: dict, comm=None, restart: bool = False, walltime: float | None = None) -> dict:
+    """Gradient-flow training (see pdeformer.train); returns the summary. With
+    ``walltime`` (seconds) training stops, with a checkpoint, before a step that would
+    end past it (status "walltime"; continue with restart)."""
     from .adjoint import AdjointSolver
     from .train import Trainer
     run = Run("train", cfg, comm or MPI.COMM_WORLD, differentiable=True)
     p = run.problem
     adj = AdjointSolver(run.solver, p.objective, p.targets, cfg["objective"]["quadrature_degree"])
-    trainer = Trainer(adj, cfg, run.outdir)
+    trainer = Trainer(adj, cfg, run.outdir, walltime)
     with run.logged():
         if restart:
             trainer.restart()
@@ -204,6 +206,7 @@ def run_train(cfg: dict, comm=None, restart: bool = False) -> dict:
         try:
             with run.timer.phase("train"):
                 history = trainer.run()
+            status = trainer.status
         except SolverBreakdown as e:
             status, error, history = "breakdown", e, trainer.history
         summary = run.summary(

@@ -177,7 +177,7 @@ def read_checkpoint(filename: str, cfg: dict) -> dict:
 class Trainer:
     """Gradient-flow training of the heads of an :class:`AdjointSolver`'s problem."""
 
-    def __init__(self, adjoint, cfg: dict, outdir: str):
+    def __init__(self, adjoint, cfg: dict, outdir: str, walltime: float | None = None):
         self.adjoint = adjoint
         self.cfg = cfg
         self.train = cfg["train"]
@@ -190,6 +190,8 @@ class Trainer:
         self.start = 0
         self.frames: list[tuple[float, str]] = []
         self.checkpoint_file = os.path.join(outdir, "checkpoint.npz")
+        self.walltime = walltime
+        self.status = "completed"
 
     def restart(self) -> None:
         from .parallel import on_root
@@ -212,7 +214,20 @@ class Trainer:
         steps = self.train["steps"]
         params = {n: getattr(self.heads, n) for n in PARAMS}  # views: updated in place
         t0 = time.perf_counter() - (self.history[-1]["wall_time"] if self.history else 0.0)
+        started, last = time.perf_counter(), 0.0
         for k in range(self.start, steps + 1):
+            if self.walltime is not None and k > self.start and \
+                    time.perf_counter() - started + 1.2 * last > self.walltime:
+                # the walltime guard: stop with a checkpoint at theta_k (restart continues)
+                self.status = "walltime"
+                log.warning("warning: walltime guard: stopping before step %d (%.0f s of %.0f s "
+                            "used); continue with --restart", k, time.perf_counter() - started,
+                            self.walltime)
+                if self.comm.rank == 0:
+                    write_checkpoint(self.checkpoint_file, self.heads, self.optimizer, k,
+                                     self.history, self.rng, self.cfg)
+                break
+            step_start = time.perf_counter()
             g = self.adjoint.gradient()
             grads = {"Q": g.dQ, "K": g.dK, "V": g.dV}
             before = {n: p.copy() for n, p in params.items()} if k < steps else None
@@ -233,6 +248,7 @@ class Trainer:
                     write_checkpoint(self.checkpoint_file, self.heads, self.optimizer, k + 1,
                                      self.history, self.rng, self.cfg)
             self.last_gradient = g
+            last = time.perf_counter() - step_start
         return self.history
 
     def _write(self, k: int, before) -> None:

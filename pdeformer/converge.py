@@ -1,0 +1,441 @@
+r"""Convergence studies: one base run, one swept parameter, a reference.
+
+``pdeformer converge STUDY.toml`` runs every case of the study in the current MPI job
+(one after the other, all ranks together) and writes ``convergence.csv``,
+``convergence.md`` (value, error and observed order between successive cases, per
+quantity), ``convergence.png`` (log-log, with a reference slope) and ``summary.json``.
+
+Study file::
+
+    [study]
+    run = "translation.toml"        # the base run configuration (relative to this file)
+    command = "forward"             # forward | particles | gradient
+    parameter = "mesh.cells"        # the swept key: mesh.cells, discretisation.degree,
+                                    # model.layers, model.heads, particles.tokens,
+                                    # discretisation.cfl, ... (any config key)
+    values = [[8, 8], [16, 16], [32, 32]]
+    reference = "exact"             # exact (uniform attention) | finest | run
+    reference_run = "other.toml"    # with reference = "run" (relative to this file)
+    reference_command = "forward"
+    quantities = ["l2", "mean", "cov"]
+    expected_order = 2.0            # drawn as a reference slope and reported
+    set = ["output.fields=false"]   # overrides applied to every case
+    bandwidth = 0.5                 # kernel width of the mmd distance
+
+Quantities: ``mean`` (|mean - mean_ref|), ``cov`` (||cov - cov_ref||_F) and ``risk``
+(|R - R_ref|) for every command; ``l2``, ``l1`` (density errors, the reference field's
+quadrature; with reference = exact the exact translated prompt) for forward; ``mmd``
+(the kernel distance between tokens and a reference density) for particles; ``gradient``
+(||g - g_ref|| / ||g_ref||) for gradient and particles. The maximum over prompts is
+reported. The size that orders refer to: h ~ 1/cells, 1/L, 1/H, 1/N, the cfl number;
+for other parameters the value itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+
+import numpy as np
+import ufl
+
+from .config import Key, _check_table, load_config, number, path, string
+from .errors import ConfigError, InputError
+from .output import provenance, write_csv, write_json
+from .parallel import Timer, add_log_file, allgather_rows, on_root, remove_log_file
+
+log = logging.getLogger("pdeformer")
+
+QUANTITIES = ("mean", "cov", "risk", "l2", "l1", "mmd", "gradient")
+DEFAULTS = {"forward": ["l2", "mean", "cov"], "particles": ["mean", "cov", "mmd"],
+            "gradient": ["risk", "gradient"]}
+STUDY = {
+    "run": Key(path),
+    "command": Key(string(("forward", "particles", "gradient")), "forward"),
+    "parameter": Key(string()),
+    "values": Key(lambda k, v: _values(k, v)),
+    "reference": Key(string(("exact", "finest", "run")), "finest"),
+    "reference_run": Key(path, None),
+    "reference_command": Key(string(("forward", "particles", "gradient")), "forward"),
+    "reference_set": Key(lambda k, v: _strings(k, v), []),
+    "quantities": Key(lambda k, v: _quantities(k, v), None),
+    "expected_order": Key(number(), None),
+    "set": Key(lambda k, v: _strings(k, v), []),
+    "bandwidth": Key(number(positive=True), 0.5),
+}
+
+
+def _values(key, v):
+    if not isinstance(v, list) or len(v) < 2:
+        raise ConfigError(key, "expected a list of at least two values")
+    return v
+
+
+def _strings(key, v):
+    if not isinstance(v, list) or not all(isinstance(x, str) and "=" in x for x in v):
+        raise ConfigError(key, "expected a list of \"section.key=value\" strings")
+    return v
+
+
+def _quantities(key, v):
+    if not isinstance(v, list) or not v:
+        raise ConfigError(key, f"expected a list of quantities ({', '.join(QUANTITIES)})")
+    for q in v:
+        if q not in QUANTITIES:
+            raise ConfigError(key, f"unknown quantity {q!r} (use {', '.join(QUANTITIES)})")
+    return v
+
+
+def load_study(filename: str, overrides=()) -> dict:
+    """Read and check a study file (the [study] and an optional [output] table)."""
+    import tomllib
+    from .config import apply_override, parse_override
+    try:
+        with open(filename, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError("", f"{filename}: no such study file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError("", f"{filename}: not valid TOML ({e})") from None
+    base = os.path.dirname(os.path.abspath(filename))
+    for text in overrides:
+        apply_override(raw, *parse_override(text), os.getcwd(), base)
+    for k in raw:
+        if k not in ("study", "output"):
+            raise ConfigError(k, "unknown section (a study file has [study] and [output])")
+    study = _check_table("study", raw.get("study", {}), STUDY)
+    out = _check_table("output", raw.get("output", {}), {"dir": Key(path, None)})
+    stem = os.path.splitext(os.path.basename(filename))[0]
+    study["run"] = os.path.normpath(os.path.join(base, study["run"]))
+    if study["reference"] == "run":
+        if study["reference_run"] is None:
+            raise ConfigError("study.reference_run", "missing (needed by reference = 'run')")
+        study["reference_run"] = os.path.normpath(os.path.join(base, study["reference_run"]))
+    study["quantities"] = study["quantities"] or DEFAULTS[study["command"]]
+    allowed = {"forward": {"mean", "cov", "risk", "l2", "l1"},
+               "particles": {"mean", "cov", "risk", "mmd", "gradient"},
+               "gradient": {"mean", "cov", "risk", "gradient"}}[study["command"]]
+    for q in study["quantities"]:
+        if q not in allowed:
+            raise ConfigError("study.quantities", f"{q!r} is not measured by command {study['command']!r}")
+    study["output_dir"] = os.path.normpath(os.path.join(base, out["dir"] or os.path.join("output", stem)))
+    study["study_file"] = os.path.abspath(filename)
+    return study
+
+
+def size_of(parameter: str, value) -> float:
+    """The discretisation size the observed order refers to."""
+    if parameter == "mesh.cells":
+        return 1.0 / float(value[0])
+    if parameter in ("model.layers", "model.heads", "particles.tokens"):
+        return 1.0 / float(value)
+    if parameter == "discretisation.degree":
+        return math.nan       # errors per degree; an order in the degree means nothing
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return math.nan
+
+
+# --------------------------------------------------------------------------- cases
+
+class Case:
+    """The outcome of one run: per prompt mean, cov (and risk, gradient, density)."""
+
+    def __init__(self, command: str, cfg: dict, comm, timer: Timer, gradient: bool):
+        from .forward import ForwardSolver, build_problem
+        self.command, self.cfg = command, cfg
+        t0 = time.perf_counter()
+        differentiable = command == "gradient"
+        self.problem = build_problem(cfg, comm, differentiable)
+        p = self.problem
+        self.means, self.covs, self.risks, self.grad = [], [], [], None
+        if command == "particles":
+            from .particles import ParticleAdjoint, ParticleSolver, weighted_moments
+            self.solver = ParticleSolver(p, timer, backend="direct" if gradient else None)
+            self.tokens = []
+            for s in range(len(p.prompts)):
+                x, w = self.solver.solve_prompt(s)
+                _, m, c = weighted_moments(comm, x, w, np.zeros(p.dim))
+                self.means.append(m)
+                self.covs.append(c)
+                self.tokens.append((x, w))
+            if p.objective is not None:
+                adj = ParticleAdjoint(self.solver, p.objective, p.targets)
+                self.risks = [adj.objective.particle_value_and_gradient(x, w, adj.targets[s], comm)[0]
+                              for s, (x, w) in enumerate(self.tokens)]
+                if gradient:
+                    self.grad = adj.gradient()
+        else:
+            from .adjoint import AdjointSolver
+            self.solver = ForwardSolver(p, timer)
+            adj = AdjointSolver(self.solver, p.objective, p.targets,
+                                cfg["objective"]["quadrature_degree"]) if p.objective else None
+            if command == "gradient":
+                self.grad = adj.gradient()
+            self.coeffs = []
+            for s in range(len(p.prompts)):
+                c, _ = self.solver.solve_prompt(s)
+                _, m, cov = self.solver.transport.moments(c, np.zeros(p.dim))
+                self.coeffs.append(c)
+                self.means.append(m)
+                self.covs.append(cov)
+                if adj is not None:
+                    self.risks.append(adj.objective_at(s, c)[0])
+        self.seconds = time.perf_counter() - t0
+
+    def density_rule(self, s: int):
+        """(points, measure, values) of prompt s's final density on this rank's cells,
+        by a quadrature of degree 2k + 2."""
+        from .transport import CellQuadrature
+        tr = self.solver.transport
+        tr.set_state(self.coeffs[s])
+        rule = CellQuadrature(tr.mesh, 2 * tr.degree + 2, tr.u)
+        return rule.points, rule.measure, rule.values()
+
+    def gradient_vector(self):
+        g = self.grad
+        return np.concatenate([g.dQ.ravel(), g.dK.ravel(), g.dV.ravel()])
+
+
+def _exact(case: Case):
+    """Exact final mean and cov (and density expression) of uniform attention."""
+    from .exact import uniform_attention_mean
+    from .prompts import GaussianMixture
+    p = case.problem
+    if np.any(p.heads.Q != 0):
+        raise ConfigError("study.reference", "'exact' needs uniform attention (Q = 0: model.query_scale = 0)")
+    out = []
+    for name, prompt in p.prompts:
+        if not isinstance(prompt, GaussianMixture):
+            raise ConfigError("study.reference", f"'exact' needs Gaussian-mixture prompts ({name!r} is not)")
+        m1 = uniform_attention_mean(p.heads, prompt.mean(), 1.0)
+        out.append((m1, prompt.cov(), prompt, m1 - prompt.mean()))
+    return out
+
+
+def errors(case: Case, ref, kind: str, quantities, bandwidth: float) -> dict:
+    """Error of every quantity of ``case`` against the reference (a Case, or 'exact')."""
+    comm = case.problem.comm
+    out = {}
+    S = len(case.problem.prompts)
+    exact = _exact(case) if kind == "exact" else None
+    for q in quantities:
+        vals = []
+        for s in range(S):
+            if q == "mean":
+                r = exact[s][0] if exact else ref.means[s]
+                vals.append(np.linalg.norm(case.means[s] - r))
+            elif q == "cov":
+                r = exact[s][1] if exact else ref.covs[s]
+                vals.append(np.linalg.norm(case.covs[s] - r))
+            elif q == "risk":
+                if exact or not case.risks:
+                    raise ConfigError("study.quantities", "'risk' needs an [objective] and a run reference")
+                vals.append(abs(case.risks[s] - ref.risks[s]))
+            elif q == "gradient":
+                if exact or case.grad is None:
+                    raise ConfigError("study.quantities", "'gradient' needs command gradient (or particles) "
+                                      "and a run reference")
+                if s == 0:
+                    g, gr = case.gradient_vector(), ref.gradient_vector()
+                    vals.append(np.linalg.norm(g - gr) / np.linalg.norm(gr))
+            elif q in ("l2", "l1"):
+                vals.append(_density_error(case, ref, exact, s, q))
+            elif q == "mmd":
+                vals.append(_mmd(case, ref, s, bandwidth, comm))
+        out[q] = float(max(vals))
+    return out
+
+
+def _density_error(case, ref, exact, s, q):
+    """L2 or L1 norm of rho_case - rho_ref: against the exact translated prompt on the
+    case's mesh, or on the reference's quadrature with rho_case evaluated there."""
+    from mpi4py import MPI
+    from . import _dolfinx as dfx
+    if exact:
+        tr = case.solver.transport
+        tr.set_state(case.coeffs[s])
+        x = ufl.SpatialCoordinate(tr.mesh)
+        _, _, prompt, shift = exact[s]
+        diff = tr.u - prompt.ufl_density(x - ufl.as_vector([float(v) for v in shift]))
+        integrand = diff * diff if q == "l2" else abs(diff)
+        import dolfinx.fem
+        dx = ufl.dx(metadata={"quadrature_degree": 2 * tr.degree + 6})
+        val = tr.comm.allreduce(dolfinx.fem.assemble_scalar(dolfinx.fem.form(integrand * dx)), op=MPI.SUM)
+        return math.sqrt(val) if q == "l2" else val
+    if not hasattr(ref, "coeffs"):
+        raise ConfigError("study.quantities", f"{q!r} needs a forward reference")
+    pts, meas, rho_ref = ref.density_rule(s)
+    tr = case.solver.transport
+    tr.set_state(case.coeffs[s])
+    comm = ref.problem.comm
+    start = sum(comm.allgather(len(pts))[:comm.rank])      # this rank's points in the gather
+    rho = dfx.evaluate_at_points(tr.u, allgather_rows(comm, pts))[start:start + len(pts)]
+    if np.any(np.isnan(rho)):
+        raise InputError("study: the reference mesh reaches beyond the case's mesh")
+    diff = rho - rho_ref
+    local = meas @ (diff * diff) if q == "l2" else meas @ np.abs(diff)
+    val = tr.comm.allreduce(float(local), op=MPI.SUM)
+    return math.sqrt(val) if q == "l2" else val
+
+
+def _mmd(case, ref, s, bandwidth, comm):
+    """MMD between the case's tokens and the reference's final density (or tokens)."""
+    from .objectives import MMD
+    if case.command != "particles":
+        raise ConfigError("study.quantities", "'mmd' is measured for particles")
+    x, w = case.tokens[s]
+    if hasattr(ref, "coeffs"):
+        pts, meas, rho = ref.density_rule(s)
+        z, b = allgather_rows(comm, pts), allgather_rows(comm, meas * rho)
+    else:
+        z, b = allgather_rows(comm, ref.tokens[s][0]), allgather_rows(comm, ref.tokens[s][1])
+    F, _ = MMD(bandwidth)._particle_terms(x, w, z, b, comm)
+    return math.sqrt(max(2 * F, 0.0))
+
+
+# --------------------------------------------------------------------------- the study
+
+def orders(sizes, errs):
+    out = [math.nan]
+    for i in range(1, len(errs)):
+        a, b, sa, sb = errs[i - 1], errs[i], sizes[i - 1], sizes[i]
+        ok = a > 0 and b > 0 and sa > 0 and sb > 0 and sa != sb
+        out.append(math.log(a / b) / math.log(sa / sb) if ok else math.nan)
+    return out
+
+
+def run_study(study: dict, comm=None, walltime: float | None = None) -> dict:
+    from mpi4py import MPI
+    comm = comm or MPI.COMM_WORLD
+    timer = Timer()
+    param, values = study["parameter"], study["values"]
+    cfgs = [load_config(study["run"], study["set"] + [f"{param}={json.dumps(v)}"]) for v in values]
+    reference_cfg = None
+    if study["reference"] == "run":
+        reference_cfg = load_config(study["reference_run"], study["reference_set"])
+    outdir = study["output_dir"]
+
+    def mkdir():
+        os.makedirs(outdir, exist_ok=True)
+    on_root(comm, _safe, mkdir, f"output.dir: cannot write to {outdir}")
+    handler = add_log_file(comm, os.path.join(outdir, "pdeformer.log"))
+    info = provenance(comm) if comm.rank == 0 else {}
+    status = "completed"
+    try:
+        log.info("pdeformer converge %s: %s over %s on %d rank(s), reference %s, output in %s",
+                 study["study_file"], param, values, comm.size, study["reference"], outdir)
+        wants_grad = "gradient" in study["quantities"]
+        ref = None
+        if reference_cfg is not None:
+            with timer.phase("reference"):
+                ref = Case(study["reference_command"], reference_cfg, comm, timer, wants_grad)
+            log.info("reference run %s: %.1f s", study["reference_run"], ref.seconds)
+        order = list(range(len(values)))
+        if study["reference"] == "finest":   # the finest first: it is every case's reference
+            order = order[-1:] + order[:-1]
+        cases = [None] * len(values)
+        for i in order:
+            if walltime is not None and timer.elapsed() + _expected(cases) > walltime:
+                status = "walltime"
+                log.warning("warning: stopping before %s = %s: the walltime guard (%.0f s) would be passed",
+                            param, values[i], walltime)
+                break
+            with timer.phase("cases"):
+                cases[i] = Case(study["command"], cfgs[i], comm, timer, wants_grad)
+            log.info("case %s = %s: %.1f s", param, json.dumps(values[i]), cases[i].seconds)
+            if study["reference"] == "finest" and i == len(values) - 1:
+                ref = cases[i]
+        rows, table = [], {}
+        kind = "exact" if study["reference"] == "exact" else "case"
+        sizes = [size_of(param, v) for v in values]
+        for i, (v, case) in enumerate(zip(values, cases)):
+            if case is None or (study["reference"] == "finest" and i == len(values) - 1):
+                continue
+            for q, e in errors(case, ref, kind, study["quantities"], study["bandwidth"]).items():
+                table.setdefault(q, []).append((i, e))
+        for q, entries in table.items():
+            idx = [i for i, _ in entries]
+            errs = [e for _, e in entries]
+            for (i, e), o in zip(entries, orders([sizes[i] for i in idx], errs)):
+                rows.append({"case": i, "value": json.dumps(values[i]), "size": sizes[i],
+                             "quantity": q, "error": e, "order": o, "seconds": cases[i].seconds})
+        summary = {"command": "converge", "status": status, "study": study, "provenance": info,
+                   "ranks": comm.size, "rows": rows, "timings": timer.report(comm),
+                   "files": ["convergence.csv", "convergence.md", "convergence.png", "pdeformer.log"]}
+        if comm.rank == 0:
+            write_csv(os.path.join(outdir, "convergence.csv"),
+                      ["case", "value", "size", "quantity", "error", "order", "seconds"],
+                      [[r[k] for k in ("case", "value", "size", "quantity", "error", "order", "seconds")]
+                       for r in rows])
+            _markdown(os.path.join(outdir, "convergence.md"), study, rows)
+            if not _plot(os.path.join(outdir, "convergence.png"), study, rows):
+                summary["files"].remove("convergence.png")
+            write_json(os.path.join(outdir, "summary.json"), summary)
+        for r in rows:
+            log.info("%-8s %-10s %-12s error %.4e  order %s", r["quantity"], param, r["value"], r["error"],
+                     "-" if math.isnan(r["order"]) else f"{r['order']:.2f}")
+        return summary
+    finally:
+        remove_log_file(handler)
+
+
+def _expected(cases) -> float:
+    done = [c.seconds for c in cases if c is not None]
+    return 2.0 * max(done) if done else 0.0   # the next case is finer: allow twice the largest
+
+
+def _safe(fn, message):
+    try:
+        fn()
+    except OSError as e:
+        raise InputError(f"{message} ({e.strerror})") from None
+
+
+def _markdown(filename, study, rows):
+    lines = [f"# Convergence: {study['parameter']} ({study['command']}, reference {study['reference']})", "",
+             f"Base run: `{os.path.relpath(study['run'], os.path.dirname(study['study_file']))}`"
+             + (f"; expected order {study['expected_order']:g}" if study["expected_order"] is not None else ""),
+             "", f"| {study['parameter']} | size | quantity | error | order |", "|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["quantity"], r["case"])):
+        o = "—" if math.isnan(r["order"]) else f"{r['order']:.2f}"
+        lines.append(f"| {r['value']} | {r['size']:.4g} | {r['quantity']} | {r['error']:.3e} | {o} |")
+    with open(filename, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def _plot(filename, study, rows) -> bool:
+    """Log-log error against size, one line per quantity, with the expected slope."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("warning: matplotlib is missing: no convergence.png (Debian: python3-matplotlib)")
+        return False
+    fig, ax = plt.subplots(figsize=(5.5, 4.2))
+    by_value = all(math.isnan(r["size"]) for r in rows)   # e.g. the DG degree: error per value
+    for q in sorted({r["quantity"] for r in rows}):
+        pts = sorted((float(json.loads(r["value"])) if by_value else r["size"], r["error"])
+                     for r in rows if r["quantity"] == q and r["error"] > 0)
+        if pts:
+            (ax.semilogy if by_value else ax.loglog)(*zip(*pts), "o-", label=q)
+    sizes = sorted({r["size"] for r in rows if r["size"] > 0})
+    if study["expected_order"] is not None and len(sizes) >= 2:
+        top = max((r["error"] for r in rows), default=1.0)
+        s0 = sizes[-1]
+        xs = np.array([sizes[0], s0])
+        ax.loglog(xs, top * (xs / s0) ** study["expected_order"], "k--",
+                  label=f"slope {study['expected_order']:g}")
+    ax.set_xlabel(study["parameter"] if by_value else f"size ({study['parameter']})")
+    ax.set_ylabel("error")
+    ax.set_title(f"{study['command']}: {study['parameter']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(filename, dpi=110)
+    plt.close(fig)
+    return True

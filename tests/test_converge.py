@@ -1,0 +1,100 @@
+"""`pdeformer converge`: study files, tiny sweeps read back, references; the walltime guard."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+
+import pytest
+
+from conftest import ROOT, requires_dolfinx, run_cli, write_config
+
+pytestmark = [requires_dolfinx]
+STUDIES = os.path.join(ROOT, "runs", "studies")
+
+
+def table(folder):
+    with open(os.path.join(folder, "convergence.csv"), newline="") as f:
+        return [dict(r, error=float(r["error"]), order=float(r["order"]), size=float(r["size"]))
+                for r in csv.DictReader(f)]
+
+
+def test_shipped_studies_load():
+    from pdeformer.config import load_config
+    from pdeformer.converge import load_study
+    names = [n for n in os.listdir(STUDIES) if n.endswith(".toml")]
+    studies = [n for n in names if "[study]" in open(os.path.join(STUDIES, n)).read()]
+    assert {"mesh.toml", "degree.toml", "layers.toml", "heads.toml", "particles.toml"} <= set(studies)
+    for n in names:
+        if n in studies:
+            s = load_study(os.path.join(STUDIES, n))
+            load_config(s["run"], s["set"])
+        else:
+            load_config(os.path.join(STUDIES, n))
+
+
+def test_mesh_sweep_on_the_translation_case(tmp_path):
+    """The shipped mesh study, cut to three meshes: a table with one row per case and
+    quantity, read back; DG-1 order 2 within 0.3 on the finest pair."""
+    proc = run_cli(["converge", os.path.join(STUDIES, "mesh.toml"), "--set",
+                    "study.values=[[8,8],[16,16],[32,32]]", f"output.dir={tmp_path}/mesh"])
+    assert "convergence.csv" in proc.stdout
+    rows = table(tmp_path / "mesh")
+    assert sorted({r["quantity"] for r in rows}) == ["cov", "l1", "l2", "mean"]
+    l2 = [r for r in rows if r["quantity"] == "l2"]
+    assert [r["value"] for r in l2] == ["[8, 8]", "[16, 16]", "[32, 32]"]
+    assert l2[0]["error"] > l2[1]["error"] > l2[2]["error"]
+    assert abs(l2[-1]["order"] - 2.0) < 0.3, l2
+    with open(tmp_path / "mesh" / "convergence.md") as f:
+        assert "| [32, 32] | 0.03125 | l2 |" in f.read()
+    with open(tmp_path / "mesh" / "summary.json") as f:
+        assert json.load(f)["status"] == "completed"
+
+
+@pytest.mark.mpi
+def test_particles_against_a_reference_run(tmp_path):
+    run_cli(["converge", os.path.join(STUDIES, "particles.toml"), "--set", "study.values=[100,400]",
+             "study.reference_set=[\"mesh.cells=[16,16]\",\"model.layers=2\"]",
+             "study.set=[\"model.layers=2\",\"particles.steps_per_layer=4\",\"mesh.cells=[16,16]\"]",
+             f"output.dir={tmp_path}/p"], nprocs=2)
+    rows = table(tmp_path / "p")
+    assert sorted({r["quantity"] for r in rows}) == ["cov", "mean", "mmd"]
+    assert all(r["error"] > 0 for r in rows) and len(rows) == 6
+
+
+def test_finest_reference_and_density_errors_across_meshes(tmp_path):
+    """reference = finest with l2 between meshes (the coarse density evaluated on the
+    finest mesh's quadrature): the coarser mesh has the larger error."""
+    run_cli(["converge", os.path.join(STUDIES, "layers.toml"), "--set",
+             "study.values=[[8,8],[16,16],[32,32]]", "study.parameter=mesh.cells",
+             "study.set=[\"model.layers=2\",\"model.heads=2\"]", f"output.dir={tmp_path}/f"])
+    l2 = [r for r in table(tmp_path / "f") if r["quantity"] == "l2"]
+    assert len(l2) == 2 and l2[0]["error"] > l2[1]["error"] > 0
+
+
+@pytest.mark.parametrize("override, message", [
+    ("study.quantities=[\"speed\"]", "study.quantities: unknown quantity 'speed'"),
+    ("study.reference=\"run\"", "study.reference_run: missing"),
+    ("study.values=[1]", "study.values: expected a list of at least two values"),
+    ("study.quantities=[\"mmd\"]", "study.quantities: 'mmd' is not measured by command 'forward'"),
+])
+def test_study_errors(tmp_path, override, message):
+    from test_cli import check_one_line_error
+    proc = run_cli(["converge", os.path.join(STUDIES, "mesh.toml"), "--set", override,
+                    f"output.dir={tmp_path}/e"], check=False)
+    check_one_line_error(proc, message)
+
+
+def test_walltime_guard_stops_training_with_a_checkpoint(tmp_path):
+    from test_train import CONFIG, history
+    cfg = write_config(tmp_path, CONFIG)
+    run_cli(["train", cfg, "--set", "output.dir=full"], cwd=str(tmp_path))
+    proc = run_cli(["train", cfg, "--walltime", "0.05", "--set", "output.dir=cut"], cwd=str(tmp_path))
+    assert "walltime guard" in proc.stderr
+    with open(tmp_path / "cut" / "summary.json") as f:
+        assert json.load(f)["status"] == "walltime"
+    assert len(history(tmp_path / "cut")) < 6
+    run_cli(["train", cfg, "--restart", "--set", "output.dir=cut"], cwd=str(tmp_path))
+    full, cut = history(tmp_path / "full"), history(tmp_path / "cut")
+    assert [r["risk"] for r in full] == [r["risk"] for r in cut]
