@@ -39,6 +39,8 @@ def function_space(mesh, family: str, degree: int, shape: tuple | None = None):
     if _HAS_FUNCTIONSPACE:
         element = (family, degree) if shape is None else (family, degree, shape)
         return dolfinx.fem.functionspace(mesh, element)
+    if family == "DG" and cell_type_name(mesh) in ("quadrilateral", "hexahedron"):
+        family = "DQ"   # 0.5's UFL name for it (and a warning otherwise)
     if shape is None:
         return dolfinx.fem.FunctionSpace(mesh, (family, degree))
     return dolfinx.fem.VectorFunctionSpace(mesh, (family, degree), dim=shape[0])

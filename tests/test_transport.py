@@ -130,7 +130,8 @@ class TestTetrahedronDG1(TranslationConvergence):
 
 @pytest.mark.slow
 class TestQuadrilateralDG3(TranslationConvergence):
-    dim, cell, degree, cells = 2, "quadrilateral", 3, (4, 8, 16)
+    dim, cell, degree, cells = 2, "quadrilateral", 3, (6, 12, 24)
+    half_width, variance = 4.0, 0.4
 
 
 def test_mass_plus_outflow_is_conserved(tmp_path):
