@@ -68,6 +68,12 @@ def _parser() -> argparse.ArgumentParser:
              "diagnostics.csv (weighted moments), tokens_<prompt>.pvd for ParaView and "
              "summary.json; with --gradient also gradient.npz (exact adjoint of the particle "
              "system)."),
+            ("ntk", "is the NTK of attention injective on the run's prompts?",
+             "Two tests of the criterion (docs/ntk.md): the log-Laplace transforms Lambda_i of "
+             "the prompts sampled at [ntk] b_count points b and the affine part projected out "
+             "(singular values), and the NTK Gram matrix of d Gamma_theta[mu_i](x_p)/d theta "
+             "over a head measure (eigenvalues). With [ntk] depth the prompts are the densities "
+             "of a forward run at that depth. Writes ntk.json, ntk.png and summary.json."),
             ("train", "gradient-flow training of the head particles",
              "Train the heads: each step computes the risk and its gradient and moves every head "
              "particle by -lr L H dR/dtheta ([train] optimizer = gd) or with Adam. Writes "
@@ -155,6 +161,8 @@ def _run(args, comm) -> int:
         summary = run.run_gradient(cfg, comm)
     elif args.command == "particles":
         summary = run.run_particles(cfg, comm, gradient=args.gradient)
+    elif args.command == "ntk":
+        summary = run.run_ntk(cfg, comm)
     else:
         summary = run.run_train(cfg, comm, restart=args.restart, walltime=args.walltime)
     if comm.rank == 0:
@@ -170,6 +178,13 @@ def _run(args, comm) -> int:
         elif args.command == "gradient":
             print(f"  gradient.npz, summary.json, pdeformer.log; risk {summary['risk']:.10e}, "
                   f"|gradient| {summary['gradient_norm']:.6e}")
+        elif args.command == "ntk":
+            lse, gram = summary["ntk"]["lse"], summary["ntk"]["ntk"]
+            print("  " + ", ".join(v for k, v in files.items() if k != "log") + ", summary.json")
+            print(f"  LSE test   sigma_min/sigma_max   = {lse['ratio']:.3e}  "
+                  f"{'independent' if lse['independent'] else 'DEPENDENT'}")
+            print(f"  NTK Gram   lambda_min/lambda_max = {gram['ratio']:.3e}  "
+                  f"{'injective' if gram['injective'] else 'NOT INJECTIVE'}")
         elif args.command == "particles":
             print("  diagnostics.csv, summary.json, pdeformer.log"
                   + (", tokens_<prompt>.pvd (ParaView)" if files["tokens"] else "")

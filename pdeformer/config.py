@@ -159,6 +159,7 @@ class Key:
 CELLS = {1: ("interval",), 2: ("triangle", "quadrilateral"), 3: ("tetrahedron", "hexahedron")}
 SCHEMES = ("auto", "euler", "ssprk2", "ssprk3", "ssprk104")
 OBJECTIVES = ("potential", "moments", "l2", "mmd")
+PROMPT_KINDS = ("gaussian_mixture", "uniform", "file", "points")
 NAME = r"[A-Za-z0-9_-]+"
 
 SCHEMA: dict[str, dict[str, Key]] = {
@@ -237,13 +238,30 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                "steps per layer (default: discretisation.steps_per_layer or 10)"),
         "points": Key(boolean, True, "write the tokens at every layer boundary (tokens_<prompt>.pvd)"),
     },
+    "ntk": {
+        "depth": Key(number(nonnegative=True, hi=1.0), None,
+                     "test the densities of a forward run at this depth t (default: the prompts)"),
+        "b_range": Key(number(positive=True), 3.0, "LSE test: b sampled in [-b_range, b_range]^d"),
+        "b_count": Key(integer(2, 10**6), 256, "LSE test: number of sample points b"),
+        "seed": Key(integer(0, 2**63 - 1), 0, "seed of the b sample and of sampled heads"),
+        "tol": Key(number(positive=True, hi=1.0), 1e-6,
+                   "verdicts: sigma_min/sigma_max > tol, lambda_min/lambda_max > tol^2"),
+        "params": Key(string(("A", "V", "all")), "A", "trained parameters in the NTK: A, V or all (Q, K, V)"),
+        "heads": Key(string(("sampled", "run")), "sampled", "head measure of the NTK: sampled, or the run's heads"),
+        "head_count": Key(integer(1, 10**6), 256, "sampled heads: how many"),
+        "head_scale": Key(number(positive=True), 1.0, "sampled heads: Q, K, V entries ~ N(0, scale^2 / d)"),
+        "layer": Key(integer(0, 10**5), None, "run heads: the layer (default: the one holding depth, or 0)"),
+        "queries": Key(array, None, "query points x_p, d-vectors (default: one, (1,...,1)/sqrt(d))"),
+        "quadrature_degree": Key(integer(1, 20), None,
+                                 "quadrature of mesh densities (default: 2 * degree + 2)"),
+    },
     "petsc": {},  # free-form PETSc options for the DG mass solver, see petsc_options
 }
 
 PROMPT_KEYS: dict[str, dict[str, Key]] = {
     "common": {
         "name": Key(string(pattern=NAME), None, "prompt name (default: prompt<i>)"),
-        "kind": Key(string(("gaussian_mixture", "uniform", "file")), REQUIRED),
+        "kind": Key(string(PROMPT_KINDS), REQUIRED),
     },
     "gaussian_mixture": {
         "weights": Key(array, None, "mixture weights (positive; normalised)"),
@@ -258,14 +276,16 @@ PROMPT_KEYS: dict[str, dict[str, Key]] = {
         "path": Key(path, REQUIRED, ".npz (points, density) or .csv (x0..,density)"),
     },
     "points": {
-        "path": Key(path, REQUIRED, ".npz (points, weights) or .csv (x0..[,weight]): a point cloud"),
+        "path": Key(path, None, ".npz (points, weights) or .csv (x0..[,weight]): a point cloud"),
+        "points": Key(array, None, "the points, d-vectors (instead of path)"),
+        "weights": Key(array, None, "with points: their weights (default equal; normalised)"),
     },
     "moments": {
         "mean": Key(array, REQUIRED, "target mean (a d-vector)"),
         "cov": Key(array_or_number, REQUIRED, "target covariance (d x d, or a variance)"),
     },
 }
-TARGET_KINDS = ("gaussian_mixture", "uniform", "file", "points")
+TARGET_KINDS = PROMPT_KINDS
 
 PATH_KEYS = (("mesh", "file"), ("model", "params"), ("output", "dir"))
 
@@ -298,11 +318,13 @@ def _check_prompt(i: int, p) -> dict:
     if not isinstance(p, dict):
         raise ConfigError(prefix, f"expected a table, got {_typename(p)}")
     if "kind" not in p:
-        raise ConfigError(f"{prefix}.kind", "missing (required: gaussian_mixture, uniform or file)")
+        raise ConfigError(f"{prefix}.kind", "missing (required: gaussian_mixture, uniform, file or points)")
     kind = PROMPT_KEYS["common"]["kind"].check(f"{prefix}.kind", p["kind"])
     keys = {**PROMPT_KEYS["common"], **PROMPT_KEYS[kind],
             "target": Key(lambda key, v: _check_target(key, v), None, "the objective's target")}
     out = _check_table(prefix, p, keys)
+    if kind == "points":
+        _check_point_source(prefix, out)
     if out["name"] is None:
         out["name"] = f"prompt{i}"
     return out
@@ -317,7 +339,18 @@ def _check_target(key: str, t) -> dict:
         out["kind"] = "moments"
         return out
     kind = string(TARGET_KINDS)(f"{key}.kind", t["kind"])
-    return _check_table(key, t, {"kind": Key(string(TARGET_KINDS), REQUIRED), **PROMPT_KEYS[kind]})
+    out = _check_table(key, t, {"kind": Key(string(TARGET_KINDS), REQUIRED), **PROMPT_KEYS[kind]})
+    if kind == "points":
+        _check_point_source(key, out)
+    return out
+
+
+def _check_point_source(prefix: str, table: dict) -> None:
+    """A point cloud comes from a file (path) or inline (points [, weights]), not both."""
+    if (table["path"] is None) == (table["points"] is None):
+        raise ConfigError(f"{prefix}.path", "give either path (a file) or points (inline), one of them")
+    if table["weights"] is not None and table["points"] is None:
+        raise ConfigError(f"{prefix}.weights", "inline weights go with inline points")
 
 
 def check_config(raw: dict, base_dir: str, stem: str = "run") -> dict:
@@ -365,7 +398,7 @@ def check_config(raw: dict, base_dir: str, stem: str = "run") -> dict:
             cfg[section][key] = os.path.normpath(os.path.join(base_dir, cfg[section][key]))
     for p in cfg["prompts"]:
         for table in (p, p["target"] or {}):
-            if table.get("kind") in ("file", "points"):
+            if table.get("kind") in ("file", "points") and table["path"] is not None:
                 table["path"] = os.path.normpath(os.path.join(base_dir, table["path"]))
     return cfg
 

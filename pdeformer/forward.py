@@ -166,6 +166,10 @@ class ForwardSolver:
         self.step_counts: dict[tuple[int, int, int], int] = {}  # (prompt, layer, frame) -> n
         self.centre = np.mean(bounding_box(self.comm, problem.mesh), axis=0)
         self.stats = {"steps": 0, "velocity_evaluations": 0}
+        for i, (name, prompt) in enumerate(problem.prompts):
+            if prompt.kind == "points":
+                raise ConfigError(f"prompts[{i}].kind", f"{name!r} is a point cloud, which has no "
+                                  "density to put on a mesh: use it with particles or ntk")
         # every prompt is projected (and checked) before anything runs or is written
         with self.timer.phase("prompts"):
             initial = [self.initial_state(i) for i in range(len(problem.prompts))]

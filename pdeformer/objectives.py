@@ -217,7 +217,7 @@ def make_target(spec: dict | None, d: int, index: int):
     """The target of ``prompts[index]`` for dimension d: {"kind": "moments", "mean", "cov"},
     {"kind": <density kind>, "density"} or {"kind": "points", "points", "weights"}."""
     from .errors import ConfigError
-    from .prompts import PointCloud, _rectangular, _spd, make_prompt
+    from .prompts import _rectangular, _spd, make_prompt
     if spec is None:
         return None
     key = f"prompts[{index}].target"
@@ -231,6 +231,6 @@ def make_target(spec: dict | None, d: int, index: int):
             cov = cov[0]
         return {"kind": kind, "mean": mean, "cov": _spd(f"{key}.cov", cov, d)}
     if kind == "points":
-        cloud = PointCloud.read(spec["path"], d, f"{key}.path")
+        cloud = make_prompt(spec, d, index, key)
         return {"kind": kind, "points": cloud.points, "weights": cloud.weights}
     return {"kind": kind, "density": make_prompt(spec, d, index, key)}

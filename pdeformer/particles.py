@@ -1,6 +1,7 @@
 r"""The particle (Lagrangian) counterpart: a finite transformer with N tokens.
 
-Each prompt is replaced by N tokens x_i sampled from it, with weights w_i = 1/N, and
+Each prompt is replaced by N tokens x_i sampled from it, with weights w_i = 1/N (a
+point-cloud prompt, ``kind = "points"``, is its own tokens and weights), and
 
 .. math::
 
@@ -69,10 +70,9 @@ class ParticleSolver:
         self.scheme = SCHEMES[self.disc["scheme"]]
         attention = dict(cfg["attention"], **({"backend": backend} if backend else {}))
         self.velocity_field = AttentionVelocity(None, problem.heads, attention, self.comm)
-        blocks = np.array_split(np.arange(self.tokens), self.comm.size)
-        self.block = blocks[self.comm.rank]
         self.stats = {"steps": 0, "velocity_evaluations": 0}
-        self.prompt_info = [{"name": n, "tokens": self.tokens} for n, _ in problem.prompts]
+        self.prompt_info = [{"name": n, "tokens": len(p.points) if p.kind == "points" else self.tokens}
+                            for n, p in problem.prompts]
 
     def describe(self) -> str:
         return f"{self.tokens} tokens, {self.steps_per_layer} steps/layer"
@@ -80,11 +80,16 @@ class ParticleSolver:
     # ------------------------------------------------------------ tokens
     def initial_tokens(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """This rank's block of the N tokens of prompt ``index`` and their weights 1/N.
-        All ranks draw the same N tokens (stream (seed, index)) and keep their block."""
+        All ranks draw the same N tokens (stream (seed, index)) and keep their block.
+        A point-cloud prompt is its own tokens, with its weights."""
         prompt = self.problem.prompts[index][1]
-        rng = np.random.default_rng([self.seed, index])
-        x = prompt.sample(self.tokens, rng)
-        return np.ascontiguousarray(x[self.block]), np.full(len(self.block), 1.0 / self.tokens)
+        if prompt.kind == "points":
+            x, w = prompt.points, prompt.weights
+        else:
+            x = prompt.sample(self.tokens, np.random.default_rng([self.seed, index]))
+            w = np.full(self.tokens, 1.0 / self.tokens)
+        block = np.array_split(np.arange(len(w)), self.comm.size)[self.comm.rank]
+        return np.ascontiguousarray(x[block]), np.ascontiguousarray(w[block])
 
     def velocity(self, x: np.ndarray, w: np.ndarray, layer: int) -> np.ndarray:
         with self.timer.phase("velocity"):

@@ -125,12 +125,28 @@ class UniformBox:
 
 
 class PointCloud:
-    """Weighted points (a target for mmd): .npz with ``points`` (n, d) and optional
-    ``weights`` (n,), or .csv with header ``x0,...,x{d-1}[,weight]``; weights normalised."""
+    """A discrete measure sum_j w_j delta_{y_j} (a prompt of the particle model and of
+    the NTK test, a target for mmd): inline, or .npz with ``points`` (n, d) and optional
+    ``weights`` (n,), or .csv with header ``x0,...,x{d-1}[,weight]``; weights normalised.
+    It has no density, so the mesh solvers do not take it as a prompt."""
+
+    kind = "points"
+    ufl_density = None
 
     def __init__(self, points, weights):
         self.points = np.asarray(points, float)
         self.weights = np.asarray(weights, float) / np.sum(weights)
+
+    @property
+    def dim(self) -> int:
+        return self.points.shape[1]
+
+    def mean(self) -> np.ndarray:
+        return self.weights @ self.points
+
+    def cov(self) -> np.ndarray:
+        r = self.points - self.mean()
+        return np.einsum("j,ja,jb->ab", self.weights, r, r)
 
     @classmethod
     def read(cls, filename: str, dim: int, key: str) -> "PointCloud":
@@ -372,4 +388,18 @@ def make_prompt(spec: dict, d: int, index: int, key: str | None = None):
         return UniformBox(lo, hi)
     if kind == "file":
         return PointDensity.read(spec["path"], d, f"{key}.path")
+    if kind == "points":
+        if spec["path"] is not None:
+            return PointCloud.read(spec["path"], d, f"{key}.path")
+        points = _vectors(f"{key}.points", spec["points"], d)
+        w = spec["weights"]
+        w = np.ones(len(points)) if w is None else (np.asarray(w, float) if _rectangular(w) else None)
+        if w is None or w.shape != (len(points),):
+            raise ConfigError(f"{key}.weights", f"expected {len(points)} numbers (one per point), "
+                                                f"got {spec['weights']!r}")
+        if np.any(w < 0) or not np.sum(w) > 0:
+            raise ConfigError(f"{key}.weights", "weights must be >= 0 with a positive sum")
+        if not (np.all(np.isfinite(points)) and np.all(np.isfinite(w))):
+            raise ConfigError(f"{key}.points", "non-finite values")
+        return PointCloud(points, w)
     raise ConfigError(f"{key}.kind", f"unknown kind {kind!r}")

@@ -8,6 +8,7 @@ commit, wall time per phase, results) besides its own files:
 * forward:  diagnostics.csv, density/velocity field series (and the risk, with an objective)
 * gradient: gradient.npz (dQ, dK, dV: derivatives of the discrete risk)
 * train:    history.csv, params_XXXX.npz, heads_XXXX.vtu + heads.pvd, checkpoint.npz
+* ntk:      ntk.json (both injectivity tests), ntk.png (their spectra)
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class Run:
     input), then the output folder, the log file, provenance and the summary."""
 
     def __init__(self, command: str, cfg: dict, comm, differentiable: bool = False,
-                 solver=ForwardSolver):
+                 solver=ForwardSolver, check=None):
         self.command, self.cfg, self.comm = command, cfg, comm
         self.timer = Timer()
         out = cfg["output"]
@@ -54,7 +55,9 @@ class Run:
                               f"(this is dolfinx {dfx.VERSION_STRING} without it); use 'vtk'")
         with self.timer.phase("setup"):
             self.problem = build_problem(cfg, comm, differentiable and solver is ForwardSolver)
-        self.solver = solver(self.problem, self.timer)
+            if check is not None:   # the command's own input checks
+                check(self.problem)
+        self.solver = solver(self.problem, self.timer) if solver else None
         self.outdir = out["dir"]
         on_root(comm, _make_outdir, self.outdir)
         self.info = provenance(comm) if comm.rank == 0 else {}
@@ -87,10 +90,12 @@ class Run:
             "command": self.command, "status": status, "error": str(error) if error else None,
             "config": self.cfg, "provenance": self.info, "ranks": self.comm.size, "mesh": mesh,
             "model": {"layers": p.heads.layers, "heads": p.heads.heads, "key_dim": p.heads.key_dim},
-            "prompts": self.solver.prompt_info, "stats": self.solver.stats, "timings": timings,
-            "attention": {"backend": self.cfg["attention"]["backend"], "tol": self.cfg["attention"]["tol"],
-                          **self.solver.velocity_field.stats},
-            **results}
+            "timings": timings, **results}
+        if self.solver is not None:
+            summary.update(prompts=self.solver.prompt_info, stats=self.solver.stats,
+                           attention={"backend": self.cfg["attention"]["backend"],
+                                      "tol": self.cfg["attention"]["tol"],
+                                      **self.solver.velocity_field.stats})
         if self.comm.rank == 0:
             write_json(self.path("summary.json"), summary)
         log.info("%s done in %.1f s (setup %.1f s, velocity %.1f s, transport %.1f s)",
@@ -216,6 +221,45 @@ def run_train(cfg: dict, comm=None, restart: bool = False, walltime: float | Non
             restarted_at=trainer.start if restart else None,
             files={"history": "history.csv", "checkpoint": "checkpoint.npz",
                    "heads": "heads.pvd", "log": "pdeformer.log"})
+        if error is not None:
+            raise error
+    return summary
+
+
+def run_ntk(cfg: dict, comm=None) -> dict:
+    """The NTK injectivity tests of the run's prompts (see pdeformer.ntk): ntk.json,
+    ntk.png, summary.json. With ``[ntk] depth`` the prompts first go through a forward
+    run (point clouds through the particle model) to that depth."""
+    from .ntk import check_inputs, plot_spectra, prompt_measures, run_analysis
+    run = Run("ntk", cfg, comm or MPI.COMM_WORLD, solver=None, check=check_inputs)
+    p = run.problem
+    names = [n for n, _ in p.prompts]
+    with run.logged():
+        status, error, result = "completed", None, None
+        try:
+            measures, how = prompt_measures(p, run.timer)
+            with run.timer.phase("ntk"):
+                result = run_analysis(names, measures, p)
+        except SolverBreakdown as e:
+            status, error = "breakdown", e
+        files = {"log": "pdeformer.log"}
+        if result is not None:
+            result["prompts"] = [{"name": n, "kind": m.kind, "measure": h}
+                                 for (n, m), h in zip(p.prompts, how)]
+            lse, gram = result["lse"], result["ntk"]
+            log.info("LSE test: sigma_min/sigma_max = %.3e (%s at tol %g)", lse["ratio"],
+                     "independent" if lse["independent"] else "dependent", result["tol"])
+            log.info("NTK Gram (%s, %d x %d): lambda_min/lambda_max = %.3e (%s at tol^2)",
+                     gram["params"], gram["size"], gram["size"], gram["ratio"],
+                     "injective" if gram["injective"] else "not injective")
+            if lse["independent"] != gram["injective"]:
+                log.warning("warning: the LSE test and the NTK Gram disagree (see docs/ntk.md)")
+            if run.comm.rank == 0:
+                write_json(run.path("ntk.json"), {"config": cfg["ntk"], "provenance": run.info, **result})
+                files["ntk"] = "ntk.json"
+                if plot_spectra(run.path("ntk.png"), result):
+                    files["plot"] = "ntk.png"
+        summary = run.summary(status, error, ntk=result, files=files)
         if error is not None:
             raise error
     return summary

@@ -1,6 +1,7 @@
 """Configuration: defaults, overrides, and the one-line errors that name the key."""
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -84,6 +85,12 @@ def test_overrides(tmp_path):
     ("attention.chunk_mb=1e300", "attention.chunk_mb", "<= 4096"),
     ("discretisation.steps_per_layer=100000000000", "discretisation.steps_per_layer", "in 1..10000000"),
     ("output.dir='a\u0000b'", "output.dir", "file path"),
+    ("ntk.params='Q'", "ntk.params", "one of"),
+    ("ntk.depth=1.5", "ntk.depth", "<= 1"),
+    ("ntk.b_range=0", "ntk.b_range", "positive"),
+    ("ntk.tol=2", "ntk.tol", "<= 1"),
+    ("prompts[0].target={kind='points',path='a.csv',points=[[0.0,0.0]]}", "prompts[0].target.path", "either path"),
+    ("prompts[0].target={kind='points',weights=[1.0]}", "prompts[0].target.path", "either path"),
 ])
 def test_config_errors_name_the_key(tmp_path, override, key, words):
     with pytest.raises(ConfigError) as e:
@@ -109,6 +116,20 @@ def test_file_errors(tmp_path):
                       "model": {"layers": 1, "heads": 1}}, str(tmp_path))
     with pytest.raises(ConfigError, match="^model.layers: missing"):
         load_config(write_config(tmp_path, BASE.replace("layers = 2", "")))
+
+
+def test_inline_point_cloud(tmp_path):
+    cfg = load_config(write_config(tmp_path, BASE + "[[prompts]]\nkind = 'points'\n"
+                                   "points = [[0.0, 0.0], [1.0, 2.0]]\nweights = [1.0, 3.0]\n"))
+    cloud = make_prompt(cfg["prompts"][1], 2, 1)
+    assert cloud.kind == "points" and cloud.dim == 2
+    np.testing.assert_allclose(cloud.mean(), [0.75, 1.5])
+    np.testing.assert_allclose(cloud.cov(), 0.1875 * np.array([[1.0, 2.0], [2.0, 4.0]]))
+    for spec, key in (({"points": [[0.0, 0.0], [1.0]]}, "prompts[0].points"),
+                      ({"points": [[0.0, 0.0]], "weights": [-1.0]}, "prompts[0].weights"),
+                      ({"points": [[0.0, 0.0]], "weights": [1.0, 1.0]}, "prompts[0].weights")):
+        with pytest.raises(ConfigError, match="^" + re.escape(key) + ":"):
+            make_prompt({"kind": "points", "name": "p", "path": None, "weights": None, **spec}, 2, 0)
 
 
 @pytest.mark.parametrize("prompt, key, words", [

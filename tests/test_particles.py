@@ -155,3 +155,34 @@ def test_particles_refuse_l2(tmp_path):
                        + "target = { kind = 'uniform', lower = [-1.0, -1.0], upper = [1.0, 1.0] }\n")
     proc = run_cli(["particles", cfg, "--gradient"], cwd=str(tmp_path), check=False)
     check_one_line_error(proc, "objective.kind: 'l2' needs a density")
+
+
+@pytest.mark.mpi
+def test_point_cloud_prompt_is_its_own_tokens(tmp_path):
+    """A kind = "points" prompt enters the particle model as exactly its points and
+    weights (3 tokens split over 2 ranks); under uniform attention they translate by the
+    exact shift m_t - m_0 (pdeformer.exact), up to the SSPRK2 error, O(dt^2)."""
+    import json
+    import os
+    from conftest import ROOT
+    from pdeformer.exact import uniform_attention_shift
+    from pdeformer.heads import HeadMeasure
+    from pdeformer.output import read_diagnostics
+    cfg = os.path.join(ROOT, "runs", "ntk", "prompts.toml")
+    errors = []
+    for steps in (10, 20):
+        out = tmp_path / f"out{steps}"
+        run_cli(["particles", cfg, "--set", f"output.dir={out}", "particles.tokens=200",
+                 f"particles.steps_per_layer={steps}", "model.query_scale=0.0",
+                 "prompts[0].points=[[-0.5], [0.5], [2.0]]"], nprocs=2)
+        with open(out / "summary.json") as f:
+            summary = json.load(f)
+        assert [p["tokens"] for p in summary["prompts"]] == [3, 200, 200]
+        rows = [r for r in read_diagnostics(out / "diagnostics.csv") if r["prompt"] == "cloud"]
+        m0, c0 = 0.625, 0.796875      # weights (1, 2, 1)/4 at -0.5, 0.5, 2
+        assert rows[0]["t"] == 0.0 and abs(rows[0]["mean_0"] - m0) < 1e-15 and abs(rows[0]["cov_00"] - c0) < 1e-15
+        heads = HeadMeasure.random(4, 8, 1, 1, seed=0, query_scale=0.0)
+        shift = uniform_attention_shift(heads, [m0], 1.0)
+        assert abs(rows[-1]["cov_00"] - c0) < 1e-12     # a rigid translation
+        errors.append(abs(rows[-1]["mean_0"] - m0 - shift[0]))
+    assert abs(shift[0]) > 5e-3 and errors[1] < 1e-5 and 3.5 < errors[0] / errors[1] < 4.5, (shift, errors)
