@@ -252,6 +252,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "head_scale": Key(number(positive=True), 1.0, "sampled heads: Q, K, V entries ~ N(0, scale^2 / d)"),
         "layer": Key(integer(0, 10**5), None, "run heads: the layer (default: the one holding depth, or 0)"),
         "queries": Key(array, None, "query points x_p, d-vectors (default: one, (1,...,1)/sqrt(d))"),
+        "pairing": Key(string(("all", "matched")), "all",
+                       "data (mu_i, x_p): every prompt with every query, or prompt i with query i"),
         "quadrature_degree": Key(integer(1, 20), None,
                                  "quadrature of mesh densities (default: 2 * degree + 2)"),
     },

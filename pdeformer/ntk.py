@@ -8,7 +8,7 @@ affine functions of b. Two numerical checks:
    out (the component along span{1, b_1, ..., b_d}), then the singular values of the
    (n x S) matrix: sigma_min / sigma_max > tol means independent.
 2. **NTK Gram.** For data points (mu_i, x_p) -- every prompt with the same query points
-   x_p -- and a head measure (sampled heads, or the run's heads at a layer), the Gram
+   x_p, or prompt i with query i -- and a head measure (sampled heads, or the run's heads at a layer), the Gram
    matrix G = (1/J) sum_j J_j J_j^T of the Jacobians of Gamma_theta[mu_i](x_p) = V m(A x_p)
    with respect to the trained parameters (A only, V only, or all of Q, K, V); its
    eigenvalues and lambda_min / lambda_max > tol^2 means injective on these data.
@@ -155,12 +155,15 @@ def head_jacobians(measure, x: np.ndarray, Q, K, V, params: str) -> np.ndarray:
     return np.concatenate(blocks, axis=-1).reshape(Jh, P * d, -1)
 
 
-def ntk_gram(measures: list, x: np.ndarray, Q, K, V, params: str = "A") -> dict:
-    """Spectrum of the NTK Gram matrix G = (1/J) sum_j J_j J_j^T on the data (mu_i, x_p),
-    (S*P*d) x (S*P*d). Its eigenvalues are the squared singular values of the stacked
-    Jacobians [J_1 ... J_J] / sqrt(J), computed by an SVD of those (accurate far below
-    the round-off level of G itself)."""
-    J = np.concatenate([head_jacobians(m, x, Q, K, V, params) for m in measures], axis=1)
+def ntk_gram(measures: list, x: np.ndarray, Q, K, V, params: str = "A",
+             matched: bool = False) -> dict:
+    """Spectrum of the NTK Gram matrix G = (1/J) sum_j J_j J_j^T on the data (mu_i, x_p):
+    every prompt with every query point, (S*P*d) x (S*P*d), or with ``matched`` prompt i
+    with query i only, (S*d) x (S*d). Its eigenvalues are the squared singular values of
+    the stacked Jacobians [J_1 ... J_J] / sqrt(J), computed by an SVD of those (accurate
+    far below the round-off level of G itself)."""
+    J = np.concatenate([head_jacobians(m, x[i:i + 1] if matched else x, Q, K, V, params)
+                        for i, m in enumerate(measures)], axis=1)
     if not np.all(np.isfinite(J)):
         n = J.shape[1]
         return {"eigenvalues": np.full(n, np.nan), "ratio": math.nan, "size": n}
@@ -231,7 +234,7 @@ def check_inputs(problem) -> None:
     if ntk["b_count"] <= S + d + 1:
         raise ConfigError("ntk.b_count", f"{ntk['b_count']} sample points cannot separate {S} "
                           f"prompt(s) from the {d + 1} affine functions: use more than {S + d + 1}")
-    query_points(ntk, d)
+    query_points(ntk, d, S)
     ntk_heads(problem)
 
 
@@ -296,22 +299,28 @@ def ntk_heads(problem) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
         {"heads": "run", "layer": layer, "count": heads.heads}
 
 
-def query_points(ntk: dict, d: int) -> np.ndarray:
+def query_points(ntk: dict, d: int, prompts: int) -> np.ndarray:
+    """The query points x_p (P, d); with ``pairing = "matched"`` one per prompt."""
     from .prompts import _vectors
     if ntk["queries"] is None:
-        return np.full((1, d), 1 / math.sqrt(d))
-    return _vectors("ntk.queries", ntk["queries"], d)
+        x = np.full((1, d), 1 / math.sqrt(d))
+        return np.repeat(x, prompts, axis=0) if ntk["pairing"] == "matched" else x
+    x = _vectors("ntk.queries", ntk["queries"], d)
+    if ntk["pairing"] == "matched" and len(x) != prompts:
+        raise ConfigError("ntk.queries", f"pairing = 'matched' needs one query point per prompt "
+                                         f"({prompts}), got {len(x)}")
+    return x
 
 
 def analyse(names: list, measures: list, problem) -> dict:
     """Both tests on the measures of a run: what ntk.json holds."""
     ntk = problem.cfg["ntk"]
     check_inputs(problem)
-    x = query_points(ntk, problem.dim)
+    x = query_points(ntk, problem.dim, len(measures))
     Q, K, V, head_info = ntk_heads(problem)
     b = sample_points(ntk["b_range"], ntk["b_count"], problem.dim, ntk["seed"])
     lse = lse_test(measures, b)
-    gram = ntk_gram(measures, x, Q, K, V, ntk["params"])
+    gram = ntk_gram(measures, x, Q, K, V, ntk["params"], ntk["pairing"] == "matched")
     for what, values in (("Lambda", lse["singular_values"]), ("NTK Gram", gram["eigenvalues"])):
         if not np.all(np.isfinite(values)):
             raise SolverBreakdown(f"ntk: {what} is not finite (a density with negative values "
@@ -324,7 +333,8 @@ def analyse(names: list, measures: list, problem) -> dict:
                 "singular_values": lse["singular_values"], "ratio": lse["ratio"],
                 "independent": bool(lse["ratio"] > tol),
                 "weakest_combination": dict(zip(names, lse["weakest"]))},
-        "ntk": {**head_info, "params": ntk["params"], "queries": x, "size": gram["size"],
+        "ntk": {**head_info, "params": ntk["params"], "queries": x, "pairing": ntk["pairing"],
+                "size": gram["size"],
                 "eigenvalues": gram["eigenvalues"], "ratio": gram["ratio"],
                 "injective": bool(gram["ratio"] > tol * tol)},
     }

@@ -213,6 +213,23 @@ def test_jacobians_match_finite_differences():
     np.testing.assert_allclose(head_jacobians(mu, x, Q, K, V, "A")[0], np.array(fdA).T, atol=1e-8)
 
 
+def test_matched_pairing_and_its_data_degeneracy():
+    """Prompt i with query i. With equal queries it is the shared-query Gram. In 1-D,
+    Lambda_{s mu}(b) = Lambda_mu(s b) makes (mu, x) and (s mu, x / s) give proportional
+    A-Jacobians: a data set the NTK cannot separate, although the two prompts pass the
+    LSE test (and the shared query x = 1 separates them)."""
+    h = HeadMeasure.random(1, 64, 1, 1, seed=0)
+    Q, K, V = h.Q[0], h.K[0], h.V[0]
+    measures = FAMILIES[2][1]
+    shared = ntk_gram(measures, np.array([[0.8]]), Q, K, V, "A")
+    matched = ntk_gram(measures, np.full((3, 1), 0.8), Q, K, V, "A", matched=True)
+    np.testing.assert_allclose(matched["eigenvalues"], shared["eigenvalues"], rtol=1e-12)
+    pair = [UniformBox([-1], [1]), UniformBox([-2], [2])]
+    assert lse_test(pair, sample_points(3.0, 256, 1, 0))["ratio"] > 1e-3
+    assert ntk_gram(pair, np.array([[1.0]]), Q, K, V, "A")["ratio"] > 1e-4
+    assert ntk_gram(pair, np.array([[1.0], [0.5]]), Q, K, V, "A", matched=True)["ratio"] < 1e-28
+
+
 def test_gram_is_the_head_average_of_jacobian_products():
     measures = FAMILIES[2][1]
     h = HeadMeasure.random(1, 5, 1, 1, seed=3)
@@ -356,6 +373,7 @@ def test_ntk_bad_input(tmp_path):
     for args, expected in [
             (["ntk.depth=0.5", "ntk.queries=[[1.0, 2.0]]"], "ntk.queries: expected a list of 1-vectors"),
             (["ntk.depth=0.5", "ntk.b_count=5"], "ntk.b_count: 5 sample points cannot separate 3"),
+            (["ntk.pairing='matched'"], "ntk.queries: pairing = 'matched' needs one query point per prompt (3), got 1"),
             (["ntk.depth=0.5", "ntk.heads='run'", "ntk.layer=4"], "ntk.layer: 4 is not a layer"),
             (["ntk.depth=0.5", "prompts[0].path='x.npz'"], "prompts[0].path: give either path"),
             (["ntk.depth=0.5", "prompts[0].weights=[1, 2]"], "prompts[0].weights: expected 3 numbers"),
