@@ -42,10 +42,7 @@ def problem(N, H, seed=0):
 def laplace_velocity(x, y, w, A, V, tol, comm=MPI.COMM_SELF):
     table, est = choose_table(y, w, *b_range(x, A, comm), comm, tol, n_max=N_MAX_FORCED)
     interp = fine_grid(table, tol) or table
-    H = A.shape[0]
-    b = np.einsum("hij,nj->hni", A, x).reshape(-1, 2)
-    m = interp.means(b).reshape(H, -1, 2)
-    return np.einsum("hij,hnj->ni", V, m) / H, table.n, getattr(interp, "nf", None), est
+    return interp.velocity(x, A, V), table.n, getattr(interp, "nf", None), est
 
 
 def exp_rate():

@@ -46,7 +46,6 @@ class AttentionVelocity:
         self.comm = comm
         self._gathered = None  # (points object, all points, slice of this rank)
         self.last_plan = None   # how the last velocity was summed: None (direct) or (lo, hi, n)
-        self._hint = None       # table size of the last evaluation: where the next search starts
         self.stats = {"direct": 0, "laplace": 0, "largest_estimate": 0.0, "largest_grid": 0}
 
     @classmethod
@@ -83,9 +82,7 @@ class AttentionVelocity:
             lo, hi = b_range(x, A, self.comm)
             if not (np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))):
                 raise FloatingPointError("attention matrices are not finite")
-            table, est = choose_table(points, weights, lo, hi, self.comm, self.tol, n_max=n_max,
-                                      hint=self._hint)
-            self._hint = table.n
+            table, est = choose_table(points, weights, lo, hi, self.comm, self.tol, n_max=n_max)
         except FloatingPointError as e:
             if self.backend == "laplace":
                 raise SolverBreakdown(f"attention backend 'laplace': {e}; use 'auto' or 'direct'") from None
@@ -117,10 +114,7 @@ class AttentionVelocity:
             sources = Sources.from_arrays(all_points, allgather_rows(self.comm, weights))
             return attention_velocity(x, sources, A, V, chunk_mb=self.chunk_mb)
         self.stats["laplace"] += 1
-        H, N, d = A.shape[0], x.shape[0], A.shape[1]
-        b = np.einsum("hij,nj->hni", A, x).reshape(-1, d)
-        m = interp.means(b).reshape(H, N, d)
-        return np.einsum("hij,hnj->ni", V, m) / H
+        return interp.velocity(x, A, V)
 
     def vjp(self, points: np.ndarray, weights: np.ndarray, layer: int, g: np.ndarray,
             plan=None, targets: np.ndarray | None = None) -> VelocityCotangent:
@@ -141,11 +135,5 @@ class AttentionVelocity:
             self.comm.Allreduce(MPI.IN_PLACE, ct.weights, op=MPI.SUM)
             ct.weights = ct.weights[mine].copy()
             return ct
-        H, N, d = A.shape[0], x.shape[0], A.shape[1]
-        b = np.einsum("hij,nj->hni", A, x).reshape(-1, d)
-        u = np.einsum("nk,hkj->hnj", g, V) / H            # V_h^T g_i / H
-        m, J, mbar = interp.reverse(b, u.reshape(-1, d))   # J: dm_k/db_a
-        m, J = m.reshape(H, N, d), J.reshape(H, N, d, d)
-        dV = np.einsum("nk,hnj->hkj", g, m) / H
-        dA = np.einsum("hnka,hnk,nc->hac", J, u, x)
+        mbar, dA, dV = interp.velocity_vjp(x, A, V, g)
         return VelocityCotangent(table.weights_cotangent(mbar), dA, dV)

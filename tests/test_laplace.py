@@ -3,6 +3,9 @@ numerical safety for sharp attention, and the auto fallback. Pure numpy + MPI.""
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -151,3 +154,174 @@ def test_two_level_interpolation_accuracy_and_reverse_mode():
     moved = FineGrid(table, fg.nf).means(b)
     table.m[:] = saved
     assert abs(np.sum(mbar * T) - np.sum(u * moved)) < 1e-10 * abs(np.sum(u * moved))
+
+
+# ---------------------------------------------------------------- compiled fine-grid loop
+def _fine_case(heads=5, seed=11):
+    from pdeformer.laplace import FineGrid
+    x, y, w, A = case("skewed", 0.5, seed=seed, heads=heads)
+    lo, hi = grid_box(*b_range(x, A, COMM))
+    table = LaplaceTable(y, w, lo, hi, 65, COMM)
+    V = np.random.default_rng(seed + 1).normal(size=(heads, 2, 2))
+    return x, y, w, A, V, lo, hi, FineGrid(table, 260)
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
+def test_compiled_fine_grid_loop_is_the_numpy_map_and_its_exact_reverse():
+    """The compiled loop gives the numpy two-level map (to round-off), and its reverse
+    mode -- dA, dV and the table cotangent -- is the derivative of that map."""
+    from pdeformer._kernels import kernels
+    from pdeformer.laplace import FineGrid, HeadSums
+    assert kernels() is not None, "the C loop did not compile here"
+    x, y, w, A, V, lo, hi, fg = _fine_case()
+    v = fg.velocity(x, A, V)
+    np.testing.assert_allclose(v, HeadSums.velocity(fg, x, A, V), rtol=0, atol=1e-13 * np.abs(v).max())
+    g = np.random.default_rng(3).normal(size=x.shape)
+    mbar, dA, dV = fg.velocity_vjp(x, A, V, g)
+    for got, want in zip((mbar, dA, dV), HeadSums.velocity_vjp(fg, x, A, V, g)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-9 * np.abs(want).max())
+
+    rng = np.random.default_rng(4)
+    for name, arr, ct in (("A", A, dA), ("V", V, dV)):
+        d = rng.normal(size=arr.shape)
+        f = [np.sum(g * fg.velocity(x, A + e * d if name == "A" else A, V + e * d if name == "V" else V))
+             for e in (1e-6, -1e-6)]
+        fd = (f[0] - f[1]) / 2e-6
+        assert abs(fd - np.sum(ct * d)) < 1e-7 * max(1.0, abs(fd)), (name, fd, np.sum(ct * d))
+    # v is linear in the table's m: <mbar, T> = <g, v with m replaced by T>
+    T = rng.normal(size=fg.table.m.shape)
+    saved = fg.table.m.copy()
+    fg.table.m[:] = T
+    moved = FineGrid(fg.table, fg.nf).velocity(x, A, V)
+    fg.table.m[:] = saved
+    assert abs(np.sum(mbar * T) - np.sum(g * moved)) < 1e-11 * np.abs(g * moved).sum()
+
+
+def test_without_a_compiler_the_numpy_loop_is_used(tmp_path, monkeypatch):
+    """No compiler (and an empty kernel cache): kernels() is None, the fine grid still
+    gives the same velocities through numpy."""
+    from pdeformer import _kernels
+    x, y, w, A, V, lo, hi, fg = _fine_case(heads=2)
+    saved = dict(_kernels._loaded)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("PDEFORMER_CACHE", str(tmp_path / "cache"))
+    try:
+        _kernels._loaded.clear()
+        assert _kernels.kernels() is None
+        v = fg.velocity(x, A, V)
+    finally:
+        _kernels._loaded.clear()
+        _kernels._loaded.update(saved)
+    np.testing.assert_allclose(v, fg.velocity(x, A, V), rtol=0, atol=1e-13 * np.abs(v).max())
+
+
+# ---------------------------------------------------------------- the backends of AttentionVelocity
+def _field(backend, tol, d=2, heads=4, scale=0.4, seed=0):
+    from pdeformer.heads import HeadMeasure
+    from pdeformer.velocity import AttentionVelocity
+    hm = HeadMeasure.random(1, heads, d, d, seed=seed, scale=scale)
+    rng = np.random.default_rng(seed)
+    return AttentionVelocity(rng.uniform(-2, 2, (300, d)), hm, {"backend": backend, "tol": tol}, COMM), hm
+
+
+def _direct(field, hm, y, w):
+    return attention_velocity_direct(field.targets, y, w, hm)
+
+
+def attention_velocity_direct(x, y, w, hm):
+    from pdeformer.attention import attention_velocity
+    return attention_velocity(x, Sources.from_arrays(y, w), hm.attention_matrices(0), hm.values(0))
+
+
+def test_auto_uses_the_table_where_it_pays_and_meets_tol():
+    y, w = grid_sources(DENSITIES["two_blobs"], n=100)       # 10^4 sources
+    field, hm = _field("auto", 1e-7, heads=8)
+    v = field(y, w, 0)
+    assert field.stats["laplace"] == 1 and field.stats["direct"] == 0
+    assert field.last_plan is not None and field.stats["largest_estimate"] <= 1e-7
+    ref = _direct(field, hm, y, w)
+    assert np.abs(v - ref).max() <= 1e-7 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("why", ["d = 3", "sharp attention", "tol out of reach"])
+def test_auto_falls_back_to_direct_and_laplace_refuses(why):
+    """auto sums directly where the table cannot serve (d = 3; |b| x extent so large that
+    the tiles would exceed MAX_TILES; tol below what the largest table reaches) and
+    gives the direct result; backend 'laplace' raises a SolverBreakdown (ValueError for
+    d = 3) that names the reason instead of returning a less accurate velocity."""
+    from pdeformer.errors import SolverBreakdown
+    d = 3 if why == "d = 3" else 2
+    rng = np.random.default_rng(5)
+    y = rng.uniform(-3, 3, (2000, d))
+    w = np.exp(-np.sum(y**2, 1)) / 2000
+    scale, tol = {"d = 3": (0.4, 1e-6), "sharp attention": (4e3, 1e-6), "tol out of reach": (1.5, 1e-17)}[why]
+    field, hm = _field("auto", tol, d=d, scale=scale)
+    field.tol = tol
+    v = field(y, w, 0)
+    assert field.stats == dict(field.stats, direct=1, laplace=0)
+    with np.errstate(all="ignore"):
+        np.testing.assert_allclose(v, _direct(field, hm, y, w), rtol=1e-12, atol=1e-12)
+    strict, _ = _field("laplace", tol, d=d, scale=scale)
+    with pytest.raises(ValueError if d == 3 else SolverBreakdown):
+        strict(y, w, 0)
+
+
+PARTITION_SCRIPT = '''
+import json, sys
+import numpy as np
+from mpi4py import MPI
+from pdeformer.heads import HeadMeasure
+from pdeformer.velocity import AttentionVelocity
+
+world = MPI.COMM_WORLD
+rng = np.random.default_rng(0)
+y = rng.uniform(-3, 3, (9000, 2))
+w = (np.exp(-np.sum((y - [-1, 0]) ** 2, 1) / 0.3) + 0.5 * np.exp(-np.sum((y - [1, 0.5]) ** 2, 1))) / 9000
+x = rng.uniform(-2.5, 2.5, (700, 2))
+g = rng.normal(size=x.shape)
+heads = HeadMeasure.random(1, 6, 2, 2, seed=3, scale=1.2)
+
+
+def run(comm, ys, ws, xs, gs):
+    field = AttentionVelocity(xs, heads, {"backend": "laplace", "tol": 1e-9}, comm)
+    v = field(ys, ws, 0)
+    ct = field.vjp(ys, ws, 0, gs, field.last_plan)
+    dA, dV = comm.allreduce(ct.A), comm.allreduce(ct.V)
+    return v, ct.weights, dA, dV, field.last_plan
+
+
+def gather(part, n):
+    """Rows of rank r are rows r, r + size, ... of the whole."""
+    out = np.empty((n,) + part.shape[1:])
+    for r, rows in enumerate(world.allgather(part)):
+        out[r::world.size] = rows
+    return out
+
+
+r, P = world.rank, world.size
+v, wbar, dA, dV, plan = run(world, y[r::P], w[r::P], x[r::P], g[r::P])
+v, wbar = gather(v, len(x)), gather(wbar, len(y))
+v1, wbar1, dA1, dV1, plan1 = run(MPI.COMM_SELF, y, w, x, g)
+rel = lambda a, b: float(np.abs(a - b).max() / np.abs(b).max())
+if r == 0:
+    json.dump({"n": [int(plan[2]), int(plan1[2])], "nf": [plan[3], plan1[3]],
+               "v": rel(v, v1), "w": rel(wbar, wbar1), "A": rel(dA, dA1), "V": rel(dV, dV1)},
+              open(sys.argv[1], "w"))
+'''
+
+
+def test_two_ranks_give_the_serial_velocity_and_cotangents(tmp_path):
+    """Sources and targets dealt to 2 ranks: the same table (size, fine grid) and the
+    same velocity and reverse-mode cotangents as one rank, to 1e-10."""
+    import json
+    import subprocess
+    import sys
+    from pdeformer.parallel import mpirun_command
+    script, out = tmp_path / "partition.py", tmp_path / "out.json"
+    script.write_text(PARTITION_SCRIPT)
+    subprocess.run(mpirun_command(2) + [sys.executable, str(script), str(out)], check=True,
+                   timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp_path)
+    res = json.loads(out.read_text())
+    assert res["n"][0] == res["n"][1] and res["nf"][0] == res["nf"][1] is not None, res
+    for key in ("v", "w", "A", "V"):
+        assert res[key] <= 1e-10, res

@@ -12,7 +12,7 @@ pytestmark = [requires_dolfinx]
 
 
 def make_solver(tmp_path, *, lower, upper, cells, cell=None, degree=1, heads=None,
-                prompt=None, disc=None):
+                prompt=None, disc=None, attention=None):
     from mpi4py import MPI
     from pdeformer.config import check_config
     from pdeformer.forward import ForwardSolver, Problem
@@ -26,6 +26,8 @@ def make_solver(tmp_path, *, lower, upper, cells, cell=None, degree=1, heads=Non
            "prompts": [prompt]}
     if cell:
         raw["mesh"]["cell"] = cell
+    if attention:
+        raw["attention"] = attention
     cfg = check_config(raw, str(tmp_path))
     mesh = make_mesh(MPI.COMM_WORLD, cfg["mesh"])
     problem = Problem(MPI.COMM_WORLD, cfg, mesh, heads,
