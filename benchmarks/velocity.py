@@ -7,7 +7,10 @@ For sources = targets = N in {1e4, 3e4, 1e5} and H in {1, 16, 64} heads: wall ti
 direct summation and of the laplace backend (tol 1e-8), their ratio, and the largest
 error of laplace relative to the largest velocity. Direct summation costs exactly
 N_targets x N_sources x H, so it is timed on the first 2000 targets and scaled to N
-(marked "~"); errors are measured on those targets. Also: the direct kernel's rate in
+(marked "~"); errors are measured on those targets. Then the laplace time against H for
+the first 1, 16 and 64 of 64 heads, with each set's own b-range (the table covers it, so
+its size grows with the range) and with the 64 heads' range (the same table: what is left
+is the per target-head interpolation). Also: the direct kernel's rate in
 target-source-head pairs per second as a fraction of numpy's exp rate (elements per
 second), both on one core of this machine.
 """
@@ -39,10 +42,29 @@ def problem(N, H, seed=0):
     return x, y, w, attention_matrices(Q, K), V
 
 
-def laplace_velocity(x, y, w, A, V, tol, comm=MPI.COMM_SELF):
-    table, est = choose_table(y, w, *b_range(x, A, comm), comm, tol, n_max=N_MAX_FORCED)
+def laplace_velocity(x, y, w, A, V, tol, comm=MPI.COMM_SELF, box=None):
+    """The laplace velocity, its table size, fine grid and estimate; ``box``: the b-range
+    to tabulate (default: that of A)."""
+    table, est = choose_table(y, w, *(box or b_range(x, A, comm)), comm, tol, n_max=N_MAX_FORCED)
     interp = fine_grid(table, tol) or table
     return interp.velocity(x, A, V), table.n, getattr(interp, "nf", None), est
+
+
+def growth_with_heads(N, tol):
+    """Laplace time for the first 1, 16 and 64 of 64 heads: with each set's own b-range
+    (the table grows with the range), and with the table of the 64 heads' range."""
+    x, y, w, A, V = problem(N, 64)
+    box = b_range(x, A, MPI.COMM_SELF)
+    rows = []
+    for label, fixed in (("own b-range", False), ("64 heads' b-range", True)):
+        times, sizes = [], []
+        for h in (1, 16, 64):
+            t = time.perf_counter()
+            _, n, _, _ = laplace_velocity(x, y, w, A[:h], V[:h], tol, box=box if fixed else None)
+            times.append(time.perf_counter() - t)
+            sizes.append(n)
+        rows.append((label, times, sizes))
+    return rows
 
 
 def exp_rate():
@@ -79,6 +101,11 @@ def main():
             grid = f"n={n}" + (f", fine {nf}" if nf else "") + f", estimate {est:.1e}"
             print(f"{N:>7} {H:>3} {approx}{t_direct:>10.2f} {t_lap:>11.3f} {t_direct / t_lap:>8.1f} {err:>11.2e}  {grid}",
                   flush=True)
+    print(f"\nlaplace time against H (the first H of 64 heads, N = {sizes[-1]}):")
+    print(f"{'table for':>18} {'H=1':>8} {'H=16':>8} {'H=64':>8} {'H=64 / H=1':>11}  sizes n")
+    for label, times, ns in growth_with_heads(sizes[-1], args.tol):
+        print(f"{label:>18} " + " ".join(f"{t:>8.3f}" for t in times)
+              + f" {times[-1] / times[0]:>11.2f}  {ns}", flush=True)
     er = exp_rate()
     print(f"\nnumpy exp: {er:.3e} elements/s; direct kernel: {np.median(rates):.3e} pairs/s "
           f"= {np.median(rates) / er:.2f} of the exp rate (median over the table)")

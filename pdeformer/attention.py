@@ -100,22 +100,37 @@ class _Workspace:
         if order >= 2:
             cols += [sign * yc[:, a] * yc[:, b] for a in range(d) for b in range(a, d)]
         self.moment_cols = np.ascontiguousarray(np.array(cols).T)  # (M, ncols)
-        self.rows = max(1, int(chunk_mb * 2**20 / (8 * max(M, 1))))
+        blocks = -(-max(M, 1) // self.SOURCE_BLOCK)
+        self.block = -(-max(M, 1) // blocks)            # equal blocks of at most SOURCE_BLOCK
+        self.rows = max(1, int(chunk_mb * 2**20 / (8 * self.block)))
         self.M = M
         self.S = None
 
+    SOURCE_BLOCK = 16384  # sources per block: a (rows x block) score array stays in cache
+
     def chunk_sums(self, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For targets' b (n,d): the row shift s_i = max_j <b_i,y_j> + log|w_j| and the
-        shifted sums sum_j sign_j e^{<b_i,y_j> + log|w_j| - s_i} * [1, y_c, y_c y_c]_j."""
+        shifted sums sum_j sign_j e^{<b_i,y_j> + log|w_j| - s_i} * [1, y_c, y_c y_c]_j,
+        over blocks of sources with a running shift (sums rescaled when it grows)."""
         n = b.shape[0]
         if self.S is None or self.S.shape[0] < n:
-            self.S = np.empty((n, self.M))
-        S = self.S[:n]
-        np.matmul(np.hstack([b, np.ones((n, 1))]), self.scores_rhs, out=S)
-        shift = S.max(axis=1, keepdims=True)
-        S -= shift
-        np.exp(S, out=S)
-        return shift[:, 0], S @ self.moment_cols
+            self.S = np.empty((n, self.block))
+        lhs = np.hstack([b, np.ones((n, 1))])
+        shift = np.full(n, -np.inf)
+        sums = np.zeros((n, self.moment_cols.shape[1]))
+        for j0 in range(0, self.M, self.block):
+            j1 = min(self.M, j0 + self.block)
+            S = self.S[:n, :j1 - j0]
+            np.matmul(lhs, self.scores_rhs[:, j0:j1], out=S)
+            new = np.maximum(shift, S.max(axis=1))
+            if j0:
+                with np.errstate(invalid="ignore"):
+                    sums *= np.exp(shift - new)[:, None]
+            S -= new[:, None]
+            np.exp(S, out=S)
+            sums += S @ self.moment_cols[j0:j1]
+            shift = new
+        return shift, sums
 
 
 def _moments_from_sums(ws: _Workspace, shift, sums, order):
