@@ -22,6 +22,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -192,12 +193,17 @@ def kernels():
     if os.environ.get("PDEFORMER_NO_KERNEL", "") not in ("", "0"):
         _loaded["lib"] = None
         return None
-    key = hashlib.sha256((SOURCE + " ".join(FLAGS) + sys.platform).encode()).hexdigest()[:16]
+    machine = f"{sys.platform} {platform.machine()} {platform.libc_ver()}"   # shared caches
+    key = hashlib.sha256((SOURCE + " ".join(FLAGS) + machine).encode()).hexdigest()[:16]
     target = cache_dir() / f"fine_{key}.so"
     try:
         if not target.exists():
             _compile(target)
-        lib = ctypes.CDLL(str(target))
+        try:
+            lib = ctypes.CDLL(str(target))
+        except OSError:            # a stale or foreign file: build it again, once
+            _compile(target)
+            lib = ctypes.CDLL(str(target))
         dp, lg, it = ctypes.POINTER(ctypes.c_double), ctypes.c_long, ctypes.c_int
         lib.fine_velocity.argtypes = [dp, lg, lg, dp, dp, it, dp, lg, dp, dp, lg, dp]
         lib.fine_velocity_vjp.argtypes = [dp, lg, lg, dp, dp, it, dp, lg, dp, dp, lg, dp, dp, dp, dp]
