@@ -195,8 +195,8 @@ def kernels():
         return None
     machine = f"{sys.platform} {platform.machine()} {platform.libc_ver()}"   # shared caches
     key = hashlib.sha256((SOURCE + " ".join(FLAGS) + machine).encode()).hexdigest()[:16]
-    target = cache_dir() / f"fine_{key}.so"
     try:
+        target = cache_dir() / f"fine_{key}.so"
         if not target.exists():
             _compile(target)
         try:
@@ -208,11 +208,19 @@ def kernels():
         lib.fine_velocity.argtypes = [dp, lg, lg, dp, dp, it, dp, lg, dp, dp, lg, dp]
         lib.fine_velocity_vjp.argtypes = [dp, lg, lg, dp, dp, it, dp, lg, dp, dp, lg, dp, dp, dp, dp]
         lib.fine_velocity.restype = lib.fine_velocity_vjp.restype = None
-    except (OSError, subprocess.SubprocessError) as e:
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.debug("laplace: compiled interpolation unavailable (%s); using numpy", e)
         lib = None
     _loaded["lib"] = lib
     return lib
+
+
+def kernels_on(comm):
+    """The compiled kernels where every rank of ``comm`` has them, else None: the ranks
+    of a job must take the same path (a collective call)."""
+    from mpi4py import MPI
+    lib = kernels()
+    return lib if comm.allreduce(lib is not None, op=MPI.LAND) else None
 
 
 def _ptr(a: np.ndarray):

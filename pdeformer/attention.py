@@ -123,10 +123,10 @@ class _Workspace:
             S = self.S[:n, :j1 - j0]
             np.matmul(lhs, self.scores_rhs[:, j0:j1], out=S)
             new = np.maximum(shift, S.max(axis=1))
+            ref = np.where(np.isfinite(new), new, 0.0)    # rows without weight so far
             if j0:
-                with np.errstate(invalid="ignore"):
-                    sums *= np.exp(shift - new)[:, None]
-            S -= new[:, None]
+                sums *= np.exp(shift - ref)[:, None]
+            S -= ref[:, None]
             np.exp(S, out=S)
             sums += S @ self.moment_cols[j0:j1]
             shift = new

@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from ._kernels import fine_velocity, fine_velocity_vjp, kernels
+from ._kernels import fine_velocity, fine_velocity_vjp, kernels_on
 
 N_MIN, N_MAX = 17, 257
 SIZES = (17, 25, 33, 49, 65, 81, 97, 129, 161, 193, 225, 257, 321, 385, 449, 513, 641,
@@ -397,6 +397,7 @@ class FineGrid(HeadSums):
                        for a, (nodes, lam) in enumerate(table.axes)]
         self.flat = self._sampled(list(table.m))            # m on the fine grid
         self._den = np.array([np.prod([a - c for c in range(p + 1) if c != a]) for a in range(p + 1)])
+        self.lib = kernels_on(table.comm)    # the compiled loop, if every rank has it
 
     def _sampled(self, tables: list) -> np.ndarray:
         nf = self.nf
@@ -404,9 +405,9 @@ class FineGrid(HeadSums):
         return vals.reshape(nf * nf, len(tables))
 
     def _locate(self, b: np.ndarray):
-        """Stencil start, local Lagrange weights and their t-derivatives per axis: with
-        q(t) = prod_c (t - c), L_a = q lam_a / (t - a) and L_a' = L_a sum_{c != a} 1/(t - c);
-        points on a stencil node are nudged by 1e-13 cells (below every tolerance)."""
+        """Stencil start, local Lagrange weights and their t-derivatives per axis:
+        L_a = prod_{c != a} (t - c) / den_a and L_a' = sum_{e != a} prod_{c != a, e} (t - c) / den_a
+        (products only, so exact on the nodes too; the compiled loop does the same)."""
         p, nf = self.P_LOCAL, self.nf
         t = (b - self.table.lo) / self.h                     # grid coordinates
         start = np.clip(np.floor(t).astype(int) - (p - 1) // 2, 0, nf - 1 - p)
@@ -414,12 +415,14 @@ class FineGrid(HeadSums):
         c = np.arange(p + 1)
         for a in range(2):
             x = (t[:, a] - start[:, a])[:, None] - c          # (P, p+1): t - c
-            x[x == 0.0] = 1e-13
-            inv = 1.0 / x
-            q = np.prod(x, axis=1, keepdims=True)
-            La = q * inv / self._den
-            L.append(La)
-            dL.append(La * (inv.sum(axis=1, keepdims=True) - inv))
+            La, dLa = np.empty_like(x), np.zeros_like(x)
+            for k in range(p + 1):
+                others = [j for j in range(p + 1) if j != k]
+                La[:, k] = np.prod(x[:, others], axis=1)
+                for e in others:
+                    dLa[:, k] += np.prod(x[:, [j for j in others if j != e]], axis=1)
+            L.append(La / self._den)
+            dL.append(dLa / self._den)
         idx = ((start[:, 0][:, None, None] + c[None, :, None]) * nf
                + start[:, 1][:, None, None] + c[None, None, :])
         return idx, L, dL
@@ -452,12 +455,8 @@ class FineGrid(HeadSums):
                                       (w * u[blk, k:k + 1]).ravel(), minlength=nf * nf)
         return m, J, self._table_cotangent(acc)
 
-    def _compiled(self):
-        lib = kernels()
-        return lib if lib is not None and self.table.d == 2 else None
-
     def velocity(self, x, A, V):
-        lib = self._compiled()
+        lib = self.lib
         if lib is None:
             return super().velocity(x, A, V)
         order = locality_order(x)
@@ -467,7 +466,7 @@ class FineGrid(HeadSums):
         return v
 
     def velocity_vjp(self, x, A, V, g):
-        lib = self._compiled()
+        lib = self.lib
         if lib is None:
             return super().velocity_vjp(x, A, V, g)
         order = locality_order(x)
@@ -496,6 +495,8 @@ class FineGrid(HeadSums):
 def locality_order(x: np.ndarray, cells: int = 64) -> np.ndarray:
     """An order of the points x (N, d) by the cell of a cells^d grid over their box: every
     head maps neighbours to neighbours (b = A_h x), so the fine grid is read in runs."""
+    if len(x) == 0:
+        return np.arange(0)
     lo, hi = x.min(axis=0), x.max(axis=0)
     c = np.clip(((x - lo) / np.maximum(hi - lo, 1e-300) * cells).astype(int), 0, cells - 1)
     key = np.zeros(len(x), int)
@@ -504,16 +505,16 @@ def locality_order(x: np.ndarray, cells: int = 64) -> np.ndarray:
     return np.argsort(key, kind="stable")
 
 
-def fine_from() -> int:
+def fine_from(comm) -> int:
     """Table size from which the two-level interpolation is faster (measured: from the
     smallest size with the compiled loop, from 129 with numpy)."""
-    return N_MIN if kernels() is not None else 129
+    return N_MIN if kernels_on(comm) is not None else 129
 
 
 def fine_grid(table: "LaplaceTable", tol: float, nf: int | None = None):
     """A FineGrid whose local error is below tol/2 (nf = 2n, 4n, 8n), or None when
     interpolating directly from the table is the better choice (or nothing meets it)."""
-    if table.d != 2 or (nf is None and table.n < fine_from()):
+    if table.d != 2 or (nf is None and table.n < fine_from(table.comm)):
         return None
     if nf is not None:
         return FineGrid(table, nf)
@@ -564,7 +565,10 @@ def choose_table(points, weights, b_lo, b_hi, comm, tol: float, order: int = 1,
     if total > 2 * SUBSAMPLE:
         keep = subsample(points, SUBSAMPLE / total)
         if comm.allreduce(int(keep.sum()), op=MPI.SUM) >= SUBSAMPLE // 4:   # not degenerate
-            start, _, _ = search(points[keep], weights[keep], start)
+            try:
+                start, _, _ = search(points[keep], weights[keep], start)
+            except FloatingPointError:   # signed weights: the subsample's Z may vanish
+                pass
     _, table, est = search(points, weights, start)
     return table, est
 
@@ -584,12 +588,12 @@ def b_range(targets: np.ndarray, A: np.ndarray, comm) -> tuple[np.ndarray, np.nd
     return glo, ghi
 
 
-def flops_estimate(n: int, d: int, sources: int, points: int) -> float:
+def flops_estimate(n: int, d: int, sources: int, points: int, compiled: bool = True) -> float:
     """Cost of an order-1 table (1 + d sums over the sources, matrix-product flops) and
     of interpolating its d components at ``points``, in flops (for the auto backend):
-    the compiled fine-grid loop costs about 60 ns = 2000 flops per point (d = 2), numpy
+    the ``compiled`` fine-grid loop costs about 60 ns = 2000 flops per point (d = 2), numpy
     about 1.4 us; 1-D barycentric interpolation 2 n flops per component."""
-    per_point = 2.0 * n * d if d == 1 else (2000.0 if kernels() is not None else 45000.0)
+    per_point = 2.0 * n * d if d == 1 else (2000.0 if compiled else 45000.0)
     return 2.0 * n**d * sources * (1 + d) + points * per_point
 
 

@@ -25,6 +25,7 @@ from mpi4py import MPI
 from ._dolfinx import owned_node_coordinates
 from .attention import Sources, VelocityCotangent, attention_velocity, attention_velocity_vjp
 from .errors import SolverBreakdown
+from ._kernels import kernels_on
 from .heads import HeadMeasure
 from .laplace import N_MAX, N_MAX_FORCED, SIZES, LaplaceTable, fine_grid, b_range, choose_table, direct_estimate, flops_estimate
 from .parallel import allgather_rows
@@ -73,8 +74,9 @@ class AttentionVelocity:
             M = self.comm.allreduce(len(points), op=MPI.SUM)
             N = self.comm.allreduce(len(x), op=MPI.SUM)
             H = A.shape[0]
+            compiled = kernels_on(self.comm) is not None
             cheaper = [n for n in SIZES if n <= N_MAX
-                       and flops_estimate(n, d, M, N * H) < direct_estimate(N, H, M)]
+                       and flops_estimate(n, d, M, N * H, compiled) < direct_estimate(N, H, M)]
             if not cheaper:
                 return None
             n_max = cheaper[-1]

@@ -201,6 +201,7 @@ def test_without_a_compiler_the_numpy_loop_is_used(tmp_path, monkeypatch):
     """No compiler (and an empty kernel cache): kernels() is None, the fine grid still
     gives the same velocities through numpy."""
     from pdeformer import _kernels
+    from pdeformer.laplace import FineGrid
     x, y, w, A, V, lo, hi, fg = _fine_case(heads=2)
     saved = dict(_kernels._loaded)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
@@ -208,11 +209,40 @@ def test_without_a_compiler_the_numpy_loop_is_used(tmp_path, monkeypatch):
     try:
         _kernels._loaded.clear()
         assert _kernels.kernels() is None
-        v = fg.velocity(x, A, V)
+        numpy_fg = FineGrid(fg.table, fg.nf)
+        assert numpy_fg.lib is None
+        v = numpy_fg.velocity(x, A, V)
+        empty = numpy_fg.velocity(x[:0], A, V)
     finally:
         _kernels._loaded.clear()
         _kernels._loaded.update(saved)
     np.testing.assert_allclose(v, fg.velocity(x, A, V), rtol=0, atol=1e-13 * np.abs(v).max())
+    assert empty.shape == (0, 2) and fg.velocity(x[:0], A, V).shape == (0, 2)
+
+
+def test_a_rank_without_targets_takes_part():
+    """No targets here (a rank may own no velocity nodes): empty velocities, zero head
+    cotangents, and the table cotangent of the others (the collective is reached)."""
+    x, y, w, A, V, lo, hi, fg = _fine_case(heads=2)
+    mbar, dA, dV = fg.velocity_vjp(x[:0], A, V, np.zeros((0, 2)))
+    assert mbar.shape == fg.table.m.shape and not mbar.any() and not dA.any() and not dV.any()
+
+
+def test_fine_grid_derivative_is_exact_on_grid_nodes():
+    """b exactly on a fine-grid node: the Lagrange derivative weights are products, so
+    the Jacobian is that of the stencil the node belongs to (one-sided differences into
+    its cell: the interpolant is only continuous across cells) -- no 1/(t - c)
+    cancellation as with a nudged 1/(t - c) formula."""
+    x, y, w, A, V, lo, hi, fg = _fine_case(heads=1)
+    b = fg.table.lo + fg.h * np.array([[7.0, 11.0], [fg.nf - 1.0, 0.0], [20.0, 33.0]])
+    _, J, _ = fg.reverse(b, np.ones_like(b))
+    t = (b - fg.table.lo) / fg.h                 # on a node up to round-off: which cell?
+    side = np.where(t - np.floor(t) < 0.5, 1.0, -1.0)
+    for a in range(2):
+        e = np.zeros_like(b)
+        e[:, a] = side[:, a] * 1e-4 * fg.h[a]
+        fd = (-3 * fg.means(b) + 4 * fg.means(b + e) - fg.means(b + 2 * e)) / (2e-4 * side[:, a:a + 1] * fg.h[a])
+        np.testing.assert_allclose(J[:, :, a], fd, rtol=1e-6, atol=1e-8 * np.abs(fg.table.m).max())
 
 
 # ---------------------------------------------------------------- the backends of AttentionVelocity
@@ -325,3 +355,20 @@ def test_two_ranks_give_the_serial_velocity_and_cotangents(tmp_path):
     assert res["n"][0] == res["n"][1] and res["nf"][0] == res["nf"][1] is not None, res
     for key in ("v", "w", "A", "V"):
         assert res[key] <= 1e-10, res
+
+
+def test_size_search_survives_a_subsample_without_positive_mass():
+    """Signed weights (DG undershoots) near a corner whose one positive source the
+    coordinate-hash subsample leaves out: the trial tables' Z vanishes there, the search
+    falls back to the full sources and still finds a size that meets tol."""
+    from pdeformer.laplace import SUBSAMPLE, subsample
+    rng = np.random.default_rng(2)
+    y = rng.random((20000, 2))
+    w = np.where(y.sum(axis=1) > 1.8, -0.02, 1.0)
+    c = 1.0
+    while subsample(np.array([[c, c]]), SUBSAMPLE / 20001)[0]:
+        c += 1e-6
+    y, w = np.vstack([y, [[c, c]]]), np.append(w, 1.0)
+    assert not subsample(y, SUBSAMPLE / len(y))[-1]
+    table, est = choose_table(y, w, np.array([-50.0, -50.0]), np.array([50.0, 50.0]), COMM, 1e-4)
+    assert est <= 1e-4 and np.all(np.isfinite(table.m))
