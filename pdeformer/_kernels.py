@@ -5,8 +5,9 @@ interpolant of degree p on the uniform fine grid (:class:`pdeformer.laplace.Fine
 
 * ``fine_velocity``:  v_i = (1/H) sum_h V_h m(A_h x_i)
 * ``fine_velocity_vjp``: for cotangents g_i of v_i, with u = V_h^T g_i / H,
-  dV_h = (1/H) sum_i g_i m^T,  dA_h = sum_i (dm/db)^T u x_i^T,  and the fine-grid
-  cotangent mbar_k[node] += L(node; b) u_k (the transposed interpolation).
+  dV_h = (1/H) sum_i g_i m^T,  dA_h = sum_i (dm/db)^T u x_i^T,  the fine-grid
+  cotangent mbar_k[node] += L(node; b) u_k (the transposed interpolation) and, for
+  moving targets (particles), xbar_i = sum_h A_h^T (dm/db)^T u.
 
 The loops are C, compiled once with the system's C compiler into
 ``$PDEFORMER_CACHE`` (default ``$XDG_CACHE_HOME/pdeformer``, ``~/.cache/pdeformer``) and
@@ -118,7 +119,7 @@ void fine_velocity(const double *flat, long nf0, long nf1, const double *lo, con
 
 void fine_velocity_vjp(const double *flat, long nf0, long nf1, const double *lo, const double *h,
                        int p, const double *x, long N, const double *A, const double *V, long H,
-                       const double *g, double *mbar, double *dA, double *dV)
+                       const double *g, double *mbar, double *dA, double *dV, double *xbar)
 {
     double L0[16], L1[16], dL0[16], dL1[16];
     long nn = nf0 * nf1;
@@ -158,6 +159,10 @@ void fine_velocity_vjp(const double *flat, long nf0, long nf1, const double *lo,
             double c0 = J00 * u0 + J10 * u1, c1 = J01 * u0 + J11 * u1;   /* (dm/db)^T u */
             dAh[0] += c0 * x0; dAh[1] += c0 * x1;
             dAh[2] += c1 * x0; dAh[3] += c1 * x1;
+            if (xbar) {                                   /* A_h^T (dm/db)^T u */
+                xbar[2 * i] += Ah[0] * c0 + Ah[2] * c1;
+                xbar[2 * i + 1] += Ah[1] * c0 + Ah[3] * c1;
+            }
         }
     }
 }
@@ -206,7 +211,7 @@ def kernels():
             lib = ctypes.CDLL(str(target))
         dp, lg, it = ctypes.POINTER(ctypes.c_double), ctypes.c_long, ctypes.c_int
         lib.fine_velocity.argtypes = [dp, lg, lg, dp, dp, it, dp, lg, dp, dp, lg, dp]
-        lib.fine_velocity_vjp.argtypes = [dp, lg, lg, dp, dp, it, dp, lg, dp, dp, lg, dp, dp, dp, dp]
+        lib.fine_velocity_vjp.argtypes = [dp, lg, lg, dp, dp, it, dp, lg, dp, dp, lg, dp, dp, dp, dp, dp]
         lib.fine_velocity.restype = lib.fine_velocity_vjp.restype = None
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.debug("laplace: compiled interpolation unavailable (%s); using numpy", e)
@@ -241,11 +246,14 @@ def fine_velocity(lib, flat, nf: int, lo, h, p: int, x, A, V) -> np.ndarray:
     return out
 
 
-def fine_velocity_vjp(lib, flat, nf: int, lo, h, p: int, x, A, V, g):
-    """(mbar (2, nf*nf), dA (H, 2, 2), dV (H, 2, 2)) for cotangents g of v."""
+def fine_velocity_vjp(lib, flat, nf: int, lo, h, p: int, x, A, V, g, positions: bool = False):
+    """(mbar (2, nf*nf), dA (H, 2, 2), dV (H, 2, 2), xbar (N, 2) or None) for the
+    cotangents g of v; xbar (the targets' cotangent) with ``positions``."""
     flat, lo, h, x, A, V, g = map(_c, (flat, lo, h, x, A, V, g))
     mbar = np.zeros((2, nf * nf))
     dA, dV = np.zeros_like(A), np.zeros_like(V)
+    xbar = np.zeros_like(x) if positions else None
     lib.fine_velocity_vjp(_ptr(flat), nf, nf, _ptr(lo), _ptr(h), p, _ptr(x), len(x),
-                          _ptr(A), _ptr(V), len(A), _ptr(g), _ptr(mbar), _ptr(dA), _ptr(dV))
-    return mbar, dA, dV
+                          _ptr(A), _ptr(V), len(A), _ptr(g), _ptr(mbar), _ptr(dA), _ptr(dV),
+                          _ptr(xbar) if positions else None)
+    return mbar, dA, dV, xbar

@@ -154,7 +154,7 @@ class Case:
         self.means, self.covs, self.risks, self.grad = [], [], [], None
         if command == "particles":
             from .particles import ParticleAdjoint, ParticleSolver, weighted_moments
-            self.solver = ParticleSolver(p, timer, backend="direct" if gradient else None)
+            self.solver = ParticleSolver(p, timer)
             self.tokens = []
             for s in range(len(p.prompts)):
                 x, w = self.solver.solve_prompt(s)

@@ -145,10 +145,12 @@ class HeadSums:
         b = np.einsum("hij,nj->hni", A, x).reshape(-1, d)
         return np.einsum("hij,hnj->ni", V, self.means(b).reshape(H, N, d)) / H
 
-    def velocity_vjp(self, x: np.ndarray, A: np.ndarray, V: np.ndarray, g: np.ndarray):
-        """Cotangents of <g, v>: (mbar, the table cotangent summed over ranks; dA and dV of
-        this rank's targets), with u_h = V_h^T g / H, dV_h = (1/H) sum_i g_i m^T and
-        dA_h = sum_i (dm/db)^T u_h x_i^T."""
+    def velocity_vjp(self, x: np.ndarray, A: np.ndarray, V: np.ndarray, g: np.ndarray,
+                     positions: bool = False):
+        """Cotangents of <g, v>: (mbar, the table cotangent summed over ranks; dA, dV of
+        this rank's targets; with ``positions`` the targets' cotangent xbar, else None),
+        with u_h = V_h^T g / H, dV_h = (1/H) sum_i g_i m^T, dA_h = sum_i (dm/db)^T u_h x_i^T
+        and xbar_i = sum_h A_h^T (dm/db)^T u_h."""
         H, N, d = A.shape[0], x.shape[0], A.shape[1]
         b = np.einsum("hij,nj->hni", A, x).reshape(-1, d)
         u = np.einsum("nk,hkj->hnj", g, V) / H
@@ -156,7 +158,8 @@ class HeadSums:
         m, J = m.reshape(H, N, d), J.reshape(H, N, d, d)
         dV = np.einsum("nk,hnj->hkj", g, m) / H
         dA = np.einsum("hnka,hnk,nc->hac", J, u, x)
-        return mbar, dA, dV
+        xbar = np.einsum("hnka,hnk,hac->nc", J, u, A) if positions else None
+        return mbar, dA, dV, xbar
 
 
 class LaplaceTable(HeadSums):
@@ -355,27 +358,56 @@ class LaplaceTable(HeadSums):
         J = vals[:, d:].reshape(P, d, d).transpose(0, 2, 1)
         return vals[:, :d], J, mbar
 
-    def weights_cotangent(self, mbar: np.ndarray) -> np.ndarray:
-        """d<mbar, m>/dw_j for this rank's sources (in their original order), with
-        dm_g/dw_j = e^{<b_g, y_j>} (y_j - m_g) / Z_g on every grid node g."""
+    def _source_sums(self, grids: list) -> np.ndarray:
+        """S[j, i] = sum_g e^{<b_g, y_j>} / Z_g X_i[g] for this rank's sources (original
+        order) and grid arrays X_i: transposed factorised sums, diag(E_1^T X E_2) per
+        source block, in the tiles' shifted scales."""
         d = self.d
-        out = np.zeros(sum(len(t[2]) for t in self.tiles))
+        out = np.zeros((sum(len(t[2]) for t in self.tiles), len(grids)))
         for (pts, w, shifts), (_, _, idx) in zip(self.tile_data, self.tiles):
             if len(pts) == 0:
                 continue
             scale = shifts[0] if d == 1 else shifts[0][:, None] + shifts[1][None, :]
             factor = np.exp(scale - self.ref) / self.Zhat     # e^{shift}/Z on the grid
-            beta = [mbar[k] * factor for k in range(d)]       # coefficient of y_k
-            beta0 = -sum(mbar[k] * self.m[k] for k in range(d)) * factor
-            acc = np.empty(len(pts))
+            acc = np.empty((len(pts), len(grids)))
             for blk, E in self._chunks(pts, shifts):
-                if d == 1:
-                    acc[blk] = E[0].T @ beta0 + pts[blk, 0] * (E[0].T @ beta[0])
-                else:
-                    def diag(X):
-                        return np.einsum("jc,cj->j", E[0].T @ X, E[1])
-                    acc[blk] = diag(beta0) + sum(pts[blk, k] * diag(beta[k]) for k in range(d))
+                for i, X in enumerate(grids):
+                    if d == 1:
+                        acc[blk, i] = E[0].T @ (X * factor)
+                    else:
+                        acc[blk, i] = np.einsum("jc,cj->j", E[0].T @ (X * factor), E[1])
             out[idx] = acc
+        return out
+
+    def _own_sources(self) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's source points and weights in their original order."""
+        M = sum(len(t[2]) for t in self.tiles)
+        y, w = np.empty((M, self.d)), np.empty(M)
+        for pts, wt, idx in self.tiles:
+            y[idx], w[idx] = pts, wt
+        return y, w
+
+    def weights_cotangent(self, mbar: np.ndarray) -> np.ndarray:
+        """d<mbar, m>/dw_j for this rank's sources (in their original order), with
+        dm_g/dw_j = e^{<b_g, y_j>} (y_j - m_g) / Z_g on every grid node g."""
+        d = self.d
+        y, _ = self._own_sources()
+        S = self._source_sums([-sum(mbar[k] * self.m[k] for k in range(d))] + list(mbar))
+        return S[:, 0] + np.einsum("jk,jk->j", y, S[:, 1:])
+
+    def points_cotangent(self, mbar: np.ndarray) -> np.ndarray:
+        """d<mbar, m>/dy_j (M, d) for this rank's sources, with
+        dm_g/dy_j = w_j e^{<b_g, y_j>} / Z_g [I + (y_j - m_g) b_g^T]:
+        ybar_j,c = w_j sum_g e^{<b_g,y_j>}/Z_g [mbar_c + (mbar . (y_j - m_g)) b_g,c]."""
+        d = self.d
+        y, w = self._own_sources()
+        nodes = [self.axes[0][0]] if d == 1 else np.meshgrid(self.axes[0][0], self.axes[1][0], indexing="ij")
+        mm = sum(mbar[k] * self.m[k] for k in range(d))
+        out = np.empty((len(w), d))
+        for c in range(d):
+            grids = [mbar[c] - mm * nodes[c]] + [mbar[k] * nodes[c] for k in range(d)]
+            S = self._source_sums(grids)
+            out[:, c] = w * (S[:, 0] + np.einsum("jk,jk->j", y, S[:, 1:]))
         return out
 
 
@@ -465,14 +497,18 @@ class FineGrid(HeadSums):
                                  x[order], A, V)
         return v
 
-    def velocity_vjp(self, x, A, V, g):
+    def velocity_vjp(self, x, A, V, g, positions: bool = False):
         lib = self.lib
         if lib is None:
-            return super().velocity_vjp(x, A, V, g)
+            return super().velocity_vjp(x, A, V, g, positions)
         order = locality_order(x)
-        acc, dA, dV = fine_velocity_vjp(lib, self.flat, self.nf, self.table.lo, self.h,
-                                        self.P_LOCAL, x[order], A, V, g[order])
-        return self._table_cotangent(acc), dA, dV
+        acc, dA, dV, xs = fine_velocity_vjp(lib, self.flat, self.nf, self.table.lo, self.h,
+                                            self.P_LOCAL, x[order], A, V, g[order], positions)
+        xbar = None
+        if positions:
+            xbar = np.empty_like(xs)
+            xbar[order] = xs
+        return self._table_cotangent(acc), dA, dV, xbar
 
     def _table_cotangent(self, acc: np.ndarray) -> np.ndarray:
         """Fine-grid cotangents (d, nf*nf) to table cotangents, summed over ranks."""

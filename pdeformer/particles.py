@@ -18,7 +18,8 @@ live in R^d: none leave, so ``mass`` is 1 and ``outflow`` 0 in diagnostics.csv, 
 ``min_rho`` (a density minimum) is not defined (nan).
 
 Gradients (:class:`ParticleAdjoint`) are the exact discrete adjoint of this ODE system
-(positions and head cotangents through the kernel's reverse mode, direct summation).
+(positions and head cotangents through the reverse mode of the sum each forward stage
+made: direct summation, or the laplace table with its plan recorded on the tape).
 """
 
 from __future__ import annotations
@@ -145,9 +146,10 @@ class ParticleSolver:
         stages = []
 
         def rhs(Y, j):
+            v = self.velocity(Y[0], w, layer)
             if tape is not None:
-                stages.append(Y[0])
-            return [self.velocity(Y[0], w, layer)]
+                stages.append((Y[0], self.velocity_field.last_plan))
+            return [v]
 
         new = ssp_step(self.scheme, [x], dt, rhs)[0]
         if tape is not None:
@@ -202,7 +204,7 @@ class TokenOutput:
 
 
 class ParticleAdjoint:
-    """Risk and its exact gradient for the particle model (direct summation)."""
+    """Risk and its exact gradient for the particle model (either backend)."""
 
     def __init__(self, solver: ParticleSolver, objective, targets: list):
         if not hasattr(objective, "particle_value_and_gradient"):
@@ -272,19 +274,14 @@ class ParticleAdjoint:
                 add(Ybar, j, self._rate_vjp(stages[j], w, layer, Lbar[j], dA, dV))
         return Ybar[0]
 
-    def _rate_vjp(self, x, w, layer, g, dA, dV):
+    def _rate_vjp(self, stage, w, layer, g, dA, dV):
         """Cotangent of the positions for the cotangent g of v(x) (targets and sources
-        are the same tokens: both parts add up)."""
-        from .attention import attention_velocity_vjp
+        are the same tokens: both parts add up), through the sum the forward stage made
+        (its laplace plan, or direct summation)."""
+        x, plan = stage
         sv = self.solver
-        heads = sv.problem.heads
-        comm = sv.comm
-        all_x, all_w = allgather_rows(comm, x), allgather_rows(comm, w)
         with sv.timer.phase("adjoint velocity"):
-            ct = attention_velocity_vjp(x, all_x, all_w, heads.attention_matrices(layer),
-                                        heads.values(layer), g, positions=True)
-        comm.Allreduce(MPI.IN_PLACE, ct.points, op=MPI.SUM)
-        start = sum(comm.allgather(len(x))[:comm.rank])
+            ct = sv.velocity_field.vjp(x, w, layer, g, plan, targets=x, positions=True)
         dA[layer] += ct.A
         dV[layer] += ct.V
-        return ct.targets + ct.points[start:start + len(x)]
+        return ct.targets + ct.points

@@ -268,13 +268,10 @@ def run_ntk(cfg: dict, comm=None) -> dict:
 def run_particles(cfg: dict, comm=None, gradient: bool = False) -> dict:
     """The particle model: tokens of every prompt through the layers (diagnostics.csv,
     tokens_<prompt>.pvd); with an [objective] its risk, and with ``gradient`` the exact
-    gradient of the particle risk (gradient.npz, direct summation)."""
+    gradient of the particle risk (gradient.npz; through the configured attention backend)."""
     from .particles import ParticleAdjoint, ParticleSolver, TokenOutput
 
-    def solver(problem, timer):
-        return ParticleSolver(problem, timer, backend="direct" if gradient else None)
-
-    run = Run("particles", cfg, comm or MPI.COMM_WORLD, solver=solver)
+    run = Run("particles", cfg, comm or MPI.COMM_WORLD, solver=ParticleSolver)
     p = run.problem
     if gradient and p.objective is None:
         raise ConfigError("objective.kind", "missing: --gradient needs an [objective]")

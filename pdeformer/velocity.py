@@ -119,10 +119,12 @@ class AttentionVelocity:
         return interp.velocity(x, A, V)
 
     def vjp(self, points: np.ndarray, weights: np.ndarray, layer: int, g: np.ndarray,
-            plan=None, targets: np.ndarray | None = None) -> VelocityCotangent:
+            plan=None, targets: np.ndarray | None = None, positions: bool = False) -> VelocityCotangent:
         """Cotangents of <g, v> (g at this rank's nodes): this rank's source weights,
-        and A, V of ``layer`` (this rank's share; the caller sums over ranks). ``plan``
-        is the forward evaluation's :attr:`last_plan`: the same sum is differentiated."""
+        and A, V of ``layer`` (this rank's share; the caller sums over ranks); with
+        ``positions`` (particles) also the cotangents of this rank's targets and of its
+        source points. ``plan`` is the forward evaluation's :attr:`last_plan`: the same sum
+        is differentiated."""
         x = self.targets if targets is None else targets
         A, V = self.heads.attention_matrices(layer), self.heads.values(layer)
         table = interp = None
@@ -133,9 +135,13 @@ class AttentionVelocity:
         if table is None:
             all_points, mine = self._all_points(points)
             ct = attention_velocity_vjp(x, all_points, allgather_rows(self.comm, weights),
-                                        A, V, g, chunk_mb=self.chunk_mb)
+                                        A, V, g, chunk_mb=self.chunk_mb, positions=positions)
             self.comm.Allreduce(MPI.IN_PLACE, ct.weights, op=MPI.SUM)
             ct.weights = ct.weights[mine].copy()
+            if positions:
+                self.comm.Allreduce(MPI.IN_PLACE, ct.points, op=MPI.SUM)
+                ct.points = ct.points[mine].copy()
             return ct
-        mbar, dA, dV = interp.velocity_vjp(x, A, V, g)
-        return VelocityCotangent(table.weights_cotangent(mbar), dA, dV)
+        mbar, dA, dV, xbar = interp.velocity_vjp(x, A, V, g, positions)
+        return VelocityCotangent(table.weights_cotangent(mbar), dA, dV, xbar,
+                                 table.points_cotangent(mbar) if positions else None)

@@ -177,8 +177,8 @@ def test_compiled_fine_grid_loop_is_the_numpy_map_and_its_exact_reverse():
     v = fg.velocity(x, A, V)
     np.testing.assert_allclose(v, HeadSums.velocity(fg, x, A, V), rtol=0, atol=1e-13 * np.abs(v).max())
     g = np.random.default_rng(3).normal(size=x.shape)
-    mbar, dA, dV = fg.velocity_vjp(x, A, V, g)
-    for got, want in zip((mbar, dA, dV), HeadSums.velocity_vjp(fg, x, A, V, g)):
+    mbar, dA, dV, _ = fg.velocity_vjp(x, A, V, g)
+    for got, want in zip((mbar, dA, dV), HeadSums.velocity_vjp(fg, x, A, V, g)[:3]):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-9 * np.abs(want).max())
 
     rng = np.random.default_rng(4)
@@ -224,7 +224,7 @@ def test_a_rank_without_targets_takes_part():
     """No targets here (a rank may own no velocity nodes): empty velocities, zero head
     cotangents, and the table cotangent of the others (the collective is reached)."""
     x, y, w, A, V, lo, hi, fg = _fine_case(heads=2)
-    mbar, dA, dV = fg.velocity_vjp(x[:0], A, V, np.zeros((0, 2)))
+    mbar, dA, dV, _ = fg.velocity_vjp(x[:0], A, V, np.zeros((0, 2)))
     assert mbar.shape == fg.table.m.shape and not mbar.any() and not dA.any() and not dV.any()
 
 
@@ -372,3 +372,39 @@ def test_size_search_survives_a_subsample_without_positive_mass():
     assert not subsample(y, SUBSAMPLE / len(y))[-1]
     table, est = choose_table(y, w, np.array([-50.0, -50.0]), np.array([50.0, 50.0]), COMM, 1e-4)
     assert est <= 1e-4 and np.all(np.isfinite(table.m))
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_position_cotangents_are_the_derivative_of_the_table_map(compiled):
+    """Particles move sources and targets: with the grid fixed, d<g, v>/dx (targets,
+    through the interpolant) and d<g, v>/dy (sources, through the table sums) match
+    central differences, with the compiled loop and with numpy."""
+    from pdeformer.laplace import FineGrid, HeadSums
+    rng = np.random.default_rng(21)
+    y = rng.normal(size=(300, 2)) * [1.0, 0.6]
+    w = rng.uniform(0.5, 1.5, 300) / 300
+    x = rng.normal(size=(120, 2))
+    A = attention_matrices(0.8 * rng.normal(size=(3, 2, 2)), rng.normal(size=(3, 2, 2)))
+    V, g = rng.normal(size=(3, 2, 2)), rng.normal(size=x.shape)
+    lo, hi = grid_box(*b_range(x, A, COMM))
+    lo, hi = lo - 1.0, hi + 1.0                  # room for the moved targets
+
+    def interp(y):
+        fg = FineGrid(LaplaceTable(y, w, lo, hi, 49, COMM), 196)
+        if not compiled:
+            fg.lib = None
+        return fg
+
+    fg = interp(y)
+    if compiled and fg.lib is None:
+        pytest.skip("no compiled loop here")
+    mbar, dA, dV, xbar = fg.velocity_vjp(x, A, V, g, positions=True)
+    ybar = fg.table.points_cotangent(mbar)
+    if compiled:
+        np.testing.assert_allclose(xbar, HeadSums.velocity_vjp(fg, x, A, V, g, True)[3],
+                                   rtol=0, atol=1e-9 * np.abs(xbar).max())
+    dx, dy = rng.normal(size=x.shape), rng.normal(size=y.shape)
+    f = lambda e: np.sum(g * interp(y + e * dy).velocity(x + e * dx, A, V))
+    fd = (f(1e-6) - f(-1e-6)) / 2e-6
+    assert abs(fd - np.sum(xbar * dx) - np.sum(ybar * dy)) < 1e-7 * max(1.0, abs(fd)), \
+        (fd, np.sum(xbar * dx), np.sum(ybar * dy))
