@@ -86,25 +86,35 @@ static long locate(double b, double lo, double h, long nf, int p, double *t)
     return start;
 }
 
+/* p = 5 (six nodes per axis) is fixed at compile time so that the loops unroll */
+#define NP 6
+
 void fine_velocity(const double *flat, long nf0, long nf1, const double *lo, const double *h,
                    int p, const double *x, long N, const double *A, const double *V, long H,
                    double *out)
 {
-    double L0[16], L1[16], inv_den[16], scale = 1.0 / (double)H;
-    inverse_denominators(p, inv_den);
+    double L0[NP], L1[NP], inv_den[NP], scale = 1.0 / (double)H;
+    double ih0 = 1.0 / h[0], ih1 = 1.0 / h[1];
+    (void)p;
+    inverse_denominators(NP - 1, inv_den);
     for (long hd = 0; hd < H; ++hd) {
         const double *Ah = A + 4 * hd, *Vh = V + 4 * hd;
         for (long i = 0; i < N; ++i) {
-            double x0 = x[2 * i], x1 = x[2 * i + 1], t0, t1;
-            long s0 = locate(Ah[0] * x0 + Ah[1] * x1, lo[0], h[0], nf0, p, &t0);
-            long s1 = locate(Ah[2] * x0 + Ah[3] * x1, lo[1], h[1], nf1, p, &t1);
-            lagrange_values(p, t0, inv_den, L0);
-            lagrange_values(p, t1, inv_den, L1);
+            double x0 = x[2 * i], x1 = x[2 * i + 1];
+            double s0 = ((Ah[0] * x0 + Ah[1] * x1) - lo[0]) * ih0;
+            double s1 = ((Ah[2] * x0 + Ah[3] * x1) - lo[1]) * ih1;
+            long k0 = (long)floor(s0) - (NP - 2) / 2, k1 = (long)floor(s1) - (NP - 2) / 2;
+            if (k0 < 0) k0 = 0;
+            if (k0 > nf0 - NP) k0 = nf0 - NP;
+            if (k1 < 0) k1 = 0;
+            if (k1 > nf1 - NP) k1 = nf1 - NP;
+            lagrange_values(NP - 1, s0 - (double)k0, inv_den, L0);
+            lagrange_values(NP - 1, s1 - (double)k1, inv_den, L1);
             double m0 = 0.0, m1 = 0.0;
-            for (int a = 0; a <= p; ++a) {
-                const double *row = flat + 2 * ((s0 + a) * nf1 + s1);
+            for (int a = 0; a < NP; ++a) {
+                const double *row = flat + 2 * ((k0 + a) * nf1 + k1);
                 double r0 = 0.0, r1 = 0.0;
-                for (int c = 0; c <= p; ++c) {
+                for (int c = 0; c < NP; ++c) {
                     r0 += L1[c] * row[2 * c];
                     r1 += L1[c] * row[2 * c + 1];
                 }
@@ -121,41 +131,48 @@ void fine_velocity_vjp(const double *flat, long nf0, long nf1, const double *lo,
                        int p, const double *x, long N, const double *A, const double *V, long H,
                        const double *g, double *mbar, double *dA, double *dV, double *xbar)
 {
-    double L0[16], L1[16], dL0[16], dL1[16];
+    double L0[NP], L1[NP], dL0[NP], dL1[NP];
+    double ih0 = 1.0 / h[0], ih1 = 1.0 / h[1], scale = 1.0 / (double)H;
     long nn = nf0 * nf1;
+    (void)p;
     for (long hd = 0; hd < H; ++hd) {
         const double *Ah = A + 4 * hd, *Vh = V + 4 * hd;
         double *dAh = dA + 4 * hd, *dVh = dV + 4 * hd;
         for (long i = 0; i < N; ++i) {
-            double x0 = x[2 * i], x1 = x[2 * i + 1], t0, t1;
+            double x0 = x[2 * i], x1 = x[2 * i + 1];
             double g0 = g[2 * i], g1 = g[2 * i + 1];
-            long s0 = locate(Ah[0] * x0 + Ah[1] * x1, lo[0], h[0], nf0, p, &t0);
-            long s1 = locate(Ah[2] * x0 + Ah[3] * x1, lo[1], h[1], nf1, p, &t1);
-            lagrange(p, t0, L0, dL0);
-            lagrange(p, t1, L1, dL1);
-            double u0 = (Vh[0] * g0 + Vh[2] * g1) / (double)H;
-            double u1 = (Vh[1] * g0 + Vh[3] * g1) / (double)H;
+            double s0 = ((Ah[0] * x0 + Ah[1] * x1) - lo[0]) * ih0;
+            double s1 = ((Ah[2] * x0 + Ah[3] * x1) - lo[1]) * ih1;
+            long k0 = (long)floor(s0) - (NP - 2) / 2, k1 = (long)floor(s1) - (NP - 2) / 2;
+            if (k0 < 0) k0 = 0;
+            if (k0 > nf0 - NP) k0 = nf0 - NP;
+            if (k1 < 0) k1 = 0;
+            if (k1 > nf1 - NP) k1 = nf1 - NP;
+            lagrange(NP - 1, s0 - (double)k0, L0, dL0);
+            lagrange(NP - 1, s1 - (double)k1, L1, dL1);
+            double u0 = (Vh[0] * g0 + Vh[2] * g1) * scale;
+            double u1 = (Vh[1] * g0 + Vh[3] * g1) * scale;
             double m0 = 0.0, m1 = 0.0, J00 = 0.0, J10 = 0.0, J01 = 0.0, J11 = 0.0;
-            for (int a = 0; a <= p; ++a) {
-                long base = (s0 + a) * nf1 + s1;
+            for (int a = 0; a < NP; ++a) {
+                long base = (k0 + a) * nf1 + k1;
                 const double *row = flat + 2 * base;
                 double r0 = 0.0, r1 = 0.0, q0 = 0.0, q1 = 0.0;
-                for (int c = 0; c <= p; ++c) {
+                double la0 = L0[a] * u0, la1 = L0[a] * u1;
+                for (int c = 0; c < NP; ++c) {
                     r0 += L1[c] * row[2 * c];
                     r1 += L1[c] * row[2 * c + 1];
                     q0 += dL1[c] * row[2 * c];
                     q1 += dL1[c] * row[2 * c + 1];
-                    double wac = L0[a] * L1[c];
-                    mbar[base + c] += wac * u0;
-                    mbar[nn + base + c] += wac * u1;
+                    mbar[base + c] += la0 * L1[c];
+                    mbar[nn + base + c] += la1 * L1[c];
                 }
                 m0 += L0[a] * r0;  m1 += L0[a] * r1;
                 J00 += dL0[a] * r0; J10 += dL0[a] * r1;   /* d m_k / d b_0 */
                 J01 += L0[a] * q0;  J11 += L0[a] * q1;    /* d m_k / d b_1 */
             }
-            J00 /= h[0]; J10 /= h[0]; J01 /= h[1]; J11 /= h[1];
-            dVh[0] += g0 * m0 / (double)H; dVh[1] += g0 * m1 / (double)H;
-            dVh[2] += g1 * m0 / (double)H; dVh[3] += g1 * m1 / (double)H;
+            J00 *= ih0; J10 *= ih0; J01 *= ih1; J11 *= ih1;
+            dVh[0] += g0 * m0 * scale; dVh[1] += g0 * m1 * scale;
+            dVh[2] += g1 * m0 * scale; dVh[3] += g1 * m1 * scale;
             double c0 = J00 * u0 + J10 * u1, c1 = J01 * u0 + J11 * u1;   /* (dm/db)^T u */
             dAh[0] += c0 * x0; dAh[1] += c0 * x1;
             dAh[2] += c1 * x0; dAh[3] += c1 * x1;
@@ -168,6 +185,7 @@ void fine_velocity_vjp(const double *flat, long nf0, long nf1, const double *lo,
 }
 """
 
+KERNEL_DEGREE = 5    # the local Lagrange degree the loops are compiled for (NP = 6 nodes)
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=c99", "-fno-fast-math"]
 _loaded: dict = {}
 

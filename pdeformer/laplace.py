@@ -31,11 +31,12 @@ summation at the sizes pdeformer meshes reach, so ``auto`` uses direct there.
 
 from __future__ import annotations
 
+import math
 
 import numpy as np
 from mpi4py import MPI
 
-from ._kernels import fine_velocity, fine_velocity_vjp, kernels_on
+from ._kernels import KERNEL_DEGREE, fine_velocity, fine_velocity_vjp, kernels_on
 
 N_MIN, N_MAX = 17, 257
 SIZES = (17, 25, 33, 49, 65, 81, 97, 129, 161, 193, 225, 257, 321, 385, 449, 513, 641,
@@ -135,6 +136,54 @@ def grid_box(b_lo: np.ndarray, b_hi: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return np.floor(b_lo / step) * step - step, np.ceil(b_hi / step) * step + step
 
 
+PANEL_BETA = 3.0     # |b|max x panel half-width: e^{b y} varies by at most e^{2 beta} on a panel
+PANEL_EPS = 1e-14    # relative accuracy of the per-panel interpolation of e^{b y}
+
+
+def panel_degree(beta: float = PANEL_BETA, eps: float = PANEL_EPS) -> int:
+    """Chebyshev-Lobatto nodes per panel: the interpolation error of e^{beta t} on [-1, 1]
+    is at most 4 (beta/2)^q / q! (its Chebyshev coefficients are 2 I_k(beta)); relative
+    to the smallest value on the panel it is e^{2 beta} times that. The smallest q with
+    this below eps (q = 23 for beta = 3, eps = 1e-14)."""
+    for q in range(2, 80):
+        if 4.0 * (beta / 2) ** q / math.factorial(q) * math.exp(2 * beta) <= eps:
+            return q
+    raise ValueError("panel interpolation cannot reach eps")
+
+
+class Panels:
+    """One axis of a tile cut into P panels of q Chebyshev-Lobatto nodes each, so narrow
+    (max|b| x half-width <= PANEL_BETA) that e^{b y} is a degree-(q-1) polynomial on each
+    to PANEL_EPS relative accuracy for every b of the table. Sources are spread onto the
+    nodes of their panel with the Lagrange weights: sums over M sources become sums over
+    P q nodes, exact up to PANEL_EPS (positive weights: the error of every term is relative
+    to the term, times at most e^{2 beta})."""
+
+    def __init__(self, lo: float, hi: float, bmax: float, q: int):
+        self.q = q
+        self.count = max(1, int(np.ceil((hi - lo) * bmax / (2 * PANEL_BETA))))
+        self.edges = np.linspace(lo, hi, self.count + 1)
+        self.std, self.lam = chebyshev_lobatto(q, -1.0, 1.0)
+        a, b = self.edges[:-1, None], self.edges[1:, None]
+        self.nodes = (a + (b - a) * (self.std[None, :] + 1) / 2).ravel()    # (P q,)
+
+    def locate(self, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Panel index (m,) and Lagrange weights (m, q) of the points y (m,)."""
+        p = np.clip(np.searchsorted(self.edges, y, side="right") - 1, 0, self.count - 1)
+        a, b = self.edges[p], self.edges[p + 1]
+        t = np.clip(2 * (y - a) / np.where(b > a, b - a, 1.0) - 1, -1.0, 1.0)
+        return p, barycentric_weights(t, self.std, self.lam)
+
+
+def blocks_by_key(key: np.ndarray):
+    """(value, indices) for every distinct value of an integer key."""
+    order = np.argsort(key, kind="stable")
+    values, starts = np.unique(key[order], return_index=True)
+    ends = np.append(starts[1:], len(order))
+    for v, i0, i1 in zip(values, starts, ends):
+        yield int(v), order[i0:i1]
+
+
 class HeadSums:
     """The velocity of all heads from an interpolant of m (numpy; FineGrid may override):
     v(x) = (1/H) sum_h V_h m(A_h x) and its reverse mode."""
@@ -200,15 +249,65 @@ class LaplaceTable(HeadSums):
 
     SOURCE_CHUNK = 4096  # sources per block: the (n x chunk) factors stay in cache
 
-    def _shifts(self, pts) -> list:
-        """Per axis: max over the tile's points (all ranks) of b_g y_a, i.e.
-        max(b_g lo_a, b_g hi_a) with the tile's coordinate range."""
+    def _range(self, pts) -> tuple[np.ndarray, np.ndarray]:
+        """The tile's coordinate range over all ranks (inf, -inf if it is empty)."""
         lo, hi = np.empty(self.d), np.empty(self.d)
         self.comm.Allreduce(pts.min(axis=0) if len(pts) else np.full(self.d, np.inf), lo, op=MPI.MIN)
         self.comm.Allreduce(pts.max(axis=0) if len(pts) else np.full(self.d, -np.inf), hi, op=MPI.MAX)
+        return lo, hi
+
+    def _shifts(self, lo, hi) -> list:
+        """Per axis: max over the tile's points of b_g y_a, i.e. max(b_g lo_a, b_g hi_a)
+        with the tile's coordinate range."""
         if not np.all(np.isfinite(lo)):       # an empty tile
             return [np.zeros(self.n) for _ in range(self.d)]
         return [np.maximum(nodes * lo[a], nodes * hi[a]) for a, (nodes, _) in enumerate(self.axes)]
+
+    def _panels(self, lo, hi, count: int):
+        """Panels per axis for a tile of ``count`` sources (all ranks), or None where
+        summing over the sources directly is cheaper (flop count of both, the panel loop
+        costed at 1e6 flops per block of sources)."""
+        if count == 0 or not np.all(np.isfinite(lo)):
+            return None
+        q, n, d, c = panel_degree(), self.n, self.d, self.ncols
+        bmax = [np.abs(nodes).max() for nodes, _ in self.axes]
+        panels = [Panels(lo[a], hi[a], bmax[a], q) for a in range(d)]
+        K = [len(pa.nodes) for pa in panels]
+        blocks = int(np.prod([pa.count for pa in panels]))
+        dense = 2.0 * c * n**d * count
+        if d == 1:
+            cost = 2.0 * c * n * K[0] + 2.0 * c * count * q
+        else:
+            cost = 2.0 * c * (n * K[0] * K[1] + n * n * K[1]) + 2.0 * c * count * q * q
+        return panels if cost + 1e6 * min(blocks, count) < 0.5 * dense else None
+
+    def _panel_factors(self, panels, shifts) -> list:
+        """Per axis: e^{b_g yhat_k - shift_g} (n, P q) at the panel nodes."""
+        out = []
+        for (nodes, _), pa, sh in zip(self.axes, panels, shifts):
+            r = np.multiply.outer(nodes, pa.nodes)
+            r -= sh[:, None]
+            out.append(np.exp(r, out=r))
+        return out
+
+    def _spread(self, panels, pts, cols) -> np.ndarray:
+        """W[c, k0, k1] = sum_j cols[j, c] L_k0(y0_j) L_k1(y1_j): the sources on the
+        panel nodes (d = 1: W[c, k0])."""
+        q = panels[0].q
+        loc = [pa.locate(pts[:, a]) for a, pa in enumerate(panels)]
+        if self.d == 1:
+            W = np.zeros((self.ncols, len(panels[0].nodes)))
+            for p0, idx in blocks_by_key(loc[0][0]):
+                W[:, p0 * q:(p0 + 1) * q] += cols[idx].T @ loc[0][1][idx]
+            return W
+        P1 = panels[1].count
+        W = np.zeros((self.ncols, len(panels[0].nodes), len(panels[1].nodes)))
+        for key, idx in blocks_by_key(loc[0][0] * P1 + loc[1][0]):
+            p0, p1 = divmod(key, P1)
+            right = (cols[idx][:, :, None] * loc[1][1][idx][:, None, :]).reshape(len(idx), -1)
+            blk = (loc[0][1][idx].T @ right).reshape(q, self.ncols, q)
+            W[:, p0 * q:(p0 + 1) * q, p1 * q:(p1 + 1) * q] += blk.transpose(1, 0, 2)
+        return W
 
     def _chunks(self, pts, shifts):
         """(slice, per-axis shifted factors e^{b_g y_j - shift_g} (n, chunk)) by source block."""
@@ -226,19 +325,29 @@ class LaplaceTable(HeadSums):
         self.tile_data = []
         sums, logscale = [], []
         for pts, w, _ in self.tiles:
-            shifts = self._shifts(pts)
+            lo, hi = self._range(pts)
+            shifts = self._shifts(lo, hi)
+            panels = self._panels(lo, hi, self.comm.allreduce(len(pts), op=MPI.SUM))
             cols = self._moment_columns(pts, w)              # (M, ncols)
             local = np.zeros((self.ncols,) + (n,) * d)
-            for blk, E in self._chunks(pts, shifts):
+            if panels is not None:                           # E_1 W E_2^T over the panel nodes
+                E = self._panel_factors(panels, shifts)
+                W = self._spread(panels, pts, cols)
                 if d == 1:
-                    local += (E[0] @ cols[blk]).T
-                else:   # one product for all columns: [E0 c_0; E0 c_1; ...] E1^T
-                    left = (E[0][None, :, :] * cols[blk].T[:, None, :]).reshape(-1, E[0].shape[1])
-                    local += (left @ E[1].T).reshape(self.ncols, n, n)
+                    local += W @ E[0].T
+                else:
+                    local += np.stack([E[0] @ Wc @ E[1].T for Wc in W])
+            else:
+                for blk, E in self._chunks(pts, shifts):
+                    if d == 1:
+                        local += (E[0] @ cols[blk]).T
+                    else:   # one product for all columns: [E0 c_0; E0 c_1; ...] E1^T
+                        left = (E[0][None, :, :] * cols[blk].T[:, None, :]).reshape(-1, E[0].shape[1])
+                        local += (left @ E[1].T).reshape(self.ncols, n, n)
             total = np.empty(local.shape)
             self.comm.Allreduce(local, total, op=MPI.SUM)
             scale = shifts[0] if d == 1 else shifts[0][:, None] + shifts[1][None, :]
-            self.tile_data.append((pts, w, shifts))
+            self.tile_data.append((pts, w, shifts, panels))
             sums.append(total)
             logscale.append(scale)
         # combine tiles by log-sum-exp per node: ref = max_t (scale_t + log Z_t)
@@ -361,21 +470,39 @@ class LaplaceTable(HeadSums):
     def _source_sums(self, grids: list) -> np.ndarray:
         """S[j, i] = sum_g e^{<b_g, y_j>} / Z_g X_i[g] for this rank's sources (original
         order) and grid arrays X_i: transposed factorised sums, diag(E_1^T X E_2) per
-        source block, in the tiles' shifted scales."""
+        source block, in the tiles' shifted scales (through the panel nodes where the
+        table was built on them: G = E_1^T X E_2 there, then each source's Lagrange
+        weights)."""
         d = self.d
         out = np.zeros((sum(len(t[2]) for t in self.tiles), len(grids)))
-        for (pts, w, shifts), (_, _, idx) in zip(self.tile_data, self.tiles):
+        for (pts, w, shifts, panels), (_, _, idx) in zip(self.tile_data, self.tiles):
             if len(pts) == 0:
                 continue
             scale = shifts[0] if d == 1 else shifts[0][:, None] + shifts[1][None, :]
             factor = np.exp(scale - self.ref) / self.Zhat     # e^{shift}/Z on the grid
             acc = np.empty((len(pts), len(grids)))
-            for blk, E in self._chunks(pts, shifts):
-                for i, X in enumerate(grids):
-                    if d == 1:
-                        acc[blk, i] = E[0].T @ (X * factor)
-                    else:
-                        acc[blk, i] = np.einsum("jc,cj->j", E[0].T @ (X * factor), E[1])
+            if panels is not None:
+                E = self._panel_factors(panels, shifts)
+                q = panels[0].q
+                loc = [pa.locate(pts[:, a]) for a, pa in enumerate(panels)]
+                if d == 1:
+                    G = np.stack([E[0].T @ (X * factor) for X in grids], axis=1)     # (K, i)
+                    for p0, j in blocks_by_key(loc[0][0]):
+                        acc[j] = loc[0][1][j] @ G[p0 * q:(p0 + 1) * q]
+                else:
+                    G = np.stack([E[0].T @ (X * factor) @ E[1] for X in grids])      # (i, K0, K1)
+                    P1 = panels[1].count
+                    for key, j in blocks_by_key(loc[0][0] * P1 + loc[1][0]):
+                        p0, p1 = divmod(key, P1)
+                        g = G[:, p0 * q:(p0 + 1) * q, p1 * q:(p1 + 1) * q]
+                        acc[j] = np.einsum("mk,ikl,ml->mi", loc[0][1][j], g, loc[1][1][j])
+            else:
+                for blk, E in self._chunks(pts, shifts):
+                    for i, X in enumerate(grids):
+                        if d == 1:
+                            acc[blk, i] = E[0].T @ (X * factor)
+                        else:
+                            acc[blk, i] = np.einsum("jc,cj->j", E[0].T @ (X * factor), E[1])
             out[idx] = acc
         return out
 
@@ -430,6 +557,8 @@ class FineGrid(HeadSums):
         self.flat = self._sampled(list(table.m))            # m on the fine grid
         self._den = np.array([np.prod([a - c for c in range(p + 1) if c != a]) for a in range(p + 1)])
         self.lib = kernels_on(table.comm)    # the compiled loop, if every rank has it
+        if p != KERNEL_DEGREE:
+            self.lib = None
 
     def _sampled(self, tables: list) -> np.ndarray:
         nf = self.nf
