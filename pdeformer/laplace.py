@@ -753,13 +753,38 @@ def b_range(targets: np.ndarray, A: np.ndarray, comm) -> tuple[np.ndarray, np.nd
     return glo, ghi
 
 
-def flops_estimate(n: int, d: int, sources: int, points: int, compiled: bool = True) -> float:
-    """Cost of an order-1 table (1 + d sums over the sources, matrix-product flops) and
-    of interpolating its d components at ``points``, in flops (for the auto backend):
-    the ``compiled`` fine-grid loop costs about 60 ns = 2000 flops per point (d = 2), numpy
+def source_extent(points: np.ndarray, comm) -> np.ndarray:
+    """Width of the sources' bounding box per axis (all ranks)."""
+    d = points.shape[1]
+    lo, hi = np.empty(d), np.empty(d)
+    comm.Allreduce(points.min(axis=0) if len(points) else np.full(d, np.inf), lo, op=MPI.MIN)
+    comm.Allreduce(points.max(axis=0) if len(points) else np.full(d, -np.inf), hi, op=MPI.MAX)
+    return np.where(np.isfinite(hi - lo), hi - lo, 0.0)
+
+
+def panel_nodes(bmax: float, extent: float) -> int:
+    """Panel nodes on one axis for |b| <= bmax and sources spanning ``extent``."""
+    return max(1, int(np.ceil(extent * bmax / (2 * PANEL_BETA)))) * panel_degree()
+
+
+def flops_estimate(n: int, d: int, sources: int, points: int, compiled: bool = True,
+                   panel_nodes: list | None = None) -> float:
+    """Cost of an order-1 table (1 + d sums over the sources) and of interpolating its d
+    components at ``points``, in matrix-product flops (for the auto backend). The table:
+    2 n^d M (1 + d) summed over the sources, or through ``panel_nodes`` K_a per axis
+    2 (1 + d) (n K_1 K_2 + n^2 K_2 + M q^2) (d = 2), whichever is less. Interpolation:
+    the ``compiled`` fine-grid loop costs about 35 ns = 1000 flops per point (d = 2), numpy
     about 1.4 us; 1-D barycentric interpolation 2 n flops per component."""
-    per_point = 2.0 * n * d if d == 1 else (2000.0 if compiled else 45000.0)
-    return 2.0 * n**d * sources * (1 + d) + points * per_point
+    c = 1 + d
+    table = 2.0 * n**d * sources * c
+    if panel_nodes is not None:
+        q = panel_degree()
+        K = panel_nodes
+        via = 2.0 * c * (n * K[0] + sources * q) if d == 1 else \
+            2.0 * c * (n * K[0] * K[1] + n * n * K[1] + sources * q * q)
+        table = min(table, via)
+    per_point = 2.0 * n * d if d == 1 else (1000.0 if compiled else 45000.0)
+    return table + points * per_point
 
 
 def direct_estimate(targets: int, heads: int, sources: int) -> float:

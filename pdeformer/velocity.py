@@ -27,7 +27,8 @@ from .attention import Sources, VelocityCotangent, attention_velocity, attention
 from .errors import SolverBreakdown
 from ._kernels import kernels_on
 from .heads import HeadMeasure
-from .laplace import N_MAX, N_MAX_FORCED, SIZES, LaplaceTable, fine_grid, b_range, choose_table, direct_estimate, flops_estimate
+from .laplace import (N_MAX, N_MAX_FORCED, SIZES, LaplaceTable, b_range, choose_table, direct_estimate,
+                      fine_grid, flops_estimate, panel_nodes, source_extent)
 from .parallel import allgather_rows
 
 log = logging.getLogger("pdeformer")
@@ -75,8 +76,12 @@ class AttentionVelocity:
             N = self.comm.allreduce(len(x), op=MPI.SUM)
             H = A.shape[0]
             compiled = kernels_on(self.comm) is not None
+            lo, hi = b_range(x, A, self.comm)
+            extent = source_extent(points, self.comm)
+            finite = np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))
+            nodes = [panel_nodes(max(abs(lo[a]), abs(hi[a])), extent[a]) for a in range(d)] if finite else None
             cheaper = [n for n in SIZES if n <= N_MAX
-                       and flops_estimate(n, d, M, N * H, compiled) < direct_estimate(N, H, M)]
+                       and flops_estimate(n, d, M, N * H, compiled, nodes) < direct_estimate(N, H, M)]
             if not cheaper:
                 return None
             n_max = cheaper[-1]
