@@ -408,3 +408,27 @@ def test_position_cotangents_are_the_derivative_of_the_table_map(compiled):
     fd = (f(1e-6) - f(-1e-6)) / 2e-6
     assert abs(fd - np.sum(xbar * dx) - np.sum(ybar * dy)) < 1e-7 * max(1.0, abs(fd)), \
         (fd, np.sum(xbar * dx), np.sum(ybar * dy))
+
+
+@pytest.mark.parametrize("d", [1, 2])
+def test_panel_tables_are_the_direct_sums(d, monkeypatch):
+    """Sums through the panel nodes (sources spread onto narrow Chebyshev panels) give
+    the tables and reverse-mode sums of the direct sums over the sources to 1e-12."""
+    rng = np.random.default_rng(31)
+    M = 40000 if d == 2 else 200000
+    y = rng.uniform(-3, 3, (M, d))
+    w = np.exp(-np.sum((y - 0.5) ** 2, 1)) * (1 + 0.5 * np.sin(2 * y[:, 0])) / M
+    lo, hi = np.full(d, -9.0), np.full(d, 11.0)
+    n = 129 if d == 2 else 257
+    panel = LaplaceTable(y, w, lo, hi, n, COMM)
+    assert all(t[3] is not None for t in panel.tile_data), "the panel path was not taken"
+    assert len(panel.tile_data[0][3][0].nodes) < M
+    monkeypatch.setattr(LaplaceTable, "_panels", lambda self, *args: None)
+    direct = LaplaceTable(y, w, lo, hi, n, COMM)
+    scale = np.abs(direct.m).max()
+    np.testing.assert_allclose(panel.m, direct.m, rtol=0, atol=1e-12 * scale)
+    np.testing.assert_allclose(panel.log_z, direct.log_z, rtol=0, atol=1e-12 * np.abs(direct.log_z).max())
+    mbar = rng.normal(size=direct.m.shape)
+    for name in ("weights_cotangent", "points_cotangent"):
+        a, b = getattr(panel, name)(mbar), getattr(direct, name)(mbar)
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-11 * np.abs(b).max())
