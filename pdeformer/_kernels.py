@@ -75,17 +75,6 @@ static void inverse_denominators(int p, double *inv_den)
     }
 }
 
-/* stencil start and local coordinate on one axis */
-static long locate(double b, double lo, double h, long nf, int p, double *t)
-{
-    double s = (b - lo) / h;
-    long start = (long)floor(s) - (p - 1) / 2;
-    if (start < 0) start = 0;
-    if (start > nf - 1 - p) start = nf - 1 - p;
-    *t = s - (double)start;
-    return start;
-}
-
 /* p = 5 (six nodes per axis) is fixed at compile time so that the loops unroll */
 #define NP 6
 

@@ -254,10 +254,6 @@ def _field(backend, tol, d=2, heads=4, scale=0.4, seed=0):
     return AttentionVelocity(rng.uniform(-2, 2, (300, d)), hm, {"backend": backend, "tol": tol}, COMM), hm
 
 
-def _direct(field, hm, y, w):
-    return attention_velocity_direct(field.targets, y, w, hm)
-
-
 def attention_velocity_direct(x, y, w, hm):
     from pdeformer.attention import attention_velocity
     return attention_velocity(x, Sources.from_arrays(y, w), hm.attention_matrices(0), hm.values(0))
@@ -269,11 +265,11 @@ def test_auto_uses_the_table_where_it_pays_and_meets_tol():
     v = field(y, w, 0)
     assert field.stats["laplace"] == 1 and field.stats["direct"] == 0
     assert field.last_plan is not None and field.stats["largest_estimate"] <= 1e-7
-    ref = _direct(field, hm, y, w)
+    ref = attention_velocity_direct(field.targets, y, w, hm)
     assert np.abs(v - ref).max() <= 1e-7 * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("why", ["d = 3", "sharp attention", "tol out of reach"])
+@pytest.mark.parametrize("why", ["d = 3", "sharp attention", "absurd heads", "tol out of reach"])
 def test_auto_falls_back_to_direct_and_laplace_refuses(why):
     """auto sums directly where the table cannot serve (d = 3; |b| x extent so large that
     the tiles would exceed MAX_TILES; tol below what the largest table reaches) and
@@ -284,16 +280,18 @@ def test_auto_falls_back_to_direct_and_laplace_refuses(why):
     rng = np.random.default_rng(5)
     y = rng.uniform(-3, 3, (2000, d))
     w = np.exp(-np.sum(y**2, 1)) / 2000
-    scale, tol = {"d = 3": (0.4, 1e-6), "sharp attention": (4e3, 1e-6), "tol out of reach": (1.5, 1e-17)}[why]
+    scale, tol = {"d = 3": (0.4, 1e-6), "sharp attention": (4e3, 1e-6), "absurd heads": (1e80, 1e-6),
+                  "tol out of reach": (1.5, 1e-17)}[why]
     field, hm = _field("auto", tol, d=d, scale=scale)
     field.tol = tol
-    v = field(y, w, 0)
-    assert field.stats == dict(field.stats, direct=1, laplace=0)
-    with np.errstate(all="ignore"):
-        np.testing.assert_allclose(v, _direct(field, hm, y, w), rtol=1e-12, atol=1e-12)
-    strict, _ = _field("laplace", tol, d=d, scale=scale)
-    with pytest.raises(ValueError if d == 3 else SolverBreakdown):
-        strict(y, w, 0)
+    with np.errstate(all="ignore"):           # absurd heads overflow on the way
+        v = field(y, w, 0)
+        assert field.stats == dict(field.stats, direct=1, laplace=0)
+        np.testing.assert_allclose(v, attention_velocity_direct(field.targets, y, w, hm),
+                                   rtol=1e-12, atol=1e-12)
+        strict, _ = _field("laplace", tol, d=d, scale=scale)
+        with pytest.raises(ValueError if d == 3 else SolverBreakdown):
+            strict(y, w, 0)
 
 
 PARTITION_SCRIPT = '''
