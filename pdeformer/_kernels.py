@@ -78,6 +78,22 @@ static void inverse_denominators(int p, double *inv_den)
 /* p = 5 (six nodes per axis) is fixed at compile time so that the loops unroll */
 #define NP 6
 
+/* b = A_h x in fine-grid coordinates: stencil starts k (clamped to the grid) and the
+   local coordinates t = s - k of both axes */
+static void stencil(const double *Ah, double x0, double x1, const double *lo, double ih0,
+                    double ih1, long nf0, long nf1, long *k, double *t)
+{
+    double s[2] = {((Ah[0] * x0 + Ah[1] * x1) - lo[0]) * ih0,
+                   ((Ah[2] * x0 + Ah[3] * x1) - lo[1]) * ih1};
+    long nf[2] = {nf0, nf1};
+    for (int a = 0; a < 2; ++a) {
+        k[a] = (long)floor(s[a]) - (NP - 2) / 2;
+        if (k[a] < 0) k[a] = 0;
+        if (k[a] > nf[a] - NP) k[a] = nf[a] - NP;
+        t[a] = s[a] - (double)k[a];
+    }
+}
+
 void fine_velocity(const double *flat, long nf0, long nf1, const double *lo, const double *h,
                    int p, const double *x, long N, const double *A, const double *V, long H,
                    double *out)
@@ -89,16 +105,12 @@ void fine_velocity(const double *flat, long nf0, long nf1, const double *lo, con
     for (long hd = 0; hd < H; ++hd) {
         const double *Ah = A + 4 * hd, *Vh = V + 4 * hd;
         for (long i = 0; i < N; ++i) {
-            double x0 = x[2 * i], x1 = x[2 * i + 1];
-            double s0 = ((Ah[0] * x0 + Ah[1] * x1) - lo[0]) * ih0;
-            double s1 = ((Ah[2] * x0 + Ah[3] * x1) - lo[1]) * ih1;
-            long k0 = (long)floor(s0) - (NP - 2) / 2, k1 = (long)floor(s1) - (NP - 2) / 2;
-            if (k0 < 0) k0 = 0;
-            if (k0 > nf0 - NP) k0 = nf0 - NP;
-            if (k1 < 0) k1 = 0;
-            if (k1 > nf1 - NP) k1 = nf1 - NP;
-            lagrange_values(NP - 1, s0 - (double)k0, inv_den, L0);
-            lagrange_values(NP - 1, s1 - (double)k1, inv_den, L1);
+            double x0 = x[2 * i], x1 = x[2 * i + 1], t[2];
+            long k[2];
+            stencil(Ah, x0, x1, lo, ih0, ih1, nf0, nf1, k, t);
+            long k0 = k[0], k1 = k[1];
+            lagrange_values(NP - 1, t[0], inv_den, L0);
+            lagrange_values(NP - 1, t[1], inv_den, L1);
             double m0 = 0.0, m1 = 0.0;
             for (int a = 0; a < NP; ++a) {
                 const double *row = flat + 2 * ((k0 + a) * nf1 + k1);
@@ -128,17 +140,13 @@ void fine_velocity_vjp(const double *flat, long nf0, long nf1, const double *lo,
         const double *Ah = A + 4 * hd, *Vh = V + 4 * hd;
         double *dAh = dA + 4 * hd, *dVh = dV + 4 * hd;
         for (long i = 0; i < N; ++i) {
-            double x0 = x[2 * i], x1 = x[2 * i + 1];
+            double x0 = x[2 * i], x1 = x[2 * i + 1], t[2];
             double g0 = g[2 * i], g1 = g[2 * i + 1];
-            double s0 = ((Ah[0] * x0 + Ah[1] * x1) - lo[0]) * ih0;
-            double s1 = ((Ah[2] * x0 + Ah[3] * x1) - lo[1]) * ih1;
-            long k0 = (long)floor(s0) - (NP - 2) / 2, k1 = (long)floor(s1) - (NP - 2) / 2;
-            if (k0 < 0) k0 = 0;
-            if (k0 > nf0 - NP) k0 = nf0 - NP;
-            if (k1 < 0) k1 = 0;
-            if (k1 > nf1 - NP) k1 = nf1 - NP;
-            lagrange(NP - 1, s0 - (double)k0, L0, dL0);
-            lagrange(NP - 1, s1 - (double)k1, L1, dL1);
+            long k[2];
+            stencil(Ah, x0, x1, lo, ih0, ih1, nf0, nf1, k, t);
+            long k0 = k[0], k1 = k[1];
+            lagrange(NP - 1, t[0], L0, dL0);
+            lagrange(NP - 1, t[1], L1, dL1);
             double u0 = (Vh[0] * g0 + Vh[2] * g1) * scale;
             double u1 = (Vh[1] * g0 + Vh[3] * g1) * scale;
             double m0 = 0.0, m1 = 0.0, J00 = 0.0, J10 = 0.0, J01 = 0.0, J11 = 0.0;

@@ -62,6 +62,22 @@ def test_particle_moments_agree_with_the_eulerian_solver(tmp_path):
     assert np.all(np.abs(runs.mean(axis=0) - euler) < 3 * se), (runs.mean(0), euler, se)
 
 
+def assert_taylor_order_two(adj, g, heads, rng):
+    """|R(theta + eps d) - R - eps <g, d>| falls as eps^2 (g is exact for the risk)."""
+    d = {n: rng.normal(size=getattr(heads, n).shape) for n in "QKV"}
+    slope = sum(np.sum(getattr(g, "d" + n) * d[n]) for n in "QKV")
+    base = {n: getattr(heads, n).copy() for n in "QKV"}
+
+    def R(eps):
+        for n in "QKV":
+            getattr(heads, n)[:] = base[n] + eps * d[n]
+        return adj.risk()[0]
+
+    R0 = R(0.0)
+    rem = np.array([abs(R(e) - R0 - e * slope) for e in (4e-3, 2e-3, 1e-3)])
+    assert np.all(np.abs(np.log2(rem[:-1] / rem[1:]) - 2) < 0.1), rem
+
+
 def test_particle_gradient_is_exact_and_approaches_the_eulerian_one(tmp_path):
     from pdeformer.adjoint import AdjointSolver
     from pdeformer.forward import ForwardSolver
@@ -82,20 +98,7 @@ def test_particle_gradient_is_exact_and_approaches_the_eulerian_one(tmp_path):
     assert np.mean(errors[2000]) < 0.6 * np.mean(errors[250]), errors
     assert np.mean(errors[2000]) < 0.25, errors
     # and it is the exact derivative of the particle risk: Taylor remainder ~ eps^2
-    rng = np.random.default_rng(4)
-    heads = pp.heads
-    d = {n: rng.normal(size=getattr(heads, n).shape) for n in "QKV"}
-    slope = sum(np.sum(getattr(g, "d" + n) * d[n]) for n in "QKV")
-    base = {n: getattr(heads, n).copy() for n in "QKV"}
-
-    def R(eps):
-        for n in "QKV":
-            getattr(heads, n)[:] = base[n] + eps * d[n]
-        return adj.risk()[0]
-
-    R0 = R(0.0)
-    rem = np.array([abs(R(e) - R0 - e * slope) for e in (4e-3, 2e-3, 1e-3)])
-    assert np.all(np.abs(np.log2(rem[:-1] / rem[1:]) - 2) < 0.1), rem
+    assert_taylor_order_two(adj, g, pp.heads, np.random.default_rng(4))
 
 
 def test_particle_gradient_through_the_laplace_table(tmp_path):
@@ -113,20 +116,7 @@ def test_particle_gradient_through_the_laplace_table(tmp_path):
     for n in "QKV":
         a, b = getattr(g, "d" + n), getattr(exact, "d" + n)
         assert np.abs(a - b).max() <= 1e-6 * np.abs(b).max(), (n, np.abs(a - b).max() / np.abs(b).max())
-    rng = np.random.default_rng(5)
-    heads = pp.heads
-    d = {n: rng.normal(size=getattr(heads, n).shape) for n in "QKV"}
-    slope = sum(np.sum(getattr(g, "d" + n) * d[n]) for n in "QKV")
-    base = {n: getattr(heads, n).copy() for n in "QKV"}
-
-    def R(eps):
-        for n in "QKV":
-            getattr(heads, n)[:] = base[n] + eps * d[n]
-        return adj.risk()[0]
-
-    R0 = R(0.0)
-    rem = np.array([abs(R(e) - R0 - e * slope) for e in (4e-3, 2e-3, 1e-3)])
-    assert np.all(np.abs(np.log2(rem[:-1] / rem[1:]) - 2) < 0.1), rem
+    assert_taylor_order_two(adj, g, pp.heads, np.random.default_rng(5))
 
 
 CONFIG = """
