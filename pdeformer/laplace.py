@@ -7,23 +7,27 @@ covering every b = A_h x, and each head and target costs an interpolation:
 
 * table: e^{<b,y>} = prod_a e^{b_a y_a} factorises per coordinate, so for d = 2 the sums
   Z[g1,g2] = sum_j w_j e^{b1_g1 y1_j} e^{b2_g2 y2_j} (and the y-moments) are matrix
-  products (n x M)(M x n). Each rank sums its own sources; one Allreduce of the n^d
-  tables completes them (no source gather).
+  products (n x M)(M x n). With many sources they go through panel nodes (:class:`Panels`):
+  the sources are spread onto narrow Chebyshev panels on which e^{b y} is a polynomial to
+  1e-14, and the table is E_1 W E_2^T. Each rank sums its own sources; one Allreduce of
+  the n^d tables completes them (no source gather).
 * log-domain safety: every factor is shifted by its largest exponent over the sources
   (so it is <= 1), and the sources are split into tiles small enough that the product
   of two shifted factors cannot underflow (|b| x tile size bounded); tiles combine by
   log-sum-exp. Moments are ratios, so the shifts cancel.
-* interpolation: barycentric in each coordinate, (P x n) weights; with the tables it is
-  again matrix products, P = targets x heads.
-* accuracy: the grid size n is chosen from the b-range and ``tol`` by the decay of the
-  tables' Chebyshev coefficients (doubling n until the tail is below tol); the grid box
-  is rounded outward to a dyadic lattice, so box and n stay fixed under small changes
-  of the heads and the interpolated map is smooth in them (gradients are exact for it).
+* interpolation: barycentric in each coordinate, (P x n) weights, P = targets x heads;
+  in 2-D through a uniform fine grid and local degree-5 Lagrange polynomials
+  (:class:`FineGrid`, a compiled loop where a C compiler is at hand).
+* accuracy: the grid size n is the smallest whose error estimate (from the decay of the
+  tables' Chebyshev coefficients) meets ``tol``, searched on trial tables of a
+  subsample (:func:`choose_table`); the grid box is rounded outward to a dyadic lattice,
+  so box and n stay fixed under small changes of the heads and the interpolated map is
+  smooth in them (gradients are exact for it).
 
-Reverse mode (:meth:`LaplaceTable.vjp`): table cotangents are the transposed
-interpolation of the target cotangents (matrix products again); the source-weight
-cotangents follow from dm/dw_j = e^{<b,y_j>} (y_j - m) / Z per grid node, i.e. the
-transposed factorised sum -- the adjoint's nonlocal source term at the same cost.
+Reverse mode: table cotangents are the transposed interpolation of the target cotangents;
+the source cotangents follow from dm/dw_j = e^{<b,y_j>} (y_j - m) / Z and
+dm/dy_j = w_j e^{<b,y_j>} / Z [I + (y_j - m) b^T] per grid node, i.e. transposed
+factorised sums -- the adjoint's nonlocal source term at the cost of a table.
 
 Implemented for d = 1 and 2. In d = 3 an n^3 table with n ~ 33-65 costs more than direct
 summation at the sizes pdeformer meshes reach, so ``auto`` uses direct there.
