@@ -31,6 +31,7 @@ from .errors import SolverBreakdown
 from .forward import ForwardSolver, located
 from .objectives import default_quadrature_degree
 from .parallel import any_rank
+from .timestepping import ssp_step_vjp
 from .transport import CellQuadrature
 
 
@@ -45,6 +46,14 @@ class Gradient:
 
     def norm(self) -> float:
         return float(np.sqrt(sum(np.sum(a * a) for a in (self.dQ, self.dK, self.dV))))
+
+    @classmethod
+    def of_heads(cls, heads, risks: list, dA: np.ndarray, dV: np.ndarray,
+                 tape_bytes: int = 0) -> "Gradient":
+        """From dR/dA and dR/dV: A = K^T Q, so dR/dQ = K dR/dA and dR/dK = Q (dR/dA)^T."""
+        dQ = np.einsum("lhki,lhij->lhkj", heads.K, dA)
+        dK = np.einsum("lhki,lhji->lhkj", heads.Q, dA)
+        return cls(float(np.mean(risks)), risks, dQ, dK, dV, tape_bytes)
 
 
 class AdjointSolver:
@@ -104,36 +113,12 @@ class AdjointSolver:
         comm = fw.comm
         for a in (dA, dV):
             comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
-        dA /= S
-        dV /= S
-        # A = K^T Q: dR/dQ = K dR/dA, dR/dK = Q (dR/dA)^T
-        dQ = np.einsum("lhki,lhij->lhkj", heads.K, dA)
-        dK = np.einsum("lhki,lhji->lhkj", heads.Q, dA)
-        return Gradient(float(np.mean(risks)), risks, dQ, dK, dV, tape_bytes)
+        return Gradient.of_heads(heads, risks, dA / S, dV / S, tape_bytes)
 
     def _step_vjp(self, lam, layer, dt, stages, dA, dV) -> np.ndarray:
         """Cotangent of a step's start from that of its end (Shu-Osher form reversed)."""
-        scheme = self.forward.scheme
-        s = scheme.stages
-        Ybar = [None] * (s + 1)
-        Lbar = [None] * s
-        Ybar[s] = lam
-
-        def add(lst, j, x):
-            lst[j] = x if lst[j] is None else lst[j] + x
-
-        for i in range(s, 0, -1):
-            if Ybar[i] is not None:
-                for j, (a, b) in enumerate(zip(scheme.alpha[i - 1], scheme.beta[i - 1])):
-                    if a:
-                        add(Ybar, j, a * Ybar[i])
-                    if b:
-                        add(Lbar, j, (dt * b) * Ybar[i])
-            j = i - 1  # every stage after j has been visited: Lbar[j] is complete
-            if Lbar[j] is not None:
-                Y, vel, plan = stages[j]
-                add(Ybar, j, self._rate_vjp(Y, vel, plan, layer, Lbar[j], dA, dV))
-        return Ybar[0]
+        return ssp_step_vjp(self.forward.scheme, lam, dt,
+                            lambda j, Lbar: self._rate_vjp(*stages[j], layer, Lbar, dA, dV))
 
     def _rate_vjp(self, Y, vel, plan, layer, Lbar, dA, dV) -> np.ndarray:
         fw = self.forward

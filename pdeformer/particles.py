@@ -33,7 +33,7 @@ from mpi4py import MPI
 from .errors import ConfigError, SolverBreakdown
 from .forward import Frame, located
 from .parallel import Timer, allgather_rows, any_rank
-from .timestepping import SCHEMES, ssp_step
+from .timestepping import SCHEMES, ssp_step, ssp_step_vjp
 from .velocity import AttentionVelocity
 
 log = logging.getLogger("pdeformer")
@@ -247,32 +247,11 @@ class ParticleAdjoint:
                 lam = self._step_vjp(lam, w, layer, dt, stages, dA, dV)
         for a in (dA, dV):
             sv.comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
-        dA /= S
-        dV /= S
-        dQ = np.einsum("lhki,lhij->lhkj", heads.K, dA)
-        dK = np.einsum("lhki,lhji->lhkj", heads.Q, dA)
-        return Gradient(float(np.mean(risks)), risks, dQ, dK, dV, 0)
+        return Gradient.of_heads(heads, risks, dA / S, dV / S)
 
     def _step_vjp(self, lam, w, layer, dt, stages, dA, dV):
-        scheme = self.solver.scheme
-        s = scheme.stages
-        Ybar, Lbar = [None] * (s + 1), [None] * s
-        Ybar[s] = lam
-
-        def add(lst, j, v):
-            lst[j] = v if lst[j] is None else lst[j] + v
-
-        for i in range(s, 0, -1):
-            if Ybar[i] is not None:
-                for j, (a, b) in enumerate(zip(scheme.alpha[i - 1], scheme.beta[i - 1])):
-                    if a:
-                        add(Ybar, j, a * Ybar[i])
-                    if b:
-                        add(Lbar, j, (dt * b) * Ybar[i])
-            j = i - 1
-            if Lbar[j] is not None:
-                add(Ybar, j, self._rate_vjp(stages[j], w, layer, Lbar[j], dA, dV))
-        return Ybar[0]
+        return ssp_step_vjp(self.solver.scheme, lam, dt,
+                            lambda j, Lbar: self._rate_vjp(stages[j], w, layer, Lbar, dA, dV))
 
     def _rate_vjp(self, stage, w, layer, g, dA, dV):
         """Cotangent of the positions for the cotangent g of v(x) (targets and sources

@@ -100,3 +100,28 @@ def ssp_step(scheme: SSPScheme, u: State, dt: float, rhs: Callable[[State, int],
             new.append(acc)
         Y.append(limit(new) if limit is not None else new)
     return Y[-1]
+
+
+def ssp_step_vjp(scheme: SSPScheme, lam: np.ndarray, dt: float,
+                 rate_vjp: Callable[[int, np.ndarray], np.ndarray]) -> np.ndarray:
+    """Cotangent of a step's start from that of its end ``lam``: the Shu-Osher form of
+    :func:`ssp_step` (single-array state, no limiter) reversed. ``rate_vjp(j, Lbar)``
+    returns the cotangent of stage j's input for the cotangent Lbar of its rate L(Y_j)."""
+    s = scheme.stages
+    Ybar, Lbar = [None] * (s + 1), [None] * s
+    Ybar[s] = lam
+
+    def add(lst, j, x):
+        lst[j] = x if lst[j] is None else lst[j] + x
+
+    for i in range(s, 0, -1):
+        if Ybar[i] is not None:
+            for j, (a, b) in enumerate(zip(scheme.alpha[i - 1], scheme.beta[i - 1])):
+                if a:
+                    add(Ybar, j, a * Ybar[i])
+                if b:
+                    add(Lbar, j, (dt * b) * Ybar[i])
+        j = i - 1  # every stage after j has been visited: Lbar[j] is complete
+        if Lbar[j] is not None:
+            add(Ybar, j, rate_vjp(j, Lbar[j]))
+    return Ybar[0]
