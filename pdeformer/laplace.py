@@ -188,6 +188,28 @@ def blocks_by_key(key: np.ndarray):
         yield int(v), order[i0:i1]
 
 
+def coordinate_range(points: np.ndarray, comm) -> tuple[np.ndarray, np.ndarray]:
+    """Per-axis min and max of the points of all ranks (inf, -inf where there are none)."""
+    d = points.shape[1]
+    lo, hi = np.empty(d), np.empty(d)
+    comm.Allreduce(points.min(axis=0) if len(points) else np.full(d, np.inf), lo, op=MPI.MIN)
+    comm.Allreduce(points.max(axis=0) if len(points) else np.full(d, -np.inf), hi, op=MPI.MAX)
+    return lo, hi
+
+
+def table_flops(n: int, d: int, ncols: int, sources: int, nodes: list | None) -> float:
+    """Matrix-product flops of the ncols sums of a table: over the sources,
+    2 ncols n^d M, or through ``nodes`` K_a panel nodes per axis (q per panel),
+    2 ncols (n K_1 + M q) (d = 1) or 2 ncols (n K_1 K_2 + n^2 K_2 + M q^2) (d = 2),
+    whichever is less."""
+    direct = 2.0 * ncols * n**d * sources
+    if nodes is None:
+        return direct
+    q, K = panel_degree(), nodes
+    via = n * K[0] + sources * q if d == 1 else n * K[0] * K[1] + n * n * K[1] + sources * q * q
+    return min(direct, 2.0 * ncols * via)
+
+
 class HeadSums:
     """The velocity of all heads from an interpolant of m (numpy; FineGrid may override):
     v(x) = (1/H) sum_h V_h m(A_h x) and its reverse mode."""
@@ -235,9 +257,7 @@ class LaplaceTable(HeadSums):
     def _split(self, points, weights) -> list:
         """Tiles of the sources' bounding box, small enough that no shifted product of
         per-axis factors underflows: max|b| x tile extent <= UNDERFLOW_GAP per axis."""
-        lo, hi = np.empty(self.d), np.empty(self.d)
-        self.comm.Allreduce(points.min(axis=0) if len(points) else np.full(self.d, np.inf), lo, op=MPI.MIN)
-        self.comm.Allreduce(points.max(axis=0) if len(points) else np.full(self.d, -np.inf), hi, op=MPI.MAX)
+        lo, hi = coordinate_range(points, self.comm)
         bmax = np.maximum(np.abs(self.lo), np.abs(self.hi))
         counts = np.maximum(1, np.ceil(bmax * (hi - lo) * self.d / UNDERFLOW_GAP))
         if not np.all(np.isfinite(counts)) or np.prod(counts) > MAX_TILES:
@@ -253,13 +273,6 @@ class LaplaceTable(HeadSums):
 
     SOURCE_CHUNK = 4096  # sources per block: the (n x chunk) factors stay in cache
 
-    def _range(self, pts) -> tuple[np.ndarray, np.ndarray]:
-        """The tile's coordinate range over all ranks (inf, -inf if it is empty)."""
-        lo, hi = np.empty(self.d), np.empty(self.d)
-        self.comm.Allreduce(pts.min(axis=0) if len(pts) else np.full(self.d, np.inf), lo, op=MPI.MIN)
-        self.comm.Allreduce(pts.max(axis=0) if len(pts) else np.full(self.d, -np.inf), hi, op=MPI.MAX)
-        return lo, hi
-
     def _shifts(self, lo, hi) -> list:
         """Per axis: max over the tile's points of b_g y_a, i.e. max(b_g lo_a, b_g hi_a)
         with the tile's coordinate range."""
@@ -273,17 +286,12 @@ class LaplaceTable(HeadSums):
         costed at 1e6 flops per block of sources)."""
         if count == 0 or not np.all(np.isfinite(lo)):
             return None
-        q, n, d, c = panel_degree(), self.n, self.d, self.ncols
         bmax = [np.abs(nodes).max() for nodes, _ in self.axes]
-        panels = [Panels(lo[a], hi[a], bmax[a], q) for a in range(d)]
-        K = [len(pa.nodes) for pa in panels]
+        panels = [Panels(lo[a], hi[a], bmax[a], panel_degree()) for a in range(self.d)]
         blocks = int(np.prod([pa.count for pa in panels]))
-        dense = 2.0 * c * n**d * count
-        if d == 1:
-            cost = 2.0 * c * n * K[0] + 2.0 * c * count * q
-        else:
-            cost = 2.0 * c * (n * K[0] * K[1] + n * n * K[1]) + 2.0 * c * count * q * q
-        return panels if cost + 1e6 * min(blocks, count) < 0.5 * dense else None
+        dense = table_flops(self.n, self.d, self.ncols, count, None)
+        via = table_flops(self.n, self.d, self.ncols, count, [len(pa.nodes) for pa in panels])
+        return panels if via + 1e6 * min(blocks, count) < 0.5 * dense else None
 
     def _panel_factors(self, panels, shifts) -> list:
         """Per axis: e^{b_g yhat_k - shift_g} (n, P q) at the panel nodes."""
@@ -326,10 +334,10 @@ class LaplaceTable(HeadSums):
 
     def _build(self):
         d, n = self.d, self.n
-        self.tile_data = []
+        self.tile_data = []   # per tile: (shifts, panels or None), for the reverse sums
         sums, logscale = [], []
         for pts, w, _ in self.tiles:
-            lo, hi = self._range(pts)
+            lo, hi = coordinate_range(pts, self.comm)
             shifts = self._shifts(lo, hi)
             panels = self._panels(lo, hi, self.comm.allreduce(len(pts), op=MPI.SUM))
             cols = self._moment_columns(pts, w)              # (M, ncols)
@@ -351,7 +359,7 @@ class LaplaceTable(HeadSums):
             total = np.empty(local.shape)
             self.comm.Allreduce(local, total, op=MPI.SUM)
             scale = shifts[0] if d == 1 else shifts[0][:, None] + shifts[1][None, :]
-            self.tile_data.append((pts, w, shifts, panels))
+            self.tile_data.append((shifts, panels))
             sums.append(total)
             logscale.append(scale)
         # combine tiles by log-sum-exp per node: ref = max_t (scale_t + log Z_t)
@@ -384,11 +392,6 @@ class LaplaceTable(HeadSums):
         if self.order >= 2:
             cols += [w * pts[:, a] * pts[:, b] for a in range(d) for b in range(a, d)]
         return np.array(cols).T if len(cols[0]) else np.zeros((0, self.ncols))
-
-    def error_estimate(self) -> float:
-        """Interpolation error of m relative to its size (:func:`tail_estimate`)."""
-        top, slope, _ = coefficient_decay(list(self.m))
-        return tail_estimate(top, slope, self.n)
 
     # ------------------------------------------------------------------ evaluation
     CHUNK = 2048  # points per block: the (chunk x n) weights stay in cache
@@ -479,7 +482,7 @@ class LaplaceTable(HeadSums):
         weights)."""
         d = self.d
         out = np.zeros((sum(len(t[2]) for t in self.tiles), len(grids)))
-        for (pts, w, shifts, panels), (_, _, idx) in zip(self.tile_data, self.tiles):
+        for (shifts, panels), (pts, _, idx) in zip(self.tile_data, self.tiles):
             if len(pts) == 0:
                 continue
             scale = shifts[0] if d == 1 else shifts[0][:, None] + shifts[1][None, :]
@@ -518,28 +521,33 @@ class LaplaceTable(HeadSums):
             y[idx], w[idx] = pts, wt
         return y, w
 
-    def weights_cotangent(self, mbar: np.ndarray) -> np.ndarray:
-        """d<mbar, m>/dw_j for this rank's sources (in their original order), with
-        dm_g/dw_j = e^{<b_g, y_j>} (y_j - m_g) / Z_g on every grid node g."""
-        d = self.d
-        y, _ = self._own_sources()
-        S = self._source_sums([-sum(mbar[k] * self.m[k] for k in range(d))] + list(mbar))
-        return S[:, 0] + np.einsum("jk,jk->j", y, S[:, 1:])
-
-    def points_cotangent(self, mbar: np.ndarray) -> np.ndarray:
-        """d<mbar, m>/dy_j (M, d) for this rank's sources, with
-        dm_g/dy_j = w_j e^{<b_g, y_j>} / Z_g [I + (y_j - m_g) b_g^T]:
+    def source_cotangents(self, mbar: np.ndarray, positions: bool = False):
+        """d<mbar, m>/dw_j and, with ``positions``, d<mbar, m>/dy_j (M, d) for this rank's
+        sources (original order), in one pass over them, with
+        dm_g/dw_j = e^{<b_g, y_j>} (y_j - m_g) / Z_g and
+        dm_g/dy_j = w_j e^{<b_g, y_j>} / Z_g [I + (y_j - m_g) b_g^T], i.e.
         ybar_j,c = w_j sum_g e^{<b_g,y_j>}/Z_g [mbar_c + (mbar . (y_j - m_g)) b_g,c]."""
         d = self.d
         y, w = self._own_sources()
-        nodes = [self.axes[0][0]] if d == 1 else np.meshgrid(self.axes[0][0], self.axes[1][0], indexing="ij")
         mm = sum(mbar[k] * self.m[k] for k in range(d))
-        out = np.empty((len(w), d))
-        for c in range(d):
-            grids = [mbar[c] - mm * nodes[c]] + [mbar[k] * nodes[c] for k in range(d)]
-            S = self._source_sums(grids)
-            out[:, c] = w * (S[:, 0] + np.einsum("jk,jk->j", y, S[:, 1:]))
-        return out
+        grids = [-mm] + list(mbar)
+        if positions:
+            nodes = [self.axes[0][0]] if d == 1 else np.meshgrid(self.axes[0][0], self.axes[1][0], indexing="ij")
+            grids += [X for c in range(d) for X in [mbar[c] - mm * nodes[c]] + [mbar[k] * nodes[c] for k in range(d)]]
+        S = self._source_sums(grids)
+        wbar = S[:, 0] + np.einsum("jk,jk->j", y, S[:, 1:1 + d])
+        if not positions:
+            return wbar, None
+        P = S[:, 1 + d:].reshape(len(w), d, 1 + d)
+        return wbar, w[:, None] * (P[:, :, 0] + np.einsum("jk,jck->jc", y, P[:, :, 1:]))
+
+    def weights_cotangent(self, mbar: np.ndarray) -> np.ndarray:
+        """d<mbar, m>/dw_j (:meth:`source_cotangents`)."""
+        return self.source_cotangents(mbar)[0]
+
+    def points_cotangent(self, mbar: np.ndarray) -> np.ndarray:
+        """d<mbar, m>/dy_j (:meth:`source_cotangents`)."""
+        return self.source_cotangents(mbar, positions=True)[1]
 
 
 class FineGrid(HeadSums):
@@ -551,7 +559,7 @@ class FineGrid(HeadSums):
 
     P_LOCAL = 5
 
-    def __init__(self, table: "LaplaceTable", nf: int):
+    def __init__(self, table: "LaplaceTable", nf: int, lib="every rank"):
         self.table, self.nf = table, nf
         p = self.P_LOCAL
         self.h = (table.hi - table.lo) / (nf - 1)
@@ -560,7 +568,8 @@ class FineGrid(HeadSums):
                        for a, (nodes, lam) in enumerate(table.axes)]
         self.flat = self._sampled(list(table.m))            # m on the fine grid
         self._den = np.array([np.prod([a - c for c in range(p + 1) if c != a]) for a in range(p + 1)])
-        self.lib = kernels_on(table.comm)    # the compiled loop, if every rank has it
+        # the compiled loop, if every rank has it (a collective call unless given)
+        self.lib = kernels_on(table.comm) if lib == "every rank" else lib
         if p != KERNEL_DEGREE:
             self.lib = None
 
@@ -624,23 +633,14 @@ class FineGrid(HeadSums):
         lib = self.lib
         if lib is None:
             return super().velocity(x, A, V)
-        order = locality_order(x)
-        v = np.empty_like(x, dtype=float)
-        v[order] = fine_velocity(lib, self.flat, self.nf, self.table.lo, self.h, self.P_LOCAL,
-                                 x[order], A, V)
-        return v
+        return fine_velocity(lib, self.flat, self.nf, self.table.lo, self.h, self.P_LOCAL, x, A, V)
 
     def velocity_vjp(self, x, A, V, g, positions: bool = False):
         lib = self.lib
         if lib is None:
             return super().velocity_vjp(x, A, V, g, positions)
-        order = locality_order(x)
-        acc, dA, dV, xs = fine_velocity_vjp(lib, self.flat, self.nf, self.table.lo, self.h,
-                                            self.P_LOCAL, x[order], A, V, g[order], positions)
-        xbar = None
-        if positions:
-            xbar = np.empty_like(xs)
-            xbar[order] = xs
+        acc, dA, dV, xbar = fine_velocity_vjp(lib, self.flat, self.nf, self.table.lo, self.h,
+                                              self.P_LOCAL, x, A, V, g, positions)
         return self._table_cotangent(acc), dA, dV, xbar
 
     def _table_cotangent(self, acc: np.ndarray) -> np.ndarray:
@@ -661,34 +661,24 @@ class FineGrid(HeadSums):
         return float(np.abs(self.means(b) - ref).max() / max(np.abs(t.m).max(), 1e-300))
 
 
-def locality_order(x: np.ndarray, cells: int = 64) -> np.ndarray:
-    """An order of the points x (N, d) by the cell of a cells^d grid over their box: every
-    head maps neighbours to neighbours (b = A_h x), so the fine grid is read in runs."""
-    if len(x) == 0:
-        return np.arange(0)
-    lo, hi = x.min(axis=0), x.max(axis=0)
-    c = np.clip(((x - lo) / np.maximum(hi - lo, 1e-300) * cells).astype(int), 0, cells - 1)
-    key = np.zeros(len(x), int)
-    for a in range(x.shape[1]):
-        key = key * cells + c[:, a]
-    return np.argsort(key, kind="stable")
-
-
-def fine_from(comm) -> int:
+def fine_from(lib) -> int:
     """Table size from which the two-level interpolation is faster (measured: from the
-    smallest size with the compiled loop, from 129 with numpy)."""
-    return N_MIN if kernels_on(comm) is not None else 129
+    smallest size with the compiled loop ``lib``, from 129 with numpy)."""
+    return N_MIN if lib is not None else 129
 
 
 def fine_grid(table: "LaplaceTable", tol: float, nf: int | None = None):
     """A FineGrid whose local error is below tol/2 (nf = 2n, 4n, 8n), or None when
     interpolating directly from the table is the better choice (or nothing meets it)."""
-    if table.d != 2 or (nf is None and table.n < fine_from(table.comm)):
+    if table.d != 2:
         return None
+    lib = kernels_on(table.comm)                 # one collective call for all candidates
     if nf is not None:
-        return FineGrid(table, nf)
+        return FineGrid(table, nf, lib)
+    if table.n < fine_from(lib):
+        return None
     for factor in (2, 4, 8):
-        fg = FineGrid(table, factor * table.n)
+        fg = FineGrid(table, factor * table.n, lib)
         if fg.error() <= tol / 2:
             return fg
     return None
@@ -759,10 +749,7 @@ def b_range(targets: np.ndarray, A: np.ndarray, comm) -> tuple[np.ndarray, np.nd
 
 def source_extent(points: np.ndarray, comm) -> np.ndarray:
     """Width of the sources' bounding box per axis (all ranks)."""
-    d = points.shape[1]
-    lo, hi = np.empty(d), np.empty(d)
-    comm.Allreduce(points.min(axis=0) if len(points) else np.full(d, np.inf), lo, op=MPI.MIN)
-    comm.Allreduce(points.max(axis=0) if len(points) else np.full(d, -np.inf), hi, op=MPI.MAX)
+    lo, hi = coordinate_range(points, comm)
     return np.where(np.isfinite(hi - lo), hi - lo, 0.0)
 
 
@@ -781,14 +768,7 @@ def flops_estimate(n: int, d: int, sources: int, points: int, compiled: bool = T
     2 (1 + d) (n K_1 K_2 + n^2 K_2 + M q^2) (d = 2), whichever is less. Interpolation:
     the ``compiled`` fine-grid loop costs about 35 ns = 1000 flops per point (d = 2), numpy
     about 1.4 us; 1-D barycentric interpolation 2 n flops per component."""
-    c = 1 + d
-    table = 2.0 * n**d * sources * c
-    if panel_nodes is not None:
-        q = panel_degree()
-        K = panel_nodes
-        via = 2.0 * c * (n * K[0] + sources * q) if d == 1 else \
-            2.0 * c * (n * K[0] * K[1] + n * n * K[1] + sources * q * q)
-        table = min(table, via)
+    table = table_flops(n, d, 1 + d, sources, panel_nodes)
     per_point = 2.0 * n * d if d == 1 else (1000.0 if compiled else 45000.0)
     return table + points * per_point
 

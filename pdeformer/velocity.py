@@ -70,15 +70,15 @@ class AttentionVelocity:
             return None
         if d > 2:
             raise ValueError("backend 'laplace' is implemented for d = 1 and 2")
+        lo, hi = b_range(x, A, self.comm)
+        finite = bool(np.all(np.isfinite(lo)) and np.all(np.isfinite(hi)))
         n_max = N_MAX_FORCED
         if self.backend == "auto":
             M = self.comm.allreduce(len(points), op=MPI.SUM)
             N = self.comm.allreduce(len(x), op=MPI.SUM)
             H = A.shape[0]
             compiled = kernels_on(self.comm) is not None
-            lo, hi = b_range(x, A, self.comm)
             extent = source_extent(points, self.comm)
-            finite = np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))
             nodes = [panel_nodes(max(abs(lo[a]), abs(hi[a])), extent[a]) for a in range(d)] if finite else None
             cheaper = [n for n in SIZES if n <= N_MAX
                        and flops_estimate(n, d, M, N * H, compiled, nodes) < direct_estimate(N, H, M)]
@@ -86,8 +86,7 @@ class AttentionVelocity:
                 return None
             n_max = cheaper[-1]
         try:
-            lo, hi = b_range(x, A, self.comm)
-            if not (np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))):
+            if not finite:
                 raise FloatingPointError("attention matrices are not finite")
             table, est = choose_table(points, weights, lo, hi, self.comm, self.tol, n_max=n_max)
         except FloatingPointError as e:
@@ -148,5 +147,5 @@ class AttentionVelocity:
                 ct.points = ct.points[mine].copy()
             return ct
         mbar, dA, dV, xbar = interp.velocity_vjp(x, A, V, g, positions)
-        return VelocityCotangent(table.weights_cotangent(mbar), dA, dV, xbar,
-                                 table.points_cotangent(mbar) if positions else None)
+        wbar, ybar = table.source_cotangents(mbar, positions)
+        return VelocityCotangent(wbar, dA, dV, xbar, ybar)

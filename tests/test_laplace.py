@@ -179,7 +179,8 @@ def test_compiled_fine_grid_loop_is_the_numpy_map_and_its_exact_reverse():
     g = np.random.default_rng(3).normal(size=x.shape)
     mbar, dA, dV, _ = fg.velocity_vjp(x, A, V, g)
     for got, want in zip((mbar, dA, dV), HeadSums.velocity_vjp(fg, x, A, V, g)[:3]):
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-9 * np.abs(want).max())
+        # same products in another order: round-off (1e-14 measured) over ~100 terms
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-12 * np.abs(want).max())
 
     rng = np.random.default_rng(4)
     for name, arr, ct in (("A", A, dA), ("V", V, dV)):
@@ -400,7 +401,7 @@ def test_position_cotangents_are_the_derivative_of_the_table_map(compiled):
     ybar = fg.table.points_cotangent(mbar)
     if compiled:
         np.testing.assert_allclose(xbar, HeadSums.velocity_vjp(fg, x, A, V, g, True)[3],
-                                   rtol=0, atol=1e-9 * np.abs(xbar).max())
+                                   rtol=0, atol=1e-12 * np.abs(xbar).max())
     dx, dy = rng.normal(size=x.shape), rng.normal(size=y.shape)
     f = lambda e: np.sum(g * interp(y + e * dy).velocity(x + e * dx, A, V))
     fd = (f(1e-6) - f(-1e-6)) / 2e-6
@@ -419,8 +420,8 @@ def test_panel_tables_are_the_direct_sums(d, monkeypatch):
     lo, hi = np.full(d, -9.0), np.full(d, 11.0)
     n = 129 if d == 2 else 257
     panel = LaplaceTable(y, w, lo, hi, n, COMM)
-    assert all(t[3] is not None for t in panel.tile_data), "the panel path was not taken"
-    assert len(panel.tile_data[0][3][0].nodes) < M
+    assert all(t[1] is not None for t in panel.tile_data), "the panel path was not taken"
+    assert len(panel.tile_data[0][1][0].nodes) < M
     monkeypatch.setattr(LaplaceTable, "_panels", lambda self, *args: None)
     direct = LaplaceTable(y, w, lo, hi, n, COMM)
     scale = np.abs(direct.m).max()
