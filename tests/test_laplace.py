@@ -166,16 +166,42 @@ def _fine_case(heads=5, seed=11):
     return x, y, w, A, V, lo, hi, FineGrid(table, 260)
 
 
+@pytest.fixture(params=["host", "portable"])
+def kernel_build(request, tmp_path, monkeypatch):
+    """The C loop built for this CPU (-march=native: AVX vectors where there are) and
+    without CPU-specific flags (two-double vectors on x86-64), each fresh."""
+    from pdeformer import _kernels
+    saved = dict(_kernels._loaded)
+    monkeypatch.setenv("PDEFORMER_CACHE", str(tmp_path / "cache"))
+    if request.param == "portable":
+        monkeypatch.setattr(_kernels, "HOST_FLAGS", [])
+    _kernels._loaded.clear()
+    yield request.param
+    _kernels._loaded.clear()
+    _kernels._loaded.update(saved)
+
+
 @pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
-def test_compiled_fine_grid_loop_is_the_numpy_map_and_its_exact_reverse():
-    """The compiled loop gives the numpy two-level map (to round-off), and its reverse
-    mode -- dA, dV and the table cotangent -- is the derivative of that map."""
+def test_compiled_fine_grid_loop_is_the_numpy_map_and_its_exact_reverse(kernel_build):
+    """The compiled loop gives the numpy two-level map (to round-off), also for targets
+    whose b lies outside the grid (the clamped stencil extrapolates) and without a crash
+    for a NaN target; its reverse mode -- dA, dV and the table cotangent -- is the
+    derivative of that map."""
     from pdeformer._kernels import kernels
     from pdeformer.laplace import FineGrid, HeadSums
     assert kernels() is not None, "the C loop did not compile here"
     x, y, w, A, V, lo, hi, fg = _fine_case()
     v = fg.velocity(x, A, V)
     np.testing.assert_allclose(v, HeadSums.velocity(fg, x, A, V), rtol=0, atol=1e-13 * np.abs(v).max())
+    outside = 1.05 * x                            # some b just beyond the box
+    assert np.any(np.abs(np.einsum("hij,nj->hni", A, outside)) > np.maximum(-lo, hi))
+    v_out = fg.velocity(outside, A, V)
+    np.testing.assert_allclose(v_out, HeadSums.velocity(fg, outside, A, V), rtol=0,
+                               atol=1e-12 * np.abs(v_out).max())
+    bad = x[:5].copy()
+    bad[2] = np.nan
+    v_bad = fg.velocity(bad, A, V)
+    assert np.isnan(v_bad[2]).all() and np.isfinite(np.delete(v_bad, 2, axis=0)).all()
     g = np.random.default_rng(3).normal(size=x.shape)
     mbar, dA, dV, _ = fg.velocity_vjp(x, A, V, g)
     for got, want in zip((mbar, dA, dV), HeadSums.velocity_vjp(fg, x, A, V, g)[:3]):
@@ -431,3 +457,49 @@ def test_panel_tables_are_the_direct_sums(d, monkeypatch):
     for name in ("weights_cotangent", "points_cotangent"):
         a, b = getattr(panel, name)(mbar), getattr(direct, name)(mbar)
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-11 * np.abs(b).max())
+
+
+def test_shell_max_is_the_max_over_each_shell():
+    """_shell_max(c)[k] = max of c over the indices whose larger entry is k."""
+    from pdeformer.laplace import _shell_max
+    c = np.random.default_rng(3).random((11, 11))
+    k = np.indices(c.shape).max(axis=0)
+    expected = [c[k == s].max() for s in range(11)]
+    assert np.array_equal(_shell_max(c), expected)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "gaussian", "disc", "grid", "collinear", "duplicates", "few"])
+def test_hull_candidates_keep_every_extreme_of_every_linear_map(kind):
+    """min and max of A x over the candidates equal those over all points (the same
+    floating-point values: the extreme points themselves are kept), for 400 random A;
+    and b_range with many heads equals the brute-force range."""
+    from pdeformer.laplace import hull_candidates
+    rng = np.random.default_rng(7)
+    n = 20000
+    if kind == "uniform":
+        x = rng.uniform(-4, 4, (n, 2))
+    elif kind == "gaussian":
+        x = rng.standard_normal((n, 2)) * [3.0, 0.01]
+    elif kind == "disc":
+        r, t = np.sqrt(rng.random(n)), 2 * np.pi * rng.random(n)
+        x = np.c_[r * np.cos(t), r * np.sin(t)]
+    elif kind == "grid":
+        x = np.stack(np.meshgrid(np.linspace(-1, 1, 120), np.linspace(0, 2, 150)), -1).reshape(-1, 2)
+    elif kind == "collinear":
+        s = rng.random(n)
+        x = np.c_[1 + s, 2 - 3 * s]
+    elif kind == "duplicates":
+        x = np.repeat(rng.uniform(-1, 1, (50, 2)), 400, axis=0)
+    else:
+        x = rng.uniform(-1, 1, (10, 2))
+    cand = hull_candidates(x)
+    assert len(cand) <= len(x) + 8
+    A = rng.standard_normal((400, 2, 2))
+    full, kept = np.einsum("hij,nj->hni", A, x), np.einsum("hij,nj->hni", A, cand)
+    assert np.array_equal(full.min(axis=1), kept.min(axis=1))
+    assert np.array_equal(full.max(axis=1), kept.max(axis=1))
+    lo, hi = b_range(x, A, COMM)
+    assert np.allclose(lo, full.min(axis=(0, 1)), rtol=1e-14, atol=0)
+    assert np.allclose(hi, full.max(axis=(0, 1)), rtol=1e-14, atol=0)
+    if kind == "uniform":                    # and it does discard the interior
+        assert len(cand) < len(x) // 10
