@@ -40,6 +40,7 @@ log = logging.getLogger("pdeformer")
 
 SOURCE = r"""
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* p = 5 (six nodes per axis) is fixed at compile time so that the loops unroll */
@@ -241,6 +242,149 @@ void fine_velocity_vjp(const double *flat, long nf0, long nf1, const double *lo,
         }
     }
 }
+
+/* ---------------------------------------------------------------- panel sums (d = 2)
+   Sources y_j on panels: axis a of the tile is cut at edges_a[0..P_a] into P_a panels
+   of q Chebyshev-Lobatto nodes (standard nodes std, barycentric weights lam on [-1, 1]).
+   A source's panel is the last edge at or below it (clamped), its local coordinate
+   t = 2 (y - left) / width - 1 (clamped to [-1, 1]) and its weights the Lagrange
+   weights of t (barycentric formula; a source on a node gets that node). */
+#define QMAX 64
+
+static long panel_of(const double *edges, long P, double y)
+{
+    long lo = 0, hi = P;                   /* largest p with edges[p] <= y, in [0, P-1] */
+    while (hi - lo > 1) {
+        long mid = (lo + hi) / 2;
+        if (edges[mid] <= y) lo = mid; else hi = mid;
+    }
+    return lo;
+}
+
+static void panel_weights(const double *edges, long P, int q, const double *std,
+                          const double *lam, double y, long *p, double *L)
+{
+    long k = panel_of(edges, P, y);
+    double a = edges[k], b = edges[k + 1];
+    double t = 2.0 * (y - a) / (b > a ? b - a : 1.0) - 1.0;
+    t = t >= -1.0 ? t : -1.0;
+    t = t <= 1.0 ? t : 1.0;
+    double sum = 0.0;
+    int hit = -1;
+    for (int i = 0; i < q; ++i) {
+        double diff = t - std[i];
+        if (diff == 0.0) hit = i;
+        L[i] = lam[i] / diff;
+        sum += L[i];
+    }
+    if (hit >= 0) {
+        for (int i = 0; i < q; ++i) L[i] = 0.0;
+        L[hit] = 1.0;
+    } else {
+        for (int i = 0; i < q; ++i) L[i] /= sum;
+    }
+    *p = k;
+}
+
+/* The sources ordered by panel pair: order[start[k] .. start[k+1]) are those of pair
+   k = p0 P1 + p1 (a counting sort); returns 0, or -1 when out of memory. */
+static int by_panel(long M, const double *y, const double *edges0, long P0,
+                    const double *edges1, long P1, long **order, long **start)
+{
+    long nk = P0 * P1;
+    long *key = malloc(sizeof(long) * (M > 0 ? M : 1));
+    *order = malloc(sizeof(long) * (M > 0 ? M : 1));
+    *start = calloc(nk + 1, sizeof(long));
+    if (!key || !*order || !*start) {
+        free(key); free(*order); free(*start);
+        return -1;
+    }
+    for (long j = 0; j < M; ++j) {
+        key[j] = panel_of(edges0, P0, y[2 * j]) * P1 + panel_of(edges1, P1, y[2 * j + 1]);
+        (*start)[key[j] + 1]++;
+    }
+    for (long k = 0; k < nk; ++k) (*start)[k + 1] += (*start)[k];
+    long *fill = malloc(sizeof(long) * (nk > 0 ? nk : 1));
+    if (!fill) {
+        free(key); free(*order); free(*start);
+        return -1;
+    }
+    memcpy(fill, *start, sizeof(long) * nk);
+    for (long j = 0; j < M; ++j) (*order)[fill[key[j]]++] = j;
+    free(fill);
+    free(key);
+    return 0;
+}
+
+/* W[c, k0, k1] += sum_j cols[j, c] L0_j[k0] L1_j[k1] (W: (ncols, P0 q, P1 q)), one
+   panel pair at a time in a local (ncols, q, q) block. Returns 0, or -1 (no memory). */
+int panel_spread(long M, const double *y, const double *cols, int ncols,
+                 const double *edges0, long P0, const double *edges1, long P1, int q,
+                 const double *std, const double *lam, double *W)
+{
+    long K0 = P0 * q, K1 = P1 * q, *order, *start;
+    if (by_panel(M, y, edges0, P0, edges1, P1, &order, &start)) return -1;
+    double *local = malloc(sizeof(double) * ncols * q * q);
+    if (!local) { free(order); free(start); return -1; }
+    double L0[QMAX], L1[QMAX];
+    for (long k = 0; k < P0 * P1; ++k) {
+        if (start[k] == start[k + 1]) continue;
+        memset(local, 0, sizeof(double) * ncols * q * q);
+        long p0 = k / P1, p1 = k % P1, pp0, pp1;
+        for (long s = start[k]; s < start[k + 1]; ++s) {
+            long j = order[s];
+            panel_weights(edges0, P0, q, std, lam, y[2 * j], &pp0, L0);
+            panel_weights(edges1, P1, q, std, lam, y[2 * j + 1], &pp1, L1);
+            for (int c = 0; c < ncols; ++c) {
+                double cj = cols[j * ncols + c];
+                for (int a = 0; a < q; ++a) {
+                    double f = cj * L0[a], *row = local + (c * q + a) * q;
+                    for (int b = 0; b < q; ++b) row[b] += f * L1[b];
+                }
+            }
+        }
+        for (int c = 0; c < ncols; ++c)
+            for (int a = 0; a < q; ++a) {
+                double *row = W + c * K0 * K1 + (p0 * q + a) * K1 + p1 * q;
+                const double *src = local + (c * q + a) * q;
+                for (int b = 0; b < q; ++b) row[b] += src[b];
+            }
+    }
+    free(local); free(order); free(start);
+    return 0;
+}
+
+/* out[j, i] = sum_{k0, k1} L0_j[k0] L1_j[k1] G[i, k0, k1] (G: (ni, P0 q, P1 q)), the
+   sources taken panel pair by panel pair (the pair's block of G stays in cache). */
+int panel_gather(long M, const double *y, const double *G, int ni,
+                 const double *edges0, long P0, const double *edges1, long P1, int q,
+                 const double *std, const double *lam, double *out)
+{
+    long K0 = P0 * q, K1 = P1 * q, *order, *start;
+    if (by_panel(M, y, edges0, P0, edges1, P1, &order, &start)) return -1;
+    double L0[QMAX], L1[QMAX], r[QMAX];
+    for (long k = 0; k < P0 * P1; ++k) {
+        long p0 = k / P1, p1 = k % P1, pp0, pp1;
+        for (long s = start[k]; s < start[k + 1]; ++s) {
+            long j = order[s];
+            panel_weights(edges0, P0, q, std, lam, y[2 * j], &pp0, L0);
+            panel_weights(edges1, P1, q, std, lam, y[2 * j + 1], &pp1, L1);
+            for (int i = 0; i < ni; ++i) {
+                const double *base = G + i * K0 * K1 + (p0 * q) * K1 + p1 * q;
+                for (int a = 0; a < q; ++a) r[a] = 0.0;
+                for (int b = 0; b < q; ++b) {      /* r = block L1, rows contiguous */
+                    double lb = L1[b];
+                    for (int a = 0; a < q; ++a) r[a] += base[a * K1 + b] * lb;
+                }
+                double total = 0.0;
+                for (int a = 0; a < q; ++a) total += L0[a] * r[a];
+                out[j * ni + i] = total;
+            }
+        }
+    }
+    free(order); free(start);
+    return 0;
+}
 """
 
 KERNEL_DEGREE = 5    # the local Lagrange degree the loops are compiled for (NP = 6 nodes)
@@ -308,6 +452,9 @@ def kernels():
         lib.fine_velocity.argtypes = [dp, lg, lg, dp, dp, it, dp, lg, dp, dp, lg, dp]
         lib.fine_velocity_vjp.argtypes = [dp, lg, lg, dp, dp, it, dp, lg, dp, dp, lg, dp, dp, dp, dp, dp]
         lib.fine_velocity.restype = lib.fine_velocity_vjp.restype = None
+        panel = [lg, dp, dp, it, dp, lg, dp, lg, it, dp, dp, dp]
+        lib.panel_spread.argtypes = lib.panel_gather.argtypes = panel
+        lib.panel_spread.restype = lib.panel_gather.restype = ctypes.c_int
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.debug("laplace: compiled interpolation unavailable (%s); using numpy", e)
         lib = None
@@ -352,3 +499,30 @@ def fine_velocity_vjp(lib, flat, nf: int, lo, h, p: int, x, A, V, g, positions: 
                           _ptr(A), _ptr(V), len(A), _ptr(g), _ptr(mbar), _ptr(dA), _ptr(dV),
                           _ptr(xbar) if positions else None)
     return mbar.T, dA, dV, xbar
+
+
+def _panel_args(panels):
+    """Edges, counts and the standard nodes of two axes' Panels (laplace.Panels)."""
+    (e0, e1), pa = (_c(p.edges) for p in panels), panels[0]
+    return (_ptr(e0), panels[0].count, _ptr(e1), panels[1].count, pa.q, _ptr(_c(pa.std)),
+            _ptr(_c(pa.lam))), (e0, e1)
+
+
+def panel_spread(lib, panels, y, cols) -> np.ndarray:
+    """W (ncols, K0, K1) = sum_j cols[j, c] L(y_j0) (x) L(y_j1): sources on panel nodes."""
+    y, cols = _c(y), _c(cols)
+    W = np.zeros((cols.shape[1], len(panels[0].nodes), len(panels[1].nodes)))
+    args, keep = _panel_args(panels)
+    if lib.panel_spread(len(y), _ptr(y), _ptr(cols), cols.shape[1], *args, _ptr(W)):
+        raise MemoryError("panel_spread: out of memory")
+    return W
+
+
+def panel_gather(lib, panels, y, G) -> np.ndarray:
+    """out (M, ni): the panel-node grids G (ni, K0, K1) interpolated at the sources y."""
+    y, G = _c(y), _c(G)
+    out = np.empty((len(y), G.shape[0]))
+    args, keep = _panel_args(panels)
+    if lib.panel_gather(len(y), _ptr(y), _ptr(G), G.shape[0], *args, _ptr(out)):
+        raise MemoryError("panel_gather: out of memory")
+    return out

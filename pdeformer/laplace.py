@@ -40,7 +40,8 @@ import math
 import numpy as np
 from mpi4py import MPI
 
-from ._kernels import KERNEL_DEGREE, fine_velocity, fine_velocity_vjp, kernels_on
+from ._kernels import (KERNEL_DEGREE, fine_velocity, fine_velocity_vjp, kernels_on, panel_gather,
+                       panel_spread)
 
 N_MIN, N_MAX = 17, 257
 SIZES = (17, 25, 33, 49, 65, 81, 97, 129, 161, 193, 225, 257, 321, 385, 449, 513, 641,
@@ -257,6 +258,7 @@ class LaplaceTable(HeadSums):
         self.axes = [chebyshev_lobatto(n, a, b) for a, b in zip(self.lo, self.hi)]
         self.ncols = 1 + self.d + (self.d * (self.d + 1) // 2 if order >= 2 else 0)
         self.tiles = tiles if tiles is not None else self._split(points, weights)
+        self.lib = kernels_on(comm) if self.d == 2 else None   # compiled panel loops
         self._build()
 
     # ------------------------------------------------------------------ tables
@@ -286,17 +288,32 @@ class LaplaceTable(HeadSums):
             return [np.zeros(self.n) for _ in range(self.d)]
         return [np.maximum(nodes * lo[a], nodes * hi[a]) for a, (nodes, _) in enumerate(self.axes)]
 
+    # costs in matrix-product flops (about 40 Gflop/s with OpenBLAS, one core): the
+    # exponentials of the dense sums, about 10 ns per node and source; the compiled
+    # spread, about 0.13 us per source and column plus 0.5 ms (measured, M = 2e3-1e5,
+    # n = 33-257, K = 92-460 panel nodes per axis)
+    DENSE_EXP_FLOPS = 400.0
+    SPREAD_FLOPS = 5000.0
+    SPREAD_FIXED = 2e7
+
     def _panels(self, lo, hi, count: int):
         """Panels per axis for a tile of ``count`` sources (all ranks), or None where
-        summing over the sources directly is cheaper (flop count of both, the panel loop
-        costed at 1e6 flops per block of sources)."""
+        summing over the sources directly is cheaper. With the compiled spread: the
+        products through the panel nodes plus SPREAD_FLOPS per source and column against
+        the dense products plus their exponentials; with numpy: the flop counts, the
+        panel loop costed at 1e6 flops per block of sources."""
         if count == 0 or not np.all(np.isfinite(lo)):
             return None
         bmax = [np.abs(nodes).max() for nodes, _ in self.axes]
         panels = [Panels(lo[a], hi[a], bmax[a], panel_degree()) for a in range(self.d)]
         blocks = int(np.prod([pa.count for pa in panels]))
         dense = table_flops(self.n, self.d, self.ncols, count, None)
-        via = table_flops(self.n, self.d, self.ncols, count, [len(pa.nodes) for pa in panels])
+        K = [len(pa.nodes) for pa in panels]
+        if self.lib is not None and self.d == 2:
+            products = 2.0 * self.ncols * (self.n * K[0] * K[1] + self.n ** 2 * K[1])
+            via = products + self.SPREAD_FLOPS * self.ncols * count + self.SPREAD_FIXED
+            return panels if via < dense + self.DENSE_EXP_FLOPS * self.n * count else None
+        via = table_flops(self.n, self.d, self.ncols, count, K)
         return panels if via + 1e6 * min(blocks, count) < 0.5 * dense else None
 
     def _panel_factors(self, panels, shifts) -> list:
@@ -312,6 +329,8 @@ class LaplaceTable(HeadSums):
         """W[c, k0, k1] = sum_j cols[j, c] L_k0(y0_j) L_k1(y1_j): the sources on the
         panel nodes (d = 1: W[c, k0])."""
         q = panels[0].q
+        if self.lib is not None and q <= 64:
+            return panel_spread(self.lib, panels, pts, cols)
         loc = [pa.locate(pts[:, a]) for a, pa in enumerate(panels)]
         if self.d == 1:
             W = np.zeros((self.ncols, len(panels[0].nodes)))
@@ -497,12 +516,16 @@ class LaplaceTable(HeadSums):
             if panels is not None:
                 E = self._panel_factors(panels, shifts)
                 q = panels[0].q
-                loc = [pa.locate(pts[:, a]) for a, pa in enumerate(panels)]
                 if d == 1:
+                    loc = [pa.locate(pts[:, a]) for a, pa in enumerate(panels)]
                     G = np.stack([E[0].T @ (X * factor) for X in grids], axis=1)     # (K, i)
                     for p0, j in blocks_by_key(loc[0][0]):
                         acc[j] = loc[0][1][j] @ G[p0 * q:(p0 + 1) * q]
+                elif self.lib is not None and q <= 64:
+                    G = np.stack([E[0].T @ (X * factor) @ E[1] for X in grids])      # (i, K0, K1)
+                    acc = panel_gather(self.lib, panels, pts, G)
                 else:
+                    loc = [pa.locate(pts[:, a]) for a, pa in enumerate(panels)]
                     G = np.stack([E[0].T @ (X * factor) @ E[1] for X in grids])      # (i, K0, K1)
                     P1 = panels[1].count
                     for key, j in blocks_by_key(loc[0][0] * P1 + loc[1][0]):
@@ -711,6 +734,11 @@ def fine_grid(table: "LaplaceTable", tol: float, nf: int | None = None):
 
 
 SUBSAMPLE = 4096  # sources the trial tables are built from
+TRIAL_BUILDS = 1          # trial tables per search: the size follows from the first
+PREDICTION_MARGIN = 1.25   # from the n = 33 table the fitted decay predicts 0.82-0.93 of
+                           # the size needed (benchmark densities, 1-64 heads, tol 1e-8
+                           # and 1e-5); a table that still misses tol is replaced by one
+                           # of the size its own (resolved) decay predicts
 
 
 def subsample(points: np.ndarray, fraction: float) -> np.ndarray:
@@ -725,12 +753,13 @@ def choose_table(points, weights, b_lo, b_hi, comm, tol: float, order: int = 1,
     """A table on the rounded box whose error estimate meets ``tol``; returns (table,
     estimate). Sizes come from SIZES (up to n_max). The size is searched on trial tables
     of a subsample of the sources (about SUBSAMPLE of them; all when there are fewer),
-    starting at 33 and jumping to where the fitted coefficient decay predicts tol (two
-    trial tables at most: the second one's prediction is taken without a third); the
-    table of all sources is then built at that size, and larger ones only while its own
-    estimate misses tol. The search depends on the sources and the box alone, so the same
-    inputs give the same table on any number of ranks. If no size meets tol, the largest
-    is returned with its estimate (the caller decides)."""
+    starting at 33 and jumping to PREDICTION_MARGIN times the size where the fitted
+    coefficient decay predicts tol (TRIAL_BUILDS trial tables; the last prediction is
+    taken without building); the table of all sources is then built at that size, and
+    larger ones only while its own estimate misses tol. The search depends on the
+    sources and the box alone, so the same inputs give the same table on any number of
+    ranks. If no size meets tol, the largest is returned with its estimate (the caller
+    decides)."""
     lo, hi = grid_box(np.asarray(b_lo, float), np.asarray(b_hi, float))
     sizes = [n for n in SIZES if n <= n_max] or [N_MIN]
     total = comm.allreduce(len(points), op=MPI.SUM)
@@ -745,19 +774,21 @@ def choose_table(points, weights, b_lo, b_hi, comm, tol: float, order: int = 1,
             est = tail_estimate(top, slope, table.n)
             if est <= tol or i + 1 == len(sizes):
                 return i, table, est
-            want = predicted_size(slope, icpt, tol)
+            # extrapolated from the coarse first table the prediction falls short
+            margin = PREDICTION_MARGIN if i == first else 1.0
+            want = margin * predicted_size(slope, icpt, tol)
             i = next((j for j in range(i + 1, len(sizes)) if sizes[j] >= want), len(sizes) - 1)
             if builds is not None:
                 builds -= 1
                 if builds == 0:
                     return i, None, None
 
-    start = sizes.index(33) if 33 in sizes else 0
+    first = start = sizes.index(33) if 33 in sizes else 0
     if total > 2 * SUBSAMPLE:
         keep = subsample(points, SUBSAMPLE / total)
         if comm.allreduce(int(keep.sum()), op=MPI.SUM) >= SUBSAMPLE // 4:   # not degenerate
             try:
-                start, _, _ = search(points[keep], weights[keep], start, builds=2)
+                start, _, _ = search(points[keep], weights[keep], start, builds=TRIAL_BUILDS)
             except FloatingPointError:   # signed weights: the subsample's Z may vanish
                 pass
     _, table, est = search(points, weights, start)

@@ -435,10 +435,16 @@ def test_position_cotangents_are_the_derivative_of_the_table_map(compiled):
         (fd, np.sum(xbar * dx), np.sum(ybar * dy))
 
 
-@pytest.mark.parametrize("d", [1, 2])
-def test_panel_tables_are_the_direct_sums(d, monkeypatch):
+@pytest.mark.parametrize("d, loops", [(1, "numpy"), (2, "numpy"), (2, "compiled")])
+def test_panel_tables_are_the_direct_sums(d, loops, monkeypatch):
     """Sums through the panel nodes (sources spread onto narrow Chebyshev panels) give
-    the tables and reverse-mode sums of the direct sums over the sources to 1e-12."""
+    the tables and reverse-mode sums of the direct sums over the sources to 1e-12, with
+    the spread and gather done by numpy and (d = 2) by the compiled loops."""
+    import pdeformer.laplace as laplace
+    if loops == "numpy":
+        monkeypatch.setattr(laplace, "kernels_on", lambda comm: None)
+    elif shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler")
     rng = np.random.default_rng(31)
     M = 40000 if d == 2 else 200000
     y = rng.uniform(-3, 3, (M, d))
@@ -446,6 +452,7 @@ def test_panel_tables_are_the_direct_sums(d, monkeypatch):
     lo, hi = np.full(d, -9.0), np.full(d, 11.0)
     n = 129 if d == 2 else 257
     panel = LaplaceTable(y, w, lo, hi, n, COMM)
+    assert (panel.lib is not None) == (loops == "compiled")
     assert all(t[1] is not None for t in panel.tile_data), "the panel path was not taken"
     assert len(panel.tile_data[0][1][0].nodes) < M
     monkeypatch.setattr(LaplaceTable, "_panels", lambda self, *args: None)
@@ -503,3 +510,33 @@ def test_hull_candidates_keep_every_extreme_of_every_linear_map(kind):
     assert np.allclose(hi, full.max(axis=(0, 1)), rtol=1e-14, atol=0)
     if kind == "uniform":                    # and it does discard the interior
         assert len(cand) < len(x) // 10
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
+def test_compiled_panel_loops_match_numpy_on_edges_nodes_and_repeats():
+    """Sources on panel edges, on Chebyshev nodes, repeated, at the ends of the tile and
+    in a tile of zero width: the compiled spread and gather equal the numpy ones."""
+    from pdeformer import _kernels
+    from pdeformer.laplace import Panels, panel_degree
+    rng = np.random.default_rng(5)
+    q = panel_degree()
+    for lo, hi in (((-2.0, 0.0), (3.0, 1.0)), ((1.0, 1.0), (1.0, 4.0))):
+        panels = [Panels(lo[a], hi[a], 5.0, q) for a in range(2)]
+        pts = [rng.uniform(lo[a], hi[a], 300) for a in range(2)]
+        for a in range(2):                   # edges, nodes, ends, repeats
+            special = np.concatenate([panels[a].edges, panels[a].nodes[::7], [lo[a], hi[a]] * 3])
+            pts[a] = np.concatenate([pts[a], rng.permutation(np.resize(special, 60))])
+        y = np.stack(pts, axis=1)
+        cols = rng.normal(size=(len(y), 3))
+        table = LaplaceTable(y, np.ones(len(y)), [-1.0, -1.0], [1.0, 1.0], 17, COMM)
+        table.lib = None
+        want = table._spread(panels, y, cols)
+        got = _kernels.panel_spread(_kernels.kernels(), panels, y, cols)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-13 * np.abs(want).max())
+        G = rng.normal(size=(2,) + want.shape[1:])
+        gathered = _kernels.panel_gather(_kernels.kernels(), panels, y, G)
+        # the gather is the transpose of the spread: <G_i, spread(cols)> = sum_j cols_j . gathered_j
+        for i in range(2):
+            spread_i = _kernels.panel_spread(_kernels.kernels(), panels, y, cols[:, i:i + 1])[0]
+            assert abs(np.sum(G[i] * spread_i) - np.sum(cols[:, i] * gathered[:, i])) \
+                < 1e-12 * np.abs(G[i]).sum() * np.abs(cols).max()
