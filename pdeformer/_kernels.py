@@ -251,17 +251,20 @@ void fine_velocity_vjp(const double *flat, long nf0, long nf1, const double *lo,
    weights of t (barycentric formula; a source on a node gets that node). */
 #define QMAX 64
 
-static long panel_of(const double *edges, long P, double y)
+INLINE long panel_of(const double *edges, long P, double y)
 {
-    long lo = 0, hi = P;                   /* largest p with edges[p] <= y, in [0, P-1] */
-    while (hi - lo > 1) {
-        long mid = (lo + hi) / 2;
-        if (edges[mid] <= y) lo = mid; else hi = mid;
-    }
-    return lo;
+    /* largest p with edges[p] <= y, in [0, P-1] (a NaN gives 0): the equispaced guess,
+       then corrected against the edges themselves */
+    if (!(y >= edges[0])) return 0;
+    if (!(y < edges[P])) return P - 1;
+    long p = (long)((y - edges[0]) / (edges[P] - edges[0]) * (double)P);
+    p = p < 0 ? 0 : (p > P - 1 ? P - 1 : p);
+    while (p > 0 && edges[p] > y) --p;
+    while (p < P - 1 && edges[p + 1] <= y) ++p;
+    return p;
 }
 
-static void panel_weights(const double *edges, long P, int q, const double *std,
+INLINE void panel_weights(const double *edges, long P, int q, const double *std,
                           const double *lam, double y, long *p, double *L)
 {
     long k = panel_of(edges, P, y);
@@ -269,19 +272,17 @@ static void panel_weights(const double *edges, long P, int q, const double *std,
     double t = 2.0 * (y - a) / (b > a ? b - a : 1.0) - 1.0;
     t = t >= -1.0 ? t : -1.0;
     t = t <= 1.0 ? t : 1.0;
-    double sum = 0.0;
-    int hit = -1;
-    for (int i = 0; i < q; ++i) {
-        double diff = t - std[i];
-        if (diff == 0.0) hit = i;
-        L[i] = lam[i] / diff;
-        sum += L[i];
-    }
-    if (hit >= 0) {
-        for (int i = 0; i < q; ++i) L[i] = 0.0;
-        L[hit] = 1.0;
+    double sum = 0.0, on_node = 0.0;
+    for (int i = 0; i < q; ++i) on_node += (t == std[i]);
+    if (on_node > 0.0) {
+        for (int i = 0; i < q; ++i) L[i] = (t == std[i]);
     } else {
-        for (int i = 0; i < q; ++i) L[i] /= sum;
+        double part[4] = {0.0, 0.0, 0.0, 0.0};   /* four partial sums: no long chain */
+        for (int i = 0; i < q; ++i) L[i] = lam[i] / (t - std[i]);
+        for (int i = 0; i < q; ++i) part[i % 4] += L[i];
+        sum = (part[0] + part[1]) + (part[2] + part[3]);
+        double inv = 1.0 / sum;
+        for (int i = 0; i < q; ++i) L[i] *= inv;
     }
     *p = k;
 }
@@ -316,74 +317,129 @@ static int by_panel(long M, const double *y, const double *edges0, long P0,
     return 0;
 }
 
+/* Register-blocked C (r x c) = A^T B over m rows: A (m x ra) and B (m x cb) row-major
+   with ra a multiple of 4 and cb of CB; blocks of 4 rows of C x CB columns stay in
+   vector registers while the m rows stream by (12 vector FMAs per row and block). */
+#define CB (3 * VW)
+
+INLINE void at_b(long m, const double *A, long ra, const double *B, long cb, double *C)
+{
+    for (long r0 = 0; r0 < ra; r0 += 4)
+        for (long c0 = 0; c0 < cb; c0 += CB) {
+            vec acc[4][3];
+            for (int i = 0; i < 4; ++i)
+                for (int k = 0; k < 3; ++k) acc[i][k] = (vec){0};
+            for (long s = 0; s < m; ++s) {
+                const double *brow = B + s * cb + c0, *arow = A + s * ra + r0;
+                vec b0 = loadv(brow), b1 = loadv(brow + VW), b2 = loadv(brow + 2 * VW);
+                for (int i = 0; i < 4; ++i) {
+                    double u = arow[i];
+                    acc[i][0] += u * b0;
+                    acc[i][1] += u * b1;
+                    acc[i][2] += u * b2;
+                }
+            }
+            for (int i = 0; i < 4; ++i)
+                for (int k = 0; k < 3; ++k) storev(C + (r0 + i) * cb + c0 + k * VW, acc[i][k]);
+        }
+}
+
+INLINE long round_up(long v, long to) { return (v + to - 1) / to * to; }
+
+/* the largest number of sources of one panel pair */
+static long largest(const long *start, long nk)
+{
+    long m = 0;
+    for (long k = 0; k < nk; ++k)
+        if (start[k + 1] - start[k] > m) m = start[k + 1] - start[k];
+    return m;
+}
+
 /* W[c, k0, k1] += sum_j cols[j, c] L0_j[k0] L1_j[k1] (W: (ncols, P0 q, P1 q)), one
-   panel pair at a time in a local (ncols, q, q) block. Returns 0, or -1 (no memory). */
+   panel pair at a time: with U_j = cols_j (x) L0_j and V_j = L1_j (zero-padded rows of
+   the pair's sources), its (ncols q, q) block is U^T V. Returns 0, or -1 (no memory). */
 int panel_spread(long M, const double *y, const double *cols, int ncols,
                  const double *edges0, long P0, const double *edges1, long P1, int q,
                  const double *std, const double *lam, double *W)
 {
     long K0 = P0 * q, K1 = P1 * q, *order, *start;
+    long ra = round_up(ncols * q, 4), cb = round_up(q, CB);
+    if (q > QMAX) return -1;
     if (by_panel(M, y, edges0, P0, edges1, P1, &order, &start)) return -1;
-    double *local = malloc(sizeof(double) * ncols * q * q);
-    if (!local) { free(order); free(start); return -1; }
+    long mmax = largest(start, P0 * P1);
+    double *U = calloc(mmax * ra + 1, sizeof(double)), *V = calloc(mmax * cb + 1, sizeof(double));
+    double *local = malloc(sizeof(double) * ra * cb);
+    int status = (U && V && local) ? 0 : -1;
     double L0[QMAX], L1[QMAX];
-    for (long k = 0; k < P0 * P1; ++k) {
-        if (start[k] == start[k + 1]) continue;
-        memset(local, 0, sizeof(double) * ncols * q * q);
-        long p0 = k / P1, p1 = k % P1, pp0, pp1;
-        for (long s = start[k]; s < start[k + 1]; ++s) {
-            long j = order[s];
+    for (long k = 0; k < P0 * P1 && !status; ++k) {
+        long m = start[k + 1] - start[k], p0 = k / P1, p1 = k % P1, pp0, pp1;
+        if (m == 0) continue;
+        for (long s = 0; s < m; ++s) {
+            long j = order[start[k] + s];
             panel_weights(edges0, P0, q, std, lam, y[2 * j], &pp0, L0);
             panel_weights(edges1, P1, q, std, lam, y[2 * j + 1], &pp1, L1);
-            for (int c = 0; c < ncols; ++c) {
-                double cj = cols[j * ncols + c];
-                for (int a = 0; a < q; ++a) {
-                    double f = cj * L0[a], *row = local + (c * q + a) * q;
-                    for (int b = 0; b < q; ++b) row[b] += f * L1[b];
-                }
-            }
+            for (int c = 0; c < ncols; ++c)
+                for (int a = 0; a < q; ++a) U[s * ra + c * q + a] = cols[j * ncols + c] * L0[a];
+            for (int b = 0; b < q; ++b) V[s * cb + b] = L1[b];
         }
+        at_b(m, U, ra, V, cb, local);
         for (int c = 0; c < ncols; ++c)
             for (int a = 0; a < q; ++a) {
                 double *row = W + c * K0 * K1 + (p0 * q + a) * K1 + p1 * q;
-                const double *src = local + (c * q + a) * q;
+                const double *src = local + (c * q + a) * cb;
                 for (int b = 0; b < q; ++b) row[b] += src[b];
             }
     }
-    free(local); free(order); free(start);
-    return 0;
+    free(U); free(V); free(local); free(order); free(start);
+    return status;
 }
 
-/* out[j, i] = sum_{k0, k1} L0_j[k0] L1_j[k1] G[i, k0, k1] (G: (ni, P0 q, P1 q)), the
-   sources taken panel pair by panel pair (the pair's block of G stays in cache). */
+/* out[j, i] = sum_{k0, k1} L0_j[k0] L1_j[k1] G[i, k0, k1] (G: (ni, P0 q, P1 q)), one
+   panel pair at a time: T = V Gt with V_j = L1_j and Gt[b, i q + a] the pair's block of
+   G, then out[j, i] = sum_a T[j, i q + a] L0_j[a]. Returns 0, or -1 (no memory). */
 int panel_gather(long M, const double *y, const double *G, int ni,
                  const double *edges0, long P0, const double *edges1, long P1, int q,
                  const double *std, const double *lam, double *out)
 {
     long K0 = P0 * q, K1 = P1 * q, *order, *start;
+    long cp = round_up(ni * q, CB), qp = round_up(q, 4);
+    if (q > QMAX) return -1;
     if (by_panel(M, y, edges0, P0, edges1, P1, &order, &start)) return -1;
-    double L0[QMAX], L1[QMAX], r[QMAX];
-    for (long k = 0; k < P0 * P1; ++k) {
-        long p0 = k / P1, p1 = k % P1, pp0, pp1;
-        for (long s = start[k]; s < start[k + 1]; ++s) {
-            long j = order[s];
-            panel_weights(edges0, P0, q, std, lam, y[2 * j], &pp0, L0);
+    long mmax = round_up(largest(start, P0 * P1), 4);
+    /* V^T (qp x m) as the A of at_b: T^T... computed as at_b(q, Vt, m, Gt, cp) */
+    double *Vt = calloc(qp * mmax + 1, sizeof(double)), *L0s = malloc(sizeof(double) * (mmax * q + 1));
+    double *Gt = calloc(qp * cp + 1, sizeof(double)), *T = malloc(sizeof(double) * (mmax * cp + 1));
+    int status = (Vt && L0s && Gt && T) ? 0 : -1;
+    double L1[QMAX];
+    for (long k = 0; k < P0 * P1 && !status; ++k) {
+        long m = start[k + 1] - start[k], p0 = k / P1, p1 = k % P1, pp0, pp1;
+        if (m == 0) continue;
+        long mp = round_up(m, 4);
+        for (int b = 0; b < q; ++b)
+            for (int i = 0; i < ni; ++i)
+                for (int a = 0; a < q; ++a)
+                    Gt[b * cp + i * q + a] = G[i * K0 * K1 + (p0 * q + a) * K1 + p1 * q + b];
+        for (long s = 0; s < mp; ++s)
+            for (int b = 0; b < q; ++b) Vt[b * mp + s] = 0.0;
+        for (long s = 0; s < m; ++s) {
+            long j = order[start[k] + s];
+            panel_weights(edges0, P0, q, std, lam, y[2 * j], &pp0, L0s + s * q);
             panel_weights(edges1, P1, q, std, lam, y[2 * j + 1], &pp1, L1);
+            for (int b = 0; b < q; ++b) Vt[b * mp + s] = L1[b];
+        }
+        at_b(q, Vt, mp, Gt, cp, T);                  /* T (mp x cp) = Vt^T Gt */
+        for (long s = 0; s < m; ++s) {
+            long j = order[start[k] + s];
             for (int i = 0; i < ni; ++i) {
-                const double *base = G + i * K0 * K1 + (p0 * q) * K1 + p1 * q;
-                for (int a = 0; a < q; ++a) r[a] = 0.0;
-                for (int b = 0; b < q; ++b) {      /* r = block L1, rows contiguous */
-                    double lb = L1[b];
-                    for (int a = 0; a < q; ++a) r[a] += base[a * K1 + b] * lb;
-                }
+                const double *t = T + s * cp + i * q, *l = L0s + s * q;
                 double total = 0.0;
-                for (int a = 0; a < q; ++a) total += L0[a] * r[a];
+                for (int a = 0; a < q; ++a) total += t[a] * l[a];
                 out[j * ni + i] = total;
             }
         }
     }
-    free(order); free(start);
-    return 0;
+    free(Vt); free(L0s); free(Gt); free(T); free(order); free(start);
+    return status;
 }
 """
 

@@ -290,10 +290,10 @@ class LaplaceTable(HeadSums):
 
     # costs in matrix-product flops (about 40 Gflop/s with OpenBLAS, one core): the
     # exponentials of the dense sums, about 10 ns per node and source; the compiled
-    # spread, about 0.13 us per source and column plus 0.5 ms (measured, M = 2e3-1e5,
+    # spread, about 0.07 us per source and column plus 0.5 ms (measured, M = 2e3-1e5,
     # n = 33-257, K = 92-460 panel nodes per axis)
     DENSE_EXP_FLOPS = 400.0
-    SPREAD_FLOPS = 5000.0
+    SPREAD_FLOPS = 3000.0
     SPREAD_FIXED = 2e7
 
     def _panels(self, lo, hi, count: int):
@@ -865,10 +865,10 @@ def flops_estimate(n: int, d: int, sources: int, points: int, compiled: bool = T
     components at ``points``, in matrix-product flops (for the auto backend). The table:
     2 n^d M (1 + d) summed over the sources, or through ``panel_nodes`` K_a per axis
     2 (1 + d) (n K_1 K_2 + n^2 K_2 + M q^2) (d = 2), whichever is less. Interpolation:
-    the ``compiled`` fine-grid loop costs about 35 ns = 1000 flops per point (d = 2), numpy
+    the ``compiled`` fine-grid loop costs about 10 ns = 400 flops per point (d = 2), numpy
     about 1.4 us; 1-D barycentric interpolation 2 n flops per component."""
     table = table_flops(n, d, 1 + d, sources, panel_nodes)
-    per_point = 2.0 * n * d if d == 1 else (1000.0 if compiled else 45000.0)
+    per_point = 2.0 * n * d if d == 1 else (400.0 if compiled else 45000.0)
     return table + points * per_point
 
 
