@@ -11,9 +11,9 @@ N_targets x N_sources x H, so it is timed on the first 2000 targets and scaled t
 (marked "~"); errors are measured on those targets. Then the laplace time against H for
 the first 1, 16 and 64 of 64 heads, with each set's own b-range (the table covers it, so
 its size grows with the range) and with the 64 heads' range (the same table: what is left
-is the per target-head interpolation). Also: the direct kernel's rate in
-target-source-head pairs per second as a fraction of numpy's exp rate (elements per
-second), both on one core of this machine.
+is the per target-head interpolation), and the interpolation alone. Also: the direct
+kernel's rate in target-source-head pairs per second as a fraction of numpy's exp rate
+(elements per second), both on one core of this machine.
 """
 
 import argparse
@@ -76,6 +76,11 @@ def growth_with_heads(N, tol):
             times.append(t)
             sizes.append(n)
         rows.append((label, times, sizes))
+    # what grows with H at a fixed table: the interpolation alone (b = A_h x included)
+    table, _ = choose_table(y, w, *box, MPI.COMM_SELF, tol, n_max=N_MAX_FORCED)
+    interp = fine_grid(table, tol) or table
+    times = [best_of(REPEAT, interp.velocity, x, A[:h], V[:h])[0] for h in (1, 16, 64)]
+    rows.append(("interpolation only", times, [table.n] * 3))
     return rows
 
 

@@ -321,6 +321,8 @@ static int by_panel(long M, const double *y, const double *edges0, long P0,
    with ra a multiple of 4 and cb of CB; blocks of 4 rows of C x CB columns stay in
    vector registers while the m rows stream by (12 vector FMAs per row and block). */
 #define CB (3 * VW)
+/* sources of one panel pair handled at a time (bounds the work arrays) */
+#define PAIR_CHUNK 4096
 
 INLINE void at_b(long m, const double *A, long ra, const double *B, long cb, double *C)
 {
@@ -367,22 +369,31 @@ int panel_spread(long M, const double *y, const double *cols, int ncols,
     if (q > QMAX) return -1;
     if (by_panel(M, y, edges0, P0, edges1, P1, &order, &start)) return -1;
     long mmax = largest(start, P0 * P1);
+    mmax = mmax < PAIR_CHUNK ? mmax : PAIR_CHUNK;
     double *U = calloc(mmax * ra + 1, sizeof(double)), *V = calloc(mmax * cb + 1, sizeof(double));
-    double *local = malloc(sizeof(double) * ra * cb);
-    int status = (U && V && local) ? 0 : -1;
+    double *local = malloc(sizeof(double) * ra * cb), *part = malloc(sizeof(double) * ra * cb);
+    int status = (U && V && local && part) ? 0 : -1;
     double L0[QMAX], L1[QMAX];
     for (long k = 0; k < P0 * P1 && !status; ++k) {
-        long m = start[k + 1] - start[k], p0 = k / P1, p1 = k % P1, pp0, pp1;
-        if (m == 0) continue;
-        for (long s = 0; s < m; ++s) {
-            long j = order[start[k] + s];
-            panel_weights(edges0, P0, q, std, lam, y[2 * j], &pp0, L0);
-            panel_weights(edges1, P1, q, std, lam, y[2 * j + 1], &pp1, L1);
-            for (int c = 0; c < ncols; ++c)
-                for (int a = 0; a < q; ++a) U[s * ra + c * q + a] = cols[j * ncols + c] * L0[a];
-            for (int b = 0; b < q; ++b) V[s * cb + b] = L1[b];
+        long p0 = k / P1, p1 = k % P1, pp0, pp1;
+        if (start[k] == start[k + 1]) continue;
+        for (long s0 = start[k]; s0 < start[k + 1]; s0 += PAIR_CHUNK) {
+            long m = start[k + 1] - s0 < PAIR_CHUNK ? start[k + 1] - s0 : PAIR_CHUNK;
+            for (long s = 0; s < m; ++s) {
+                long j = order[s0 + s];
+                panel_weights(edges0, P0, q, std, lam, y[2 * j], &pp0, L0);
+                panel_weights(edges1, P1, q, std, lam, y[2 * j + 1], &pp1, L1);
+                for (int c = 0; c < ncols; ++c)
+                    for (int a = 0; a < q; ++a) U[s * ra + c * q + a] = cols[j * ncols + c] * L0[a];
+                for (int b = 0; b < q; ++b) V[s * cb + b] = L1[b];
+            }
+            if (s0 == start[k]) {
+                at_b(m, U, ra, V, cb, local);
+            } else {
+                at_b(m, U, ra, V, cb, part);
+                for (long r = 0; r < ra * cb; ++r) local[r] += part[r];
+            }
         }
-        at_b(m, U, ra, V, cb, local);
         for (int c = 0; c < ncols; ++c)
             for (int a = 0; a < q; ++a) {
                 double *row = W + c * K0 * K1 + (p0 * q + a) * K1 + p1 * q;
@@ -390,7 +401,7 @@ int panel_spread(long M, const double *y, const double *cols, int ncols,
                 for (int b = 0; b < q; ++b) row[b] += src[b];
             }
     }
-    free(U); free(V); free(local); free(order); free(start);
+    free(U); free(V); free(local); free(part); free(order); free(start);
     return status;
 }
 
@@ -405,36 +416,40 @@ int panel_gather(long M, const double *y, const double *G, int ni,
     long cp = round_up(ni * q, CB), qp = round_up(q, 4);
     if (q > QMAX) return -1;
     if (by_panel(M, y, edges0, P0, edges1, P1, &order, &start)) return -1;
-    long mmax = round_up(largest(start, P0 * P1), 4);
+    long mmax = largest(start, P0 * P1);
+    mmax = round_up(mmax < PAIR_CHUNK ? mmax : PAIR_CHUNK, 4);
     /* V^T (qp x m) as the A of at_b: T^T... computed as at_b(q, Vt, m, Gt, cp) */
     double *Vt = calloc(qp * mmax + 1, sizeof(double)), *L0s = malloc(sizeof(double) * (mmax * q + 1));
     double *Gt = calloc(qp * cp + 1, sizeof(double)), *T = malloc(sizeof(double) * (mmax * cp + 1));
     int status = (Vt && L0s && Gt && T) ? 0 : -1;
     double L1[QMAX];
     for (long k = 0; k < P0 * P1 && !status; ++k) {
-        long m = start[k + 1] - start[k], p0 = k / P1, p1 = k % P1, pp0, pp1;
-        if (m == 0) continue;
-        long mp = round_up(m, 4);
+        long p0 = k / P1, p1 = k % P1, pp0, pp1;
+        if (start[k] == start[k + 1]) continue;
         for (int b = 0; b < q; ++b)
             for (int i = 0; i < ni; ++i)
                 for (int a = 0; a < q; ++a)
                     Gt[b * cp + i * q + a] = G[i * K0 * K1 + (p0 * q + a) * K1 + p1 * q + b];
-        for (long s = 0; s < mp; ++s)
-            for (int b = 0; b < q; ++b) Vt[b * mp + s] = 0.0;
-        for (long s = 0; s < m; ++s) {
-            long j = order[start[k] + s];
-            panel_weights(edges0, P0, q, std, lam, y[2 * j], &pp0, L0s + s * q);
-            panel_weights(edges1, P1, q, std, lam, y[2 * j + 1], &pp1, L1);
-            for (int b = 0; b < q; ++b) Vt[b * mp + s] = L1[b];
-        }
-        at_b(q, Vt, mp, Gt, cp, T);                  /* T (mp x cp) = Vt^T Gt */
-        for (long s = 0; s < m; ++s) {
-            long j = order[start[k] + s];
-            for (int i = 0; i < ni; ++i) {
-                const double *t = T + s * cp + i * q, *l = L0s + s * q;
-                double total = 0.0;
-                for (int a = 0; a < q; ++a) total += t[a] * l[a];
-                out[j * ni + i] = total;
+        for (long s0 = start[k]; s0 < start[k + 1]; s0 += PAIR_CHUNK) {
+            long m = start[k + 1] - s0 < PAIR_CHUNK ? start[k + 1] - s0 : PAIR_CHUNK;
+            long mp = round_up(m, 4);
+            for (long s = 0; s < mp; ++s)
+                for (int b = 0; b < q; ++b) Vt[b * mp + s] = 0.0;
+            for (long s = 0; s < m; ++s) {
+                long j = order[s0 + s];
+                panel_weights(edges0, P0, q, std, lam, y[2 * j], &pp0, L0s + s * q);
+                panel_weights(edges1, P1, q, std, lam, y[2 * j + 1], &pp1, L1);
+                for (int b = 0; b < q; ++b) Vt[b * mp + s] = L1[b];
+            }
+            at_b(q, Vt, mp, Gt, cp, T);              /* T (mp x cp) = Vt^T Gt */
+            for (long s = 0; s < m; ++s) {
+                long j = order[s0 + s];
+                for (int i = 0; i < ni; ++i) {
+                    const double *t = T + s * cp + i * q, *l = L0s + s * q;
+                    double total = 0.0;
+                    for (int a = 0; a < q; ++a) total += t[a] * l[a];
+                    out[j * ni + i] = total;
+                }
             }
         }
     }
@@ -511,11 +526,28 @@ def kernels():
         panel = [lg, dp, dp, it, dp, lg, dp, lg, it, dp, dp, dp]
         lib.panel_spread.argtypes = lib.panel_gather.argtypes = panel
         lib.panel_spread.restype = lib.panel_gather.restype = ctypes.c_int
+        if not self_check(lib):
+            log.warning("laplace: the compiled loops from %s fail their check (a compiler "
+                        "that reorders floating-point sums?); using numpy", os.environ.get("CC", "cc"))
+            lib = None
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.debug("laplace: compiled interpolation unavailable (%s); using numpy", e)
         lib = None
     _loaded["lib"] = lib
     return lib
+
+
+def self_check(lib) -> bool:
+    """The fine-grid loop reproduces a linear m(b) = b between nodes (degree-5 Lagrange
+    interpolation is exact for it; a wrong stencil start, e.g. a rounding step folded
+    away by the compiler, is not)."""
+    nf, h, lo = 12, np.array([0.5, 0.25]), np.array([-1.0, 2.0])
+    nodes = np.stack(np.meshgrid(lo[0] + h[0] * np.arange(nf), lo[1] + h[1] * np.arange(nf),
+                                 indexing="ij"), axis=-1).reshape(-1, 2)
+    b = lo + (nf - 1) * h * np.array([[0.137, 0.731], [0.5013, 0.2499], [0.9, 0.05]])
+    eye = np.eye(2)[None]
+    v = fine_velocity(lib, nodes, nf, lo, h, KERNEL_DEGREE, b, eye, eye)
+    return bool(np.abs(v - b).max() <= 1e-12 * np.abs(b).max())
 
 
 def kernels_on(comm):

@@ -9,7 +9,7 @@ covering every b = A_h x, and each head and target costs an interpolation:
   Z[g1,g2] = sum_j w_j e^{b1_g1 y1_j} e^{b2_g2 y2_j} (and the y-moments) are matrix
   products (n x M)(M x n). With many sources they go through panel nodes (:class:`Panels`):
   the sources are spread onto narrow Chebyshev panels on which e^{b y} is a polynomial to
-  1e-14, and the table is E_1 W E_2^T. Each rank sums its own sources; one Allreduce of
+  1e-14 (a compiled loop where a C compiler is at hand), and the table is E_1 W E_2^T. Each rank sums its own sources; one Allreduce of
   the n^d tables completes them (no source gather).
 * log-domain safety: every factor is shifted by its largest exponent over the sources
   (so it is <= 1), and the sources are split into tiles small enough that the product
@@ -18,9 +18,9 @@ covering every b = A_h x, and each head and target costs an interpolation:
 * interpolation: barycentric in each coordinate, (P x n) weights, P = targets x heads;
   in 2-D through a uniform fine grid and local degree-5 Lagrange polynomials
   (:class:`FineGrid`, a compiled loop where a C compiler is at hand).
-* accuracy: the grid size n is the smallest whose error estimate (from the decay of the
-  tables' Chebyshev coefficients) meets ``tol``, searched on trial tables of a
-  subsample (:func:`choose_table`); the grid box is rounded outward to a dyadic lattice,
+* accuracy: the grid size n is one whose error estimate (from the decay of the tables'
+  Chebyshev coefficients) meets ``tol``, predicted from a trial table of a subsample
+  (:func:`choose_table`); the grid box is rounded outward to a dyadic lattice,
   so box and n stay fixed under small changes of the heads and the interpolated map is
   smooth in them (gradients are exact for it).
 
@@ -589,8 +589,10 @@ class FineGrid(HeadSums):
     P_LOCAL = 5
 
     def __init__(self, table: "LaplaceTable", nf: int, lib="every rank"):
-        self.table, self.nf = table, nf
         p = self.P_LOCAL
+        if nf < p + 1:
+            raise ValueError(f"FineGrid: nf = {nf} points per axis, the stencil needs {p + 1}")
+        self.table, self.nf = table, nf
         self.h = (table.hi - table.lo) / (nf - 1)
         # S_a (nf x n): the Chebyshev interpolant's values at the uniform points of axis a
         self.sample = [barycentric_weights(table.lo[a] + self.h[a] * np.arange(nf), nodes, lam)
@@ -719,15 +721,19 @@ def fine_grid(table: "LaplaceTable", tol: float, nf: int | None = None):
     if table.n < fine_from(lib):
         return None
     goal = tol / 2
+
+    def error(fg):            # the largest over ranks: every rank takes the same grid
+        return table.comm.allreduce(fg.error(), op=MPI.MAX)
+
     fg = FineGrid(table, table.n, lib)
-    err = fg.error()
+    err = error(fg)
     if err <= goal:
         return fg
     p1 = FineGrid.P_LOCAL + 1
     size = table.n * 1.1 * (err / goal) ** (1.0 / p1) if np.isfinite(err) else np.inf
     while size <= FINE_MAX * table.n:
         fg = FineGrid(table, int(np.ceil(size)), lib)
-        if fg.error() <= goal:
+        if error(fg) <= goal:
             return fg
         size *= 1.25
     return None

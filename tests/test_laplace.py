@@ -247,12 +247,42 @@ def test_without_a_compiler_the_numpy_loop_is_used(tmp_path, monkeypatch):
     assert empty.shape == (0, 2) and fg.velocity(x[:0], A, V).shape == (0, 2)
 
 
+def test_compiled_loops_that_fail_their_check_are_not_used(tmp_path, monkeypatch, caplog):
+    """A library whose fine-grid loop does not reproduce a linear m (here: one that
+    writes nothing) fails self_check; kernels() then warns and returns None."""
+    from pdeformer import _kernels
+
+    class Broken:
+        def fine_velocity(self, *args):
+            pass
+
+    assert not _kernels.self_check(Broken())
+    saved = dict(_kernels._loaded)
+    monkeypatch.setenv("PDEFORMER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(_kernels, "self_check", lambda lib: False)
+    try:
+        _kernels._loaded.clear()
+        with caplog.at_level("WARNING", logger="pdeformer"):
+            assert _kernels.kernels() is None
+    finally:
+        _kernels._loaded.clear()
+        _kernels._loaded.update(saved)
+    assert "fail their check" in caplog.text
+
+
 def test_a_rank_without_targets_takes_part():
     """No targets here (a rank may own no velocity nodes): empty velocities, zero head
     cotangents, and the table cotangent of the others (the collective is reached)."""
     x, y, w, A, V, lo, hi, fg = _fine_case(heads=2)
     mbar, dA, dV, _ = fg.velocity_vjp(x[:0], A, V, np.zeros((0, 2)))
     assert mbar.shape == fg.table.m.shape and not mbar.any() and not dA.any() and not dV.any()
+
+
+def test_fine_grid_refuses_fewer_points_than_its_stencil():
+    from pdeformer.laplace import FineGrid
+    x, y, w, A, V, lo, hi, fg = _fine_case(heads=1)
+    with pytest.raises(ValueError, match="stencil needs 6"):
+        FineGrid(fg.table, 5)
 
 
 def test_fine_grid_derivative_is_exact_on_grid_nodes():
@@ -520,9 +550,11 @@ def test_compiled_panel_loops_match_numpy_on_edges_nodes_and_repeats():
     from pdeformer.laplace import Panels, panel_degree
     rng = np.random.default_rng(5)
     q = panel_degree()
-    for lo, hi in (((-2.0, 0.0), (3.0, 1.0)), ((1.0, 1.0), (1.0, 4.0))):
-        panels = [Panels(lo[a], hi[a], 5.0, q) for a in range(2)]
-        pts = [rng.uniform(lo[a], hi[a], 300) for a in range(2)]
+    # the last: one panel pair holding more sources than the loops take at a time
+    for lo, hi, bmax, M in (((-2.0, 0.0), (3.0, 1.0), 5.0, 300), ((1.0, 1.0), (1.0, 4.0), 5.0, 300),
+                            ((0.0, 0.0), (1.0, 1.0), 0.5, 9000)):
+        panels = [Panels(lo[a], hi[a], bmax, q) for a in range(2)]
+        pts = [rng.uniform(lo[a], hi[a], M) for a in range(2)]
         for a in range(2):                   # edges, nodes, ends, repeats
             special = np.concatenate([panels[a].edges, panels[a].nodes[::7], [lo[a], hi[a]] * 3])
             pts[a] = np.concatenate([pts[a], rng.permutation(np.resize(special, 60))])
