@@ -707,12 +707,13 @@ FINE_MAX = 8       # the fine grid has at most FINE_MAX n points per axis
 
 
 def fine_grid(table: "LaplaceTable", tol: float, nf: int | None = None):
-    """A FineGrid whose local error is below tol/2, or None when interpolating directly
-    from the table is the better choice (or nothing up to FINE_MAX n meets it). The size:
-    the error of local degree-p interpolation falls like h^(p+1), so from the error e_1
-    of the grid with n points per axis the grid with n (2 e_1 / tol)^(1/(p+1)) points
-    should meet tol/2 (measured e_1/e_2 = 55-66 against 64 for p = 5); it is built with
-    10% to spare, checked, and enlarged by 1.25 while it misses."""
+    """A FineGrid whose local error is below tol/2 (its sampled estimate below tol/4), or
+    None when interpolating directly from the table is the better choice (or nothing up
+    to FINE_MAX n meets it). The size: the error of local degree-p interpolation falls
+    like h^(p+1), so from the error e_1 of the grid with n points per axis the grid with
+    n (4 e_1 / tol)^(1/(p+1)) points should meet tol/4 (measured e_1/e_2 = 55-66 against
+    64 for p = 5); it is built with 10% to spare, checked, and enlarged by 1.25 while it
+    misses."""
     if table.d != 2:
         return None
     lib = kernels_on(table.comm)                 # one collective call for all candidates
@@ -720,7 +721,9 @@ def fine_grid(table: "LaplaceTable", tol: float, nf: int | None = None):
         return FineGrid(table, nf, lib)
     if table.n < fine_from(lib):
         return None
-    goal = tol / 2
+    # the local error is to stay below tol/2; its sampled estimate saw 0.4-0.8 of the
+    # largest error over all b of the benchmark's targets, so the samples must show tol/4
+    goal = tol / 4
 
     def error(fg):            # the largest over ranks: every rank takes the same grid
         return table.comm.allreduce(fg.error(), op=MPI.MAX)
