@@ -157,6 +157,10 @@ def test_two_level_interpolation_accuracy_and_reverse_mode():
 
 
 # ---------------------------------------------------------------- compiled fine-grid loop
+NO_COMPILED = (shutil.which(os.environ.get("CC", "cc")) is None
+               or os.environ.get("PDEFORMER_NO_KERNEL", "") not in ("", "0"))
+needs_compiled = pytest.mark.skipif(NO_COMPILED, reason="no C compiler, or PDEFORMER_NO_KERNEL set")
+
 def _fine_case(heads=5, seed=11):
     from pdeformer.laplace import FineGrid
     x, y, w, A = case("skewed", 0.5, seed=seed, heads=heads)
@@ -181,7 +185,7 @@ def kernel_build(request, tmp_path, monkeypatch):
     _kernels._loaded.update(saved)
 
 
-@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
+@needs_compiled
 def test_compiled_fine_grid_loop_is_the_numpy_map_and_its_exact_reverse(kernel_build):
     """The compiled loop gives the numpy two-level map (to round-off), also for targets
     whose b lies outside the grid (the clamped stencil extrapolates) and without a crash
@@ -247,6 +251,7 @@ def test_without_a_compiler_the_numpy_loop_is_used(tmp_path, monkeypatch):
     assert empty.shape == (0, 2) and fg.velocity(x[:0], A, V).shape == (0, 2)
 
 
+@needs_compiled
 def test_compiled_loops_that_fail_their_check_are_not_used(tmp_path, monkeypatch, caplog):
     """A library whose fine-grid loop does not reproduce a linear m (here: one that
     writes nothing) fails self_check; kernels() then warns and returns None."""
@@ -473,8 +478,8 @@ def test_panel_tables_are_the_direct_sums(d, loops, monkeypatch):
     import pdeformer.laplace as laplace
     if loops == "numpy":
         monkeypatch.setattr(laplace, "kernels_on", lambda comm: None)
-    elif shutil.which(os.environ.get("CC", "cc")) is None:
-        pytest.skip("no C compiler")
+    elif NO_COMPILED:
+        pytest.skip("no C compiler, or PDEFORMER_NO_KERNEL set")
     rng = np.random.default_rng(31)
     M = 40000 if d == 2 else 200000
     y = rng.uniform(-3, 3, (M, d))
@@ -542,7 +547,7 @@ def test_hull_candidates_keep_every_extreme_of_every_linear_map(kind):
         assert len(cand) < len(x) // 10
 
 
-@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
+@needs_compiled
 def test_compiled_panel_loops_match_numpy_on_edges_nodes_and_repeats():
     """Sources on panel edges, on Chebyshev nodes, repeated, at the ends of the tile and
     in a tile of zero width: the compiled spread and gather equal the numpy ones."""
