@@ -1,4 +1,4 @@
-r"""Compiled loops of the laplace backend's fine-grid interpolation (d = 2).
+r"""Compiled loops of the laplace backend (d = 2): fine-grid interpolation and panel sums.
 
 For each head h and target x_i, with b = A_h x_i and m(b) the tensor Lagrange
 interpolant of degree p on the uniform fine grid (:class:`pdeformer.laplace.FineGrid`):
@@ -8,6 +8,15 @@ interpolant of degree p on the uniform fine grid (:class:`pdeformer.laplace.Fine
   dV_h = (1/H) sum_i g_i m^T,  dA_h = sum_i (dm/db)^T u x_i^T,  the fine-grid
   cotangent mbar_k[node] += L(node; b) u_k (the transposed interpolation) and, for
   moving targets (particles), xbar_i = sum_h A_h^T (dm/db)^T u.
+
+For sources y_j on panels (:class:`pdeformer.laplace.Panels`) with Lagrange weights
+L0_j, L1_j on their panels' nodes:
+
+* ``panel_spread``: W[c] = sum_j cols[j, c] L0_j (x) L1_j (the sources on the nodes)
+* ``panel_gather``: out[j, i] = <L0_j (x) L1_j, G_i> (its transpose: grids at the sources)
+
+both one pair of panels at a time (a counting sort of the sources, then one
+register-blocked product per pair).
 
 The loops are C, compiled once with the system's C compiler for the CPU it runs on
 (``-march=native``; without that flag where the compiler refuses it) into
@@ -19,7 +28,7 @@ into place atomically (ranks compiling at once do not clash). Targets are taken 
 blocks: stencils and weights are computed across a block (vectorised), then the
 fine-grid sums point by point with vectors of 4 (AVX) or 2 doubles. Without a
 compiler, or with ``PDEFORMER_NO_KERNEL=1``, :func:`kernels` returns None and the numpy
-implementation is used (same map; about 50x slower).
+implementation is used (same maps; the interpolation about 100x slower).
 """
 
 from __future__ import annotations
