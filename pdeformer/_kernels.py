@@ -258,7 +258,7 @@ void fine_velocity_vjp(const double *flat, long nf0, long nf1, const double *lo,
    A source's panel is the last edge at or below it (clamped), its local coordinate
    t = 2 (y - left) / width - 1 (clamped to [-1, 1]) and its weights the Lagrange
    weights of t (barycentric formula; a source on a node gets that node). */
-#define QMAX 64
+#define QMAX 64                       /* PANEL_QMAX on the Python side */
 
 INLINE long panel_of(const double *edges, long P, double y)
 {
@@ -273,10 +273,11 @@ INLINE long panel_of(const double *edges, long P, double y)
     return p;
 }
 
-INLINE void panel_weights(const double *edges, long P, int q, const double *std,
-                          const double *lam, double y, long *p, double *L)
+/* the weights L of y on panel k (the one panel_of gives; the loops know it from the
+   source's pair) */
+INLINE void panel_weights(const double *edges, long k, int q, const double *std,
+                          const double *lam, double y, double *L)
 {
-    long k = panel_of(edges, P, y);
     double a = edges[k], b = edges[k + 1];
     double t = 2.0 * (y - a) / (b > a ? b - a : 1.0) - 1.0;
     t = t >= -1.0 ? t : -1.0;
@@ -293,7 +294,6 @@ INLINE void panel_weights(const double *edges, long P, int q, const double *std,
         double inv = 1.0 / sum;
         for (int i = 0; i < q; ++i) L[i] *= inv;
     }
-    *p = k;
 }
 
 /* The sources ordered by panel pair: order[start[k] .. start[k+1]) are those of pair
@@ -384,14 +384,14 @@ int panel_spread(long M, const double *y, const double *cols, int ncols,
     int status = (U && V && local && part) ? 0 : -1;
     double L0[QMAX], L1[QMAX];
     for (long k = 0; k < P0 * P1 && !status; ++k) {
-        long p0 = k / P1, p1 = k % P1, pp0, pp1;
+        long p0 = k / P1, p1 = k % P1;
         if (start[k] == start[k + 1]) continue;
         for (long s0 = start[k]; s0 < start[k + 1]; s0 += PAIR_CHUNK) {
             long m = start[k + 1] - s0 < PAIR_CHUNK ? start[k + 1] - s0 : PAIR_CHUNK;
             for (long s = 0; s < m; ++s) {
                 long j = order[s0 + s];
-                panel_weights(edges0, P0, q, std, lam, y[2 * j], &pp0, L0);
-                panel_weights(edges1, P1, q, std, lam, y[2 * j + 1], &pp1, L1);
+                panel_weights(edges0, p0, q, std, lam, y[2 * j], L0);
+                panel_weights(edges1, p1, q, std, lam, y[2 * j + 1], L1);
                 for (int c = 0; c < ncols; ++c)
                     for (int a = 0; a < q; ++a) U[s * ra + c * q + a] = cols[j * ncols + c] * L0[a];
                 for (int b = 0; b < q; ++b) V[s * cb + b] = L1[b];
@@ -433,7 +433,7 @@ int panel_gather(long M, const double *y, const double *G, int ni,
     int status = (Vt && L0s && Gt && T) ? 0 : -1;
     double L1[QMAX];
     for (long k = 0; k < P0 * P1 && !status; ++k) {
-        long p0 = k / P1, p1 = k % P1, pp0, pp1;
+        long p0 = k / P1, p1 = k % P1;
         if (start[k] == start[k + 1]) continue;
         for (int b = 0; b < q; ++b)
             for (int i = 0; i < ni; ++i)
@@ -446,8 +446,8 @@ int panel_gather(long M, const double *y, const double *G, int ni,
                 for (int b = 0; b < q; ++b) Vt[b * mp + s] = 0.0;
             for (long s = 0; s < m; ++s) {
                 long j = order[s0 + s];
-                panel_weights(edges0, P0, q, std, lam, y[2 * j], &pp0, L0s + s * q);
-                panel_weights(edges1, P1, q, std, lam, y[2 * j + 1], &pp1, L1);
+                panel_weights(edges0, p0, q, std, lam, y[2 * j], L0s + s * q);
+                panel_weights(edges1, p1, q, std, lam, y[2 * j + 1], L1);
                 for (int b = 0; b < q; ++b) Vt[b * mp + s] = L1[b];
             }
             at_b(q, Vt, mp, Gt, cp, T);              /* T (mp x cp) = Vt^T Gt */
@@ -468,6 +468,7 @@ int panel_gather(long M, const double *y, const double *G, int ni,
 """
 
 KERNEL_DEGREE = 5    # the local Lagrange degree the loops are compiled for (NP = 6 nodes)
+PANEL_QMAX = 64      # the most nodes per panel the panel loops take (QMAX)
 # gnu99: vector extensions and fused multiply-adds; -fno-trapping-math lets the
 # clamps of the stencil start vectorise (the values are those of IEEE arithmetic)
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu99", "-fno-fast-math", "-fno-trapping-math"]
@@ -599,10 +600,11 @@ def fine_velocity_vjp(lib, flat, nf: int, lo, h, p: int, x, A, V, g, positions: 
 
 
 def _panel_args(panels):
-    """Edges, counts and the standard nodes of two axes' Panels (laplace.Panels)."""
-    (e0, e1), pa = (_c(p.edges) for p in panels), panels[0]
-    return (_ptr(e0), panels[0].count, _ptr(e1), panels[1].count, pa.q, _ptr(_c(pa.std)),
-            _ptr(_c(pa.lam))), (e0, e1)
+    """Edges, counts and the standard nodes of two axes' Panels (laplace.Panels), and the
+    arrays behind the pointers (to be kept alive during the call)."""
+    e0, e1, std, lam = (_c(a) for a in (panels[0].edges, panels[1].edges, panels[0].std, panels[0].lam))
+    return (_ptr(e0), panels[0].count, _ptr(e1), panels[1].count, panels[0].q, _ptr(std),
+            _ptr(lam)), (e0, e1, std, lam)
 
 
 def panel_spread(lib, panels, y, cols) -> np.ndarray:

@@ -40,8 +40,8 @@ import math
 import numpy as np
 from mpi4py import MPI
 
-from ._kernels import (KERNEL_DEGREE, fine_velocity, fine_velocity_vjp, kernels_on, panel_gather,
-                       panel_spread)
+from ._kernels import (KERNEL_DEGREE, PANEL_QMAX, fine_velocity, fine_velocity_vjp, kernels_on,
+                       panel_gather, panel_spread)
 
 N_MIN, N_MAX = 17, 257
 SIZES = (17, 25, 33, 49, 65, 81, 97, 129, 161, 193, 225, 257, 321, 385, 449, 513, 641,
@@ -204,17 +204,22 @@ def coordinate_range(points: np.ndarray, comm) -> tuple[np.ndarray, np.ndarray]:
     return lo, hi
 
 
+def panel_product_flops(n: int, d: int, ncols: int, nodes: list) -> float:
+    """Flops of the products E_1 W (d = 1) or E_1 W E_2^T (d = 2) of ncols tables from
+    the panel nodes, K_a per axis: 2 ncols n K_1 or 2 ncols (n K_1 K_2 + n^2 K_2)."""
+    K = nodes
+    return 2.0 * ncols * (n * K[0] if d == 1 else n * K[0] * K[1] + n * n * K[1])
+
+
 def table_flops(n: int, d: int, ncols: int, sources: int, nodes: list | None) -> float:
     """Matrix-product flops of the ncols sums of a table: over the sources,
-    2 ncols n^d M, or through ``nodes`` K_a panel nodes per axis (q per panel),
-    2 ncols (n K_1 + M q) (d = 1) or 2 ncols (n K_1 K_2 + n^2 K_2 + M q^2) (d = 2),
-    whichever is less."""
+    2 ncols n^d M, or through ``nodes`` K_a panel nodes per axis (q per panel), the
+    products plus the spread 2 ncols M q^d, whichever is less."""
     direct = 2.0 * ncols * n**d * sources
     if nodes is None:
         return direct
-    q, K = panel_degree(), nodes
-    via = n * K[0] + sources * q if d == 1 else n * K[0] * K[1] + n * n * K[1] + sources * q * q
-    return min(direct, 2.0 * ncols * via)
+    spread = 2.0 * ncols * sources * panel_degree() ** d
+    return min(direct, panel_product_flops(n, d, ncols, nodes) + spread)
 
 
 class HeadSums:
@@ -258,7 +263,8 @@ class LaplaceTable(HeadSums):
         self.axes = [chebyshev_lobatto(n, a, b) for a, b in zip(self.lo, self.hi)]
         self.ncols = 1 + self.d + (self.d * (self.d + 1) // 2 if order >= 2 else 0)
         self.tiles = tiles if tiles is not None else self._split(points, weights)
-        self.lib = kernels_on(comm) if self.d == 2 else None   # compiled panel loops
+        # the compiled panel loops (d = 2), if every rank has them (a collective call)
+        self.lib = kernels_on(comm) if self.d == 2 and panel_degree() <= PANEL_QMAX else None
         self._build()
 
     # ------------------------------------------------------------------ tables
@@ -309,9 +315,9 @@ class LaplaceTable(HeadSums):
         blocks = int(np.prod([pa.count for pa in panels]))
         dense = table_flops(self.n, self.d, self.ncols, count, None)
         K = [len(pa.nodes) for pa in panels]
-        if self.lib is not None and self.d == 2:
-            products = 2.0 * self.ncols * (self.n * K[0] * K[1] + self.n ** 2 * K[1])
-            via = products + self.SPREAD_FLOPS * self.ncols * count + self.SPREAD_FIXED
+        if self.lib is not None:
+            via = (panel_product_flops(self.n, self.d, self.ncols, K)
+                   + self.SPREAD_FLOPS * self.ncols * count + self.SPREAD_FIXED)
             return panels if via < dense + self.DENSE_EXP_FLOPS * self.n * count else None
         via = table_flops(self.n, self.d, self.ncols, count, K)
         return panels if via + 1e6 * min(blocks, count) < 0.5 * dense else None
@@ -329,7 +335,7 @@ class LaplaceTable(HeadSums):
         """W[c, k0, k1] = sum_j cols[j, c] L_k0(y0_j) L_k1(y1_j): the sources on the
         panel nodes (d = 1: W[c, k0])."""
         q = panels[0].q
-        if self.lib is not None and q <= 64:
+        if self.lib is not None:
             return panel_spread(self.lib, panels, pts, cols)
         loc = [pa.locate(pts[:, a]) for a, pa in enumerate(panels)]
         if self.d == 1:
@@ -521,17 +527,17 @@ class LaplaceTable(HeadSums):
                     G = np.stack([E[0].T @ (X * factor) for X in grids], axis=1)     # (K, i)
                     for p0, j in blocks_by_key(loc[0][0]):
                         acc[j] = loc[0][1][j] @ G[p0 * q:(p0 + 1) * q]
-                elif self.lib is not None and q <= 64:
-                    G = np.stack([E[0].T @ (X * factor) @ E[1] for X in grids])      # (i, K0, K1)
-                    acc = panel_gather(self.lib, panels, pts, G)
                 else:
-                    loc = [pa.locate(pts[:, a]) for a, pa in enumerate(panels)]
                     G = np.stack([E[0].T @ (X * factor) @ E[1] for X in grids])      # (i, K0, K1)
-                    P1 = panels[1].count
-                    for key, j in blocks_by_key(loc[0][0] * P1 + loc[1][0]):
-                        p0, p1 = divmod(key, P1)
-                        g = G[:, p0 * q:(p0 + 1) * q, p1 * q:(p1 + 1) * q]
-                        acc[j] = np.einsum("mk,ikl,ml->mi", loc[0][1][j], g, loc[1][1][j])
+                    if self.lib is not None:
+                        acc = panel_gather(self.lib, panels, pts, G)
+                    else:
+                        loc = [pa.locate(pts[:, a]) for a, pa in enumerate(panels)]
+                        P1 = panels[1].count
+                        for key, j in blocks_by_key(loc[0][0] * P1 + loc[1][0]):
+                            p0, p1 = divmod(key, P1)
+                            g = G[:, p0 * q:(p0 + 1) * q, p1 * q:(p1 + 1) * q]
+                            acc[j] = np.einsum("mk,ikl,ml->mi", loc[0][1][j], g, loc[1][1][j])
             else:
                 for blk, E in self._chunks(pts, shifts):
                     for i, X in enumerate(grids):
@@ -682,19 +688,25 @@ class FineGrid(HeadSums):
         self.table.comm.Allreduce(local, mbar, op=MPI.SUM)
         return mbar
 
-    def error(self, samples: int = 400) -> float:
-        """Largest difference to the Chebyshev interpolant at fixed pseudo-random points
-        of the box, relative to the size of m (the same points on every rank)."""
+    def error(self, check: tuple | None = None) -> float:
+        """Largest difference to the Chebyshev interpolant at the points of ``check``
+        (default :func:`error_samples`), relative to the size of m."""
         t = self.table
-        rng = np.random.default_rng(12345)
-        b = t.lo + (t.hi - t.lo) * rng.random((samples, t.d))
-        ref = t.means(b)
+        b, ref = check if check is not None else error_samples(t)
         if self.lib is not None:     # m(b) as the velocity of one head with A = V = I
             eye = np.eye(t.d)[None]
             mine = self.velocity(b, eye, eye)
         else:
             mine = self.means(b)
         return float(np.abs(mine - ref).max() / max(np.abs(t.m).max(), 1e-300))
+
+
+def error_samples(table: "LaplaceTable", samples: int = 400) -> tuple[np.ndarray, np.ndarray]:
+    """(b, m(b)) of the Chebyshev interpolant at fixed pseudo-random points of the box
+    (the same points on every rank): what FineGrid.error compares with."""
+    rng = np.random.default_rng(12345)
+    b = table.lo + (table.hi - table.lo) * rng.random((samples, table.d))
+    return b, table.means(b)
 
 
 def fine_from(lib) -> int:
@@ -725,8 +737,10 @@ def fine_grid(table: "LaplaceTable", tol: float, nf: int | None = None):
     # largest error over all b of the benchmark's targets, so the samples must show tol/4
     goal = tol / 4
 
+    check = error_samples(table)          # one reference for every candidate grid
+
     def error(fg):            # the largest over ranks: every rank takes the same grid
-        return table.comm.allreduce(fg.error(), op=MPI.MAX)
+        return table.comm.allreduce(fg.error(check), op=MPI.MAX)
 
     fg = FineGrid(table, table.n, lib)
     err = error(fg)

@@ -131,16 +131,17 @@ def test_interpolation_building_blocks():
 
 
 def test_two_level_interpolation_accuracy_and_reverse_mode():
-    """The fine uniform grid with local degree-5 interpolation stays within tol of the
-    Chebyshev interpolant, and its reverse mode is the derivative of its own map."""
+    """The fine uniform grid with local degree-5 interpolation stays within tol/2 of the
+    Chebyshev interpolant at every target (its sampled check within tol/4), and its
+    reverse mode is the derivative of its own map."""
     from pdeformer.laplace import FineGrid, fine_grid
     x, y, w, A = case("two_blobs", 0.5, seed=9, heads=2)
     lo, hi = grid_box(*b_range(x, A, COMM))
     table = LaplaceTable(y, w, lo, hi, 129, COMM)
     fg = fine_grid(table, 1e-9)
-    assert fg is not None and fg.error() <= 5e-10
+    assert fg is not None and fg.error() <= 2.5e-10
     b = np.einsum("hij,nj->hni", A, x).reshape(-1, 2)
-    assert np.abs(fg.means(b) - table.means(b)).max() <= 1e-9 * np.abs(table.m).max()
+    assert np.abs(fg.means(b) - table.means(b)).max() <= 5e-10 * np.abs(table.m).max()
     u = np.random.default_rng(1).normal(size=b.shape)
     m, J, mbar = fg.reverse(b, u)
     # d<u, m(b)>/db by central differences of the two-level map (J), and its transpose
@@ -157,6 +158,13 @@ def test_two_level_interpolation_accuracy_and_reverse_mode():
 
 
 # ---------------------------------------------------------------- compiled fine-grid loop
+def test_panel_node_limit_is_the_compiled_one():
+    """PANEL_QMAX (what LaplaceTable checks before using the panel loops) is the QMAX
+    the C source is written for."""
+    from pdeformer._kernels import PANEL_QMAX, SOURCE
+    assert f"#define QMAX {PANEL_QMAX} " in SOURCE
+
+
 NO_COMPILED = (shutil.which(os.environ.get("CC", "cc")) is None
                or os.environ.get("PDEFORMER_NO_KERNEL", "") not in ("", "0"))
 needs_compiled = pytest.mark.skipif(NO_COMPILED, reason="no C compiler, or PDEFORMER_NO_KERNEL set")
