@@ -13,12 +13,21 @@ the first 1, 16 and 64 of 64 heads, with each set's own b-range (the table cover
 its size grows with the range) and with the 64 heads' range (the same table: what is left
 is the per target-head interpolation), and the interpolation alone. Also: the direct
 kernel's rate in target-source-head pairs per second as a fraction of numpy's exp rate
-(elements per second), both on one core of this machine.
+(elements per second), both on one core of this machine. Last, the interpolation's cost
+per target-head against this core's arithmetic floor for it: a degree-5 tensor
+interpolant of (m_1, m_2) is 6 rows x 12 values plus the contraction, i.e. 6 RV + RV
+vector multiply-adds of VW doubles (RV = 12 / VW), timed at the core's measured peak rate
+of independent vector FMAs (a small C probe compiled with the kernels' flags); and the
+cost per target-head that "H = 64 within 1.5x of H = 1" would allow, given the table times.
 """
 
 import argparse
+import ctypes
 import os
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -27,6 +36,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from pdeformer.attention import Sources, attention_matrices, attention_velocity  # noqa: E402
+from pdeformer._kernels import FLAGS, HOST_FLAGS  # noqa: E402
 from pdeformer.laplace import N_MAX_FORCED, b_range, choose_table, fine_grid  # noqa: E402
 
 SUBSET = 2000
@@ -94,6 +104,50 @@ def exp_rate():
     return 5 * a.size / (time.perf_counter() - t)
 
 
+FMA_PROBE = r"""
+#include <time.h>
+#if defined(__AVX__)
+#define VW 4
+#else
+#define VW 2
+#endif
+typedef double vec __attribute__((vector_size(8 * VW)));
+/* vector FMAs per second with 12 independent chains (enough to fill the FMA pipes) */
+double fma_rate(long n, int *width)
+{
+    vec a[12], m, c;
+    for (int e = 0; e < VW; ++e) { m[e] = 1.0 - 1e-12; c[e] = 1e-9; }
+    for (int i = 0; i < 12; ++i) for (int e = 0; e < VW; ++e) a[i][e] = i + e;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (long k = 0; k < n; ++k)
+        for (int i = 0; i < 12; ++i) a[i] = a[i] * m + c;
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double s = 0.0;
+    for (int i = 0; i < 12; ++i) s += a[i][0];
+    *width = VW + (s != s);            /* keeps the chains live */
+    return 12.0 * n / ((t1.tv_sec - t0.tv_sec) + 1e-9 * (t1.tv_nsec - t0.tv_nsec));
+}
+"""
+
+
+def fma_peak() -> tuple[float, int]:
+    """(vector FMAs per second on one core, doubles per vector), compiled like the kernels."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, lib = Path(tmp) / "probe.c", Path(tmp) / "probe.so"
+        src.write_text(FMA_PROBE)
+        for extra in (HOST_FLAGS, []):
+            if subprocess.run(["cc", *FLAGS, "-ffp-contract=fast", *extra, str(src), "-o", str(lib)],
+                              capture_output=True).returncode == 0:
+                break
+        probe = ctypes.CDLL(str(lib))
+        probe.fma_rate.restype = ctypes.c_double
+        probe.fma_rate.argtypes = [ctypes.c_long, ctypes.POINTER(ctypes.c_int)]
+        width = ctypes.c_int()
+        rate = max(probe.fma_rate(50_000_000, ctypes.byref(width)) for _ in range(3))
+        return rate, width.value
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -118,9 +172,21 @@ def main():
                   flush=True)
     print(f"\nlaplace time against H (the first H of 64 heads, N = {sizes[-1]}):")
     print(f"{'table for':>18} {'H=1':>8} {'H=16':>8} {'H=64':>8} {'H=64 / H=1':>11}  sizes n")
-    for label, times, ns in growth_with_heads(sizes[-1], args.tol):
+    rows = growth_with_heads(sizes[-1], args.tol)
+    for label, times, ns in rows:
         print(f"{label:>18} " + " ".join(f"{t:>8.3f}" for t in times)
               + f" {times[-1] / times[0]:>11.2f}  {ns}", flush=True)
+    pairs = sizes[-1] * 64
+    interp = rows[-1][1]
+    rate, vw = fma_peak()
+    fmas = 7 * (12 // vw)                       # 6 rows + the contraction, RV vectors each
+    print(f"\ninterpolation at H = 64: {interp[2] / pairs * 1e9:.1f} ns per target-head; "
+          f"its {fmas} vector FMAs ({vw} doubles) at this core's peak of {rate:.3e}/s: "
+          f"{fmas / rate * 1e9:.1f} ns")
+    for label, times, _ in rows[:2]:            # what "H = 64 within 1.5x of H = 1" leaves
+        allowed = (1.5 * times[0] - (times[2] - interp[2])) / pairs
+        print(f"H = 64 within 1.5x of H = 1 ({label}) would allow {allowed * 1e9:.1f} ns "
+              f"per target-head beside the H = 64 table")
     er = exp_rate()
     print(f"\nnumpy exp: {er:.3e} elements/s; direct kernel: {np.median(rates):.3e} pairs/s "
           f"= {np.median(rates) / er:.2f} of the exp rate (median over the table)")
