@@ -17,7 +17,7 @@ kernel's rate in target-source-head pairs per second as a fraction of numpy's ex
 per target-head against this core's arithmetic floor for it: a degree-5 tensor
 interpolant of (m_1, m_2) is 6 rows x 12 values plus the contraction, i.e. 6 RV + RV
 vector multiply-adds of VW doubles (RV = 12 / VW), timed at the core's measured peak rate
-of independent vector FMAs (a small C probe compiled with the kernels' flags); and the
+of independent vector FMAs (a small C probe built like the kernels); and the
 cost per target-head that "H = 64 within 1.5x of H = 1" would allow, given the table times.
 """
 
@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from pdeformer.attention import Sources, attention_matrices, attention_velocity  # noqa: E402
-from pdeformer._kernels import FLAGS, HOST_FLAGS  # noqa: E402
+from pdeformer._kernels import KERNEL_DEGREE, VECTOR_C, _compile  # noqa: E402
 from pdeformer.laplace import N_MAX_FORCED, b_range, choose_table, fine_grid  # noqa: E402
 
 SUBSET = 2000
@@ -104,16 +104,12 @@ def exp_rate():
     return 5 * a.size / (time.perf_counter() - t)
 
 
-FMA_PROBE = r"""
+FMA_PROBE = VECTOR_C + r"""
 #include <time.h>
-#if defined(__AVX__)
-#define VW 4
-#else
-#define VW 2
-#endif
-typedef double vec __attribute__((vector_size(8 * VW)));
+static volatile double sink;           /* keeps the chains live */
+int vector_width(void) { return VW; }
 /* vector FMAs per second with 12 independent chains (enough to fill the FMA pipes) */
-double fma_rate(long n, int *width)
+double fma_rate(long n)
 {
     vec a[12], m, c;
     for (int e = 0; e < VW; ++e) { m[e] = 1.0 - 1e-12; c[e] = 1e-9; }
@@ -123,36 +119,33 @@ double fma_rate(long n, int *width)
     for (long k = 0; k < n; ++k)
         for (int i = 0; i < 12; ++i) a[i] = a[i] * m + c;
     clock_gettime(CLOCK_MONOTONIC, &t1);
-    double s = 0.0;
-    for (int i = 0; i < 12; ++i) s += a[i][0];
-    *width = VW + (s != s);            /* keeps the chains live */
+    for (int i = 0; i < 12; ++i) sink += a[i][0];
     return 12.0 * n / ((t1.tv_sec - t0.tv_sec) + 1e-9 * (t1.tv_nsec - t0.tv_nsec));
 }
 """
 
 
 def fma_peak() -> tuple[float, int] | None:
-    """(vector FMAs per second on one core, doubles per vector), compiled like the kernels
-    (same compiler and flags); None without a working C compiler."""
-    cc = os.environ.get("CC", "cc")
+    """(vector FMAs per second on one core, doubles per vector), built like the kernels
+    (their compiler, flags and vector type); None without a working C compiler."""
     with tempfile.TemporaryDirectory() as tmp:
-        src, lib = Path(tmp) / "probe.c", Path(tmp) / "probe.so"
-        src.write_text(FMA_PROBE)
-        for extra in (HOST_FLAGS, []):
-            try:
-                if subprocess.run([cc, *FLAGS, "-ffp-contract=fast", *extra, str(src), "-o", str(lib)],
-                                  capture_output=True).returncode == 0:
-                    break
-            except OSError:
-                return None
-        else:
+        lib = Path(tmp) / "probe.so"
+        try:
+            _compile(lib, FMA_PROBE)
+        except (OSError, RuntimeError, subprocess.SubprocessError):
             return None
         probe = ctypes.CDLL(str(lib))
         probe.fma_rate.restype = ctypes.c_double
-        probe.fma_rate.argtypes = [ctypes.c_long, ctypes.POINTER(ctypes.c_int)]
-        width = ctypes.c_int()
-        rate = max(probe.fma_rate(50_000_000, ctypes.byref(width)) for _ in range(3))
-        return rate, width.value
+        probe.fma_rate.argtypes = [ctypes.c_long]
+        rate = max(probe.fma_rate(50_000_000) for _ in range(REPEAT))
+        return rate, probe.vector_width()
+
+
+def interpolation_fmas(vw: int) -> int:
+    """Vector FMAs of one fine-grid interpolation of (m_1, m_2): NP rows of 2 NP values,
+    then the contraction with the axis-1 weights, RV = 2 NP / vw vectors each."""
+    nodes = KERNEL_DEGREE + 1
+    return (nodes + 1) * (2 * nodes // vw)
 
 
 def main():
@@ -191,7 +184,7 @@ def main():
         print(" (no C compiler: the FMA floor is not measured)")
     else:
         rate, vw = peak
-        fmas = 7 * (12 // vw)                   # 6 rows + the contraction, RV vectors each
+        fmas = interpolation_fmas(vw)
         print(f"; its {fmas} vector FMAs ({vw} doubles) at this core's peak of {rate:.3e}/s: "
               f"{fmas / rate * 1e9:.1f} ns")
     for label, times, _ in rows[:2]:            # what "H = 64 within 1.5x of H = 1" leaves

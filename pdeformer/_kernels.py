@@ -47,6 +47,17 @@ import numpy as np
 
 log = logging.getLogger("pdeformer")
 
+# vectors of VW doubles: 4 where AVX is there (the file is compiled for the host CPU),
+# else 2 (SSE2, NEON); also what benchmarks/velocity.py times its FMA probe with
+VECTOR_C = r"""
+#if defined(__AVX__)
+#define VW 4
+#else
+#define VW 2
+#endif
+typedef double vec __attribute__((vector_size(8 * VW)));
+"""
+
 SOURCE = r"""
 #include <math.h>
 #include <stdlib.h>
@@ -57,18 +68,10 @@ SOURCE = r"""
 /* targets per block: their stencils and weights are computed first, across the block
    (vectorised), then the fine-grid sums are done point by point */
 #define BLK 64
-
-/* vectors of VW doubles: 4 where AVX is there (the file is compiled for the host CPU),
-   else 2 (SSE2, NEON); a row of the stencil is 12 doubles = RV vectors */
-#if defined(__AVX__)
-#define VW 4
-#else
-#define VW 2
-#endif
+""" + VECTOR_C + r"""
+/* a row of the stencil is 12 doubles = RV vectors */
 #define RV (2 * NP / VW)
 #define INLINE static inline __attribute__((always_inline))
-
-typedef double vec __attribute__((vector_size(8 * VW)));
 
 INLINE vec loadv(const double *p) { vec v; memcpy(&v, p, sizeof v); return v; }
 INLINE void storev(double *p, vec v) { memcpy(p, &v, sizeof v); }
@@ -482,12 +485,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdeformer"
 
 
-def _compile(target: Path) -> None:
+def _compile(target: Path, source: str = SOURCE) -> None:
+    """``source`` built into the shared library ``target`` with $CC (default cc) and FLAGS,
+    HOST_FLAGS where the compiler takes them; RuntimeError if it fails, OSError without cc."""
     target.parent.mkdir(parents=True, exist_ok=True)
     cc = os.environ.get("CC", "cc")
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src = Path(tmp) / "fine.c"
-        src.write_text(SOURCE)
+        src.write_text(source)
         lib = Path(tmp) / target.name
         for extra in (HOST_FLAGS, []):
             run = subprocess.run([cc, *FLAGS, *extra, str(src), "-o", str(lib), "-lm"],
