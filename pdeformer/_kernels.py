@@ -69,8 +69,6 @@ SOURCE = r"""
    (vectorised), then the fine-grid sums are done point by point */
 #define BLK 64
 """ + VECTOR_C + r"""
-/* a row of the stencil is 12 doubles = RV vectors */
-#define RV (2 * NP / VW)
 #define INLINE static inline __attribute__((always_inline))
 
 INLINE vec loadv(const double *p) { vec v; memcpy(&v, p, sizeof v); return v; }
@@ -114,15 +112,15 @@ INLINE void weights(double t, double *L, double *dL)
 }
 
 /* A block of nb targets for head A_h: b = A_h x in grid coordinates, fine-grid offsets
-   of the stencils (interleaved (m_0, m_1) layout) and the weights of both axes; the
-   derivatives too when dL0 is given. */
+   of the stencils (nc interleaved values per node) and the weights of both axes; the
+   derivatives too when derivatives is set. */
 typedef struct {
     double off[BLK], L0[NP][BLK], L1[NP][BLK], dL0[NP][BLK], dL1[NP][BLK];
 } Block;
 
 INLINE void block_weights(Block *B, const double *xb, long nb, const double *Ah,
                           const double *lo, double ih0, double ih1, long nf0, long nf1,
-                          int derivatives)
+                          int nc, int derivatives)
 {
     double a00 = Ah[0], a01 = Ah[1], a10 = Ah[2], a11 = Ah[3], lo0 = lo[0], lo1 = lo[1];
     double last0 = (double)(nf0 - NP), last1 = (double)(nf1 - NP);
@@ -131,7 +129,7 @@ INLINE void block_weights(Block *B, const double *xb, long nb, const double *Ah,
         double s1 = ((a10 * xb[2 * j] + a11 * xb[2 * j + 1]) - lo1) * ih1;
         double t0, t1, k0 = start(s0, last0, &t0), k1 = start(s1, last1, &t1);
         double W0[NP], W1[NP], D0[NP], D1[NP];
-        B->off[j] = 2.0 * (k0 * (double)nf1 + k1);
+        B->off[j] = (double)nc * (k0 * (double)nf1 + k1);
         weights(t0, W0, derivatives ? D0 : 0);
         weights(t1, W1, derivatives ? D1 : 0);
         for (int a = 0; a < NP; ++a) {
@@ -145,70 +143,98 @@ INLINE void block_weights(Block *B, const double *xb, long nb, const double *Ah,
     }
 }
 
-/* the axis-1 weights of point j, each twice, for the interleaved (m_0, m_1) layout */
-INLINE void duplicated(double W[NP][BLK], long j, vec *w)
+INLINE double absd(double v) { return v < 0.0 ? -v : v; }
+INLINE double maxd(double a, double b) { return b > a ? b : a; }   /* a NaN b is ignored */
+"""
+
+# the fine-grid loops, written once for NC interleaved values per node (see FINE_LOOPS)
+FINE_LOOPS = r"""
+/* ---------------------------------------------------------------- fine-grid loops, NC = @NC@
+   Each fine-grid node holds NC interleaved values: (m_0, m_1) for NC = 2; for signed
+   densities (NC = 4) (mu_0, mu_1, zeta, 0), and m = mu / zeta is taken at each point. */
+#define RV@NC@ (@NC@ * NP / VW)                  /* vectors per stencil row */
+#define G@NC@ (@NC@ > VW ? @NC@ / VW : 1)        /* vectors until the lanes repeat */
+
+/* the axis-1 weights of point j, each NC times, for the interleaved layout */
+INLINE void duplicated@NC@(double W[NP][BLK], long j, vec *w)
 {
-    for (int q = 0; q < RV; ++q)
-        for (int e = 0; e < VW; ++e) w[q][e] = W[(q * VW + e) / 2][j];
+    for (int q = 0; q < RV@NC@; ++q)
+        for (int e = 0; e < VW; ++e) w[q][e] = W[(q * VW + e) / @NC@][j];
 }
 
-/* sum_a W[a] row_a (12 values per row: 6 nodes x (m_0, m_1)) */
-INLINE void row_sum(const double *r, long stride, double W[NP][BLK], long j, vec *acc)
+/* sum_a W[a] row_a (6 nodes x NC values per row) */
+INLINE void row_sum@NC@(const double *r, long stride, double W[NP][BLK], long j, vec *acc)
 {
-    for (int q = 0; q < RV; ++q) acc[q] = W[0][j] * loadv(r + VW * q);
+    for (int q = 0; q < RV@NC@; ++q) acc[q] = W[0][j] * loadv(r + VW * q);
     for (int a = 1; a < NP; ++a) {
         r += stride;
-        for (int q = 0; q < RV; ++q) acc[q] += W[a][j] * loadv(r + VW * q);
+        for (int q = 0; q < RV@NC@; ++q) acc[q] += W[a][j] * loadv(r + VW * q);
     }
 }
 
-/* (m_0, m_1) = sum over the 6 axis-1 nodes of acc times the weights w */
-INLINE void contract(const vec *acc, const vec *w, double *m)
+/* the NC values: sum over the 6 axis-1 nodes of acc times the weights w */
+INLINE void contract@NC@(const vec *acc, const vec *w, double *c)
 {
-    vec s = acc[0] * w[0];
-    for (int q = 1; q < RV; ++q) s += acc[q] * w[q];
-    m[0] = s[0];
-    m[1] = s[1];
-    for (int e = 2; e < VW; e += 2) {
-        m[0] += s[e];
-        m[1] += s[e + 1];
-    }
+    vec s[G@NC@];
+    for (int g = 0; g < G@NC@; ++g) s[g] = acc[g] * w[g];
+    for (int q = G@NC@; q < RV@NC@; ++q) s[q % G@NC@] += acc[q] * w[q];
+    for (int k = 0; k < @NC@; ++k) c[k] = 0.0;
+    for (int g = 0; g < G@NC@; ++g)
+        for (int e = 0; e < VW; ++e) c[(g * VW + e) % @NC@] += s[g][e];
 }
 
-void fine_velocity(const double *flat, long nf0, long nf1, const double *lo, const double *h,
-                   int p, const double *x, long N, const double *A, const double *V, long H,
-                   double *out)
+/* v_i += (1/H) sum_h V_h m(A_h x_i); with stats (NC = 4): stats[0] = max 1/|zeta| and
+   stats[1] = max |m| over the points (how well conditioned m = mu / zeta is there) */
+void fine_velocity@NC@(const double *flat, long nf0, long nf1, const double *lo, const double *h,
+                       int p, const double *x, long N, const double *A, const double *V, long H,
+                       double *out, double *stats)
 {
     double ih0 = 1.0 / h[0], ih1 = 1.0 / h[1], scale = 1.0 / (double)H;
-    long stride = 2 * nf1;
+    double kappa = 0.0, mmax = 0.0;
+    long stride = @NC@ * nf1;
     Block B;
     (void)p;
     for (long hd = 0; hd < H; ++hd) {
         const double *Ah = A + 4 * hd, *Vh = V + 4 * hd;
         for (long i0 = 0; i0 < N; i0 += BLK) {
             long nb = N - i0 < BLK ? N - i0 : BLK;
-            block_weights(&B, x + 2 * i0, nb, Ah, lo, ih0, ih1, nf0, nf1, 0);
+            block_weights(&B, x + 2 * i0, nb, Ah, lo, ih0, ih1, nf0, nf1, @NC@, 0);
             for (long j = 0; j < nb; ++j) {
-                vec acc[RV], w[RV];
-                double m[2];
-                row_sum(flat + (long)B.off[j], stride, B.L0, j, acc);
-                duplicated(B.L1, j, w);
-                contract(acc, w, m);
+                vec acc[RV@NC@], w[RV@NC@];
+                double c[@NC@];
+                row_sum@NC@(flat + (long)B.off[j], stride, B.L0, j, acc);
+                duplicated@NC@(B.L1, j, w);
+                contract@NC@(acc, w, c);
+                double m0 = c[0], m1 = c[1];
+#if @NC@ == 4
+                double iz = 1.0 / c[2];
+                m0 *= iz;
+                m1 *= iz;
+                kappa = maxd(kappa, absd(iz));
+                mmax = maxd(mmax, maxd(absd(m0), absd(m1)));
+#endif
                 double *o = out + 2 * (i0 + j);
-                o[0] += (Vh[0] * m[0] + Vh[1] * m[1]) * scale;
-                o[1] += (Vh[2] * m[0] + Vh[3] * m[1]) * scale;
+                o[0] += (Vh[0] * m0 + Vh[1] * m1) * scale;
+                o[1] += (Vh[2] * m0 + Vh[3] * m1) * scale;
             }
         }
     }
+    if (stats) {
+        stats[0] = maxd(stats[0], kappa);
+        stats[1] = maxd(stats[1], mmax);
+    }
 }
 
-/* mbar: the fine-grid cotangent in the layout of flat (node-major, (m_0, m_1) pairs) */
-void fine_velocity_vjp(const double *flat, long nf0, long nf1, const double *lo, const double *h,
-                       int p, const double *x, long N, const double *A, const double *V, long H,
-                       const double *g, double *mbar, double *dA, double *dV, double *xbar)
+/* mbar: the fine-grid cotangent in the layout of flat (node-major, NC values). With
+   u = V_h^T g_i / H the cotangent of m, that of the node values is cb = u (NC = 2) or
+   (u / zeta, -(u . m) / zeta, 0) (NC = 4), and (dm/db)^T u = sum_k cb_k dc_k/db. */
+void fine_velocity_vjp@NC@(const double *flat, long nf0, long nf1, const double *lo,
+                           const double *h, int p, const double *x, long N, const double *A,
+                           const double *V, long H, const double *g, double *mbar, double *dA,
+                           double *dV, double *xbar)
 {
     double ih0 = 1.0 / h[0], ih1 = 1.0 / h[1], scale = 1.0 / (double)H;
-    long stride = 2 * nf1;
+    long stride = @NC@ * nf1;
     Block B;
     (void)p;
     for (long hd = 0; hd < H; ++hd) {
@@ -216,37 +242,55 @@ void fine_velocity_vjp(const double *flat, long nf0, long nf1, const double *lo,
         double *dAh = dA + 4 * hd, *dVh = dV + 4 * hd;
         for (long i0 = 0; i0 < N; i0 += BLK) {
             long nb = N - i0 < BLK ? N - i0 : BLK;
-            block_weights(&B, x + 2 * i0, nb, Ah, lo, ih0, ih1, nf0, nf1, 1);
+            block_weights(&B, x + 2 * i0, nb, Ah, lo, ih0, ih1, nf0, nf1, @NC@, 1);
             for (long j = 0; j < nb; ++j) {
                 long i = i0 + j;
                 double x0 = x[2 * i], x1 = x[2 * i + 1], g0 = g[2 * i], g1 = g[2 * i + 1];
                 double u0 = (Vh[0] * g0 + Vh[2] * g1) * scale;
                 double u1 = (Vh[1] * g0 + Vh[3] * g1) * scale;
                 long off = (long)B.off[j];
-                vec acc[RV], dacc[RV], w[RV], dw[RV];
-                double m[2], J0[2], J1[2];            /* J_a = d m / d b_a */
-                row_sum(flat + off, stride, B.L0, j, acc);
-                row_sum(flat + off, stride, B.dL0, j, dacc);
-                duplicated(B.L1, j, w);
-                duplicated(B.dL1, j, dw);
-                contract(acc, w, m);
-                contract(dacc, w, J0);
-                contract(acc, dw, J1);
-                /* the transposed interpolation: mbar[row a, node c, k] += L0_a L1_c u_k */
-                vec wu[RV], uu;
-                for (int e = 0; e < VW; e += 2) { uu[e] = u0; uu[e + 1] = u1; }
-                for (int q = 0; q < RV; ++q) wu[q] = w[q] * uu;
+                vec acc[RV@NC@], dacc[RV@NC@], w[RV@NC@], dw[RV@NC@];
+                double c[@NC@], J0[@NC@], J1[@NC@], cb[@NC@];   /* J_a = dc / ds_a */
+                row_sum@NC@(flat + off, stride, B.L0, j, acc);
+                row_sum@NC@(flat + off, stride, B.dL0, j, dacc);
+                duplicated@NC@(B.L1, j, w);
+                duplicated@NC@(B.dL1, j, dw);
+                contract@NC@(acc, w, c);
+                contract@NC@(dacc, w, J0);
+                contract@NC@(acc, dw, J1);
+                double m0 = c[0], m1 = c[1];
+#if @NC@ == 4
+                double iz = 1.0 / c[2];
+                m0 *= iz;
+                m1 *= iz;
+                cb[0] = u0 * iz;
+                cb[1] = u1 * iz;
+                cb[2] = -(u0 * m0 + u1 * m1) * iz;
+                cb[3] = 0.0;
+#else
+                cb[0] = u0;
+                cb[1] = u1;
+#endif
+                /* the transposed interpolation: mbar[row a, node c, k] += L0_a L1_c cb_k */
+                vec wu[RV@NC@];
+                for (int q = 0; q < RV@NC@; ++q)
+                    for (int e = 0; e < VW; ++e) wu[q][e] = w[q][e] * cb[(q * VW + e) % @NC@];
                 for (int a = 0; a < NP; ++a) {
                     double *r = mbar + off + a * stride, la = B.L0[a][j];
-                    for (int q = 0; q < RV; ++q) storev(r + VW * q, loadv(r + VW * q) + la * wu[q]);
+                    for (int q = 0; q < RV@NC@; ++q) storev(r + VW * q, loadv(r + VW * q) + la * wu[q]);
                 }
-                J0[0] *= ih0; J0[1] *= ih0; J1[0] *= ih1; J1[1] *= ih1;
-                dVh[0] += g0 * m[0] * scale; dVh[1] += g0 * m[1] * scale;
-                dVh[2] += g1 * m[0] * scale; dVh[3] += g1 * m[1] * scale;
-                double c0 = J0[0] * u0 + J0[1] * u1, c1 = J1[0] * u0 + J1[1] * u1;  /* (dm/db)^T u */
+                dVh[0] += g0 * m0 * scale; dVh[1] += g0 * m1 * scale;
+                dVh[2] += g1 * m0 * scale; dVh[3] += g1 * m1 * scale;
+                double c0 = 0.0, c1 = 0.0;                     /* (dm/db)^T u */
+                for (int k = 0; k < @NC@; ++k) {
+                    c0 += cb[k] * J0[k];
+                    c1 += cb[k] * J1[k];
+                }
+                c0 *= ih0;
+                c1 *= ih1;
                 dAh[0] += c0 * x0; dAh[1] += c0 * x1;
                 dAh[2] += c1 * x0; dAh[3] += c1 * x1;
-                if (xbar) {                                   /* A_h^T (dm/db)^T u */
+                if (xbar) {                                     /* A_h^T (dm/db)^T u */
                     xbar[2 * i] += Ah[0] * c0 + Ah[2] * c1;
                     xbar[2 * i + 1] += Ah[1] * c0 + Ah[3] * c1;
                 }
@@ -254,7 +298,9 @@ void fine_velocity_vjp(const double *flat, long nf0, long nf1, const double *lo,
         }
     }
 }
+"""
 
+SOURCE += "".join(FINE_LOOPS.replace("@NC@", str(nc)) for nc in (2, 4)) + r"""
 /* ---------------------------------------------------------------- panel sums (d = 2)
    Sources y_j on panels: axis a of the tile is cut at edges_a[0..P_a] into P_a panels
    of q Chebyshev-Lobatto nodes (standard nodes std, barycentric weights lam on [-1, 1]).
@@ -470,6 +516,7 @@ int panel_gather(long M, const double *y, const double *G, int ni,
 }
 """
 
+FINE_WIDTHS = (2, 4)  # values per fine-grid node the loops are built for (FINE_LOOPS)
 KERNEL_DEGREE = 5    # the local Lagrange degree the loops are compiled for (NP = 6 nodes)
 PANEL_QMAX = 64      # the most nodes per panel the panel loops take (QMAX)
 # gnu99: vector extensions and fused multiply-adds; -fno-trapping-math lets the
@@ -535,9 +582,11 @@ def kernels():
             _compile(target)
             lib = ctypes.CDLL(str(target))
         dp, lg, it = ctypes.POINTER(ctypes.c_double), ctypes.c_long, ctypes.c_int
-        lib.fine_velocity.argtypes = [dp, lg, lg, dp, dp, it, dp, lg, dp, dp, lg, dp]
-        lib.fine_velocity_vjp.argtypes = [dp, lg, lg, dp, dp, it, dp, lg, dp, dp, lg, dp, dp, dp, dp, dp]
-        lib.fine_velocity.restype = lib.fine_velocity_vjp.restype = None
+        for nc in FINE_WIDTHS:
+            fv, vjp = getattr(lib, f"fine_velocity{nc}"), getattr(lib, f"fine_velocity_vjp{nc}")
+            fv.argtypes = [dp, lg, lg, dp, dp, it, dp, lg, dp, dp, lg, dp, dp]
+            vjp.argtypes = [dp, lg, lg, dp, dp, it, dp, lg, dp, dp, lg, dp, dp, dp, dp, dp]
+            fv.restype = vjp.restype = None
         panel = [lg, dp, dp, it, dp, lg, dp, lg, it, dp, dp, dp]
         lib.panel_spread.argtypes = lib.panel_gather.argtypes = panel
         lib.panel_spread.restype = lib.panel_gather.restype = ctypes.c_int
@@ -553,16 +602,22 @@ def kernels():
 
 
 def self_check(lib) -> bool:
-    """The fine-grid loop reproduces a linear m(b) = b between nodes (degree-5 Lagrange
-    interpolation is exact for it; a wrong stencil start, e.g. a rounding step folded
-    away by the compiler, is not)."""
+    """The fine-grid loops reproduce a linear m(b) = b between nodes: from the values m
+    (NC = 2), and as mu / zeta with mu = b zeta, zeta = 2 + b_0 - b_1 / 3 (NC = 4).
+    Degree-5 Lagrange interpolation is exact for these; a wrong stencil start (e.g. a
+    rounding step folded away by the compiler) or lane order is not."""
     nf, h, lo = 12, np.array([0.5, 0.25]), np.array([-1.0, 2.0])
     nodes = np.stack(np.meshgrid(lo[0] + h[0] * np.arange(nf), lo[1] + h[1] * np.arange(nf),
                                  indexing="ij"), axis=-1).reshape(-1, 2)
+    zeta = 2.0 + (nodes[:, 0] - nodes[:, 1] / 3) / 20
+    signed = np.column_stack([nodes * zeta[:, None], zeta, np.zeros_like(zeta)])
     b = lo + (nf - 1) * h * np.array([[0.137, 0.731], [0.5013, 0.2499], [0.9, 0.05]])
     eye = np.eye(2)[None]
-    v = fine_velocity(lib, nodes, nf, lo, h, KERNEL_DEGREE, b, eye, eye)
-    return bool(np.abs(v - b).max() <= 1e-12 * np.abs(b).max())
+    for flat in (nodes, signed):
+        v = fine_velocity(lib, flat, nf, lo, h, KERNEL_DEGREE, b, eye, eye)
+        if not np.abs(v - b).max() <= 1e-12 * np.abs(b).max():
+            return False
+    return True
 
 
 def kernels_on(comm):
@@ -582,25 +637,29 @@ def _c(a) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float64)
 
 
-def fine_velocity(lib, flat, nf: int, lo, h, p: int, x, A, V) -> np.ndarray:
-    """v (N, 2) = (1/H) sum_h V_h m(A_h x) with the compiled loop."""
+def fine_velocity(lib, flat, nf: int, lo, h, p: int, x, A, V, stats=None) -> np.ndarray:
+    """v (N, 2) = (1/H) sum_h V_h m(A_h x) with the compiled loop; ``flat`` (nf*nf, NC)
+    holds m (NC = 2) or (mu, zeta, 0) (NC = 4, m = mu / zeta). With NC = 4 and ``stats``
+    (an array of 2), stats = max(stats, (max 1/|zeta|, max |m|)) over the points."""
     flat, lo, h, x, A, V = map(_c, (flat, lo, h, x, A, V))
     out = np.zeros_like(x)
-    lib.fine_velocity(_ptr(flat), nf, nf, _ptr(lo), _ptr(h), p, _ptr(x), len(x),
-                      _ptr(A), _ptr(V), len(A), _ptr(out))
+    getattr(lib, f"fine_velocity{flat.shape[1]}")(
+        _ptr(flat), nf, nf, _ptr(lo), _ptr(h), p, _ptr(x), len(x), _ptr(A), _ptr(V), len(A),
+        _ptr(out), _ptr(stats) if stats is not None else None)
     return out
 
 
 def fine_velocity_vjp(lib, flat, nf: int, lo, h, p: int, x, A, V, g, positions: bool = False):
-    """(mbar (2, nf*nf), dA (H, 2, 2), dV (H, 2, 2), xbar (N, 2) or None) for the
-    cotangents g of v; xbar (the targets' cotangent) with ``positions``."""
+    """(mbar (NC, nf*nf), dA (H, 2, 2), dV (H, 2, 2), xbar (N, 2) or None) for the
+    cotangents g of v; mbar is the cotangent of the NC node values of ``flat``; xbar
+    (the targets' cotangent) with ``positions``."""
     flat, lo, h, x, A, V, g = map(_c, (flat, lo, h, x, A, V, g))
-    mbar = np.zeros((nf * nf, 2))
+    mbar = np.zeros(flat.shape)
     dA, dV = np.zeros_like(A), np.zeros_like(V)
     xbar = np.zeros_like(x) if positions else None
-    lib.fine_velocity_vjp(_ptr(flat), nf, nf, _ptr(lo), _ptr(h), p, _ptr(x), len(x),
-                          _ptr(A), _ptr(V), len(A), _ptr(g), _ptr(mbar), _ptr(dA), _ptr(dV),
-                          _ptr(xbar) if positions else None)
+    getattr(lib, f"fine_velocity_vjp{flat.shape[1]}")(
+        _ptr(flat), nf, nf, _ptr(lo), _ptr(h), p, _ptr(x), len(x), _ptr(A), _ptr(V), len(A),
+        _ptr(g), _ptr(mbar), _ptr(dA), _ptr(dV), _ptr(xbar) if positions else None)
     return mbar.T, dA, dV, xbar
 
 

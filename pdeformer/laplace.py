@@ -2,27 +2,38 @@ r"""Fast attention: the log-Laplace transform of rho tabulated once for all head
 
 Every head's velocity is V_h grad Lambda_rho(A_h x) with
 Lambda_rho(b) = log int e^{<b,y>} rho(y) dy (design §4). Lambda depends on rho alone, so
-its gradient m(b) (and Hessian C(b)) are tabulated on a tensor Chebyshev-Lobatto grid
-covering every b = A_h x, and each head and target costs an interpolation:
+its gradient m(b) is tabulated on a tensor Chebyshev-Lobatto grid covering every
+b = A_h x, and each head and target costs an interpolation:
 
 * table: e^{<b,y>} = prod_a e^{b_a y_a} factorises per coordinate, so for d = 2 the sums
   Z[g1,g2] = sum_j w_j e^{b1_g1 y1_j} e^{b2_g2 y2_j} (and the y-moments) are matrix
   products (n x M)(M x n). With many sources they go through panel nodes (:class:`Panels`):
   the sources are spread onto narrow Chebyshev panels on which e^{b y} is a polynomial to
-  1e-14 (a compiled loop where a C compiler is at hand), and the table is E_1 W E_2^T. Each rank sums its own sources; one Allreduce of
-  the n^d tables completes them (no source gather).
+  1e-14 (a compiled loop where a C compiler is at hand), and the table is E_1 W E_2^T.
+  Each rank spreads its own sources, onto the panels they touch only (its window), and
+  multiplies through that window: the products divide over ranks like the sources. One
+  Allreduce of the n^d tables completes them (no source gather).
+* signed weights (DG without the limiter dips below zero): Z may change sign in parts of
+  the box that no target reaches, so m = S_y / Z has poles there. The table then holds
+  mu = S_y / N and zeta = Z / N with N = sum_j |w_j| e^{<b,y_j>} > 0 -- both smooth and
+  bounded -- and m = mu / zeta is taken at each point (:attr:`LaplaceTable.signed`).
 * log-domain safety: every factor is shifted by its largest exponent over the sources
   (so it is <= 1), and the sources are split into tiles small enough that the product
   of two shifted factors cannot underflow (|b| x tile size bounded); tiles combine by
   log-sum-exp. Moments are ratios, so the shifts cancel.
 * interpolation: barycentric in each coordinate, (P x n) weights, P = targets x heads;
   in 2-D through a uniform fine grid and local degree-5 Lagrange polynomials
-  (:class:`FineGrid`, a compiled loop where a C compiler is at hand).
+  (:class:`FineGrid`, a compiled loop where a C compiler is at hand; its sampling is
+  divided over ranks by rows and all-gathered).
 * accuracy: the grid size n is one whose error estimate (from the decay of the tables'
-  Chebyshev coefficients) meets ``tol``, predicted from a trial table of a subsample
-  (:func:`choose_table`); the grid box is rounded outward to a dyadic lattice,
-  so box and n stay fixed under small changes of the heads and the interpolated map is
-  smooth in them (gradients are exact for it).
+  Chebyshev coefficients, computed by rows divided over ranks) meets ``tol``, predicted
+  from a trial table of a subsample (:func:`choose_table`); the grid box is rounded
+  outward to a dyadic lattice, so box and n stay fixed under small changes of the heads
+  and the interpolated map is smooth in them (gradients are exact for it).
+* plans: :class:`TablePlanner` keeps, per key (a prompt's layer), the box, sizes and kind
+  of the last table (a :class:`TablePlan`) and builds the next one the same way while the
+  heads' b-range stays inside the box and the new table's own estimate meets tol; the
+  plan goes on the tape, so the adjoint rebuilds exactly the table the forward pass used.
 
 Reverse mode: table cotangents are the transposed interpolation of the target cotangents;
 the source cotangents follow from dm/dw_j = e^{<b,y_j>} (y_j - m) / Z and
@@ -36,6 +47,7 @@ summation at the sizes pdeformer meshes reach, so ``auto`` uses direct there.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
@@ -49,8 +61,50 @@ SIZES = (17, 25, 33, 49, 65, 81, 97, 129, 161, 193, 225, 257, 321, 385, 449, 513
 N_MAX_FORCED = 1025     # backend "laplace" (not auto) may refine this far before giving up
 UNDERFLOW_GAP = 600.0   # keep every shifted exponent above e^-600 (float64 ~ e^-708)
 MAX_TILES = 4096
+EVERY_RANK = "every rank"   # lib argument: the compiled loops where every rank has them
 
 
+# ------------------------------------------------------------------ work divided by rows
+def share(count: int, comm) -> slice:
+    """This rank's contiguous share [r count / P, (r + 1) count / P) of ``count`` rows."""
+    return slice(count * comm.rank // comm.size, count * (comm.rank + 1) // comm.size)
+
+
+def _share_counts(count: int, comm, width: int) -> tuple[np.ndarray, np.ndarray]:
+    bounds = np.array([count * r // comm.size for r in range(comm.size + 1)]) * width
+    return np.diff(bounds), bounds[:-1]
+
+
+def allgather_shares(comm, local: np.ndarray, count: int) -> np.ndarray:
+    """The row shares (:func:`share`) of a (count, ...) array, computed one per rank,
+    assembled on every rank (one Allgatherv; the counts are known, none exchanged)."""
+    if comm.size == 1:
+        return local
+    tail = local.shape[1:]
+    counts, displs = _share_counts(count, comm, int(np.prod(tail)))
+    out = np.empty((count,) + tail)
+    comm.Allgatherv(np.ascontiguousarray(local).ravel(), [out, counts, displs, MPI.DOUBLE])
+    return out
+
+
+def reduce_shares(comm, full: np.ndarray) -> np.ndarray:
+    """The sum over ranks of (count, ...) arrays, this rank's share of its rows only (one
+    Reduce_scatter)."""
+    if comm.size == 1:
+        return full
+    count, tail = full.shape[0], full.shape[1:]
+    counts, _ = _share_counts(count, comm, int(np.prod(tail)))
+    mine = np.empty((counts[comm.rank] // max(1, int(np.prod(tail))),) + tail)
+    comm.Reduce_scatter(np.ascontiguousarray(full).ravel(), mine, counts, op=MPI.SUM)
+    return mine
+
+
+def any_negative(weights: np.ndarray, comm) -> bool:
+    """Whether some rank holds a negative weight (a signed density)."""
+    return bool(comm.allreduce(bool(np.any(weights < 0)), op=MPI.LOR))
+
+
+# ------------------------------------------------------------------ Chebyshev grids
 def chebyshev_lobatto(n: int, lo: float, hi: float) -> tuple[np.ndarray, np.ndarray]:
     """n Chebyshev-Lobatto points on [lo, hi] (increasing) and their barycentric weights."""
     k = np.arange(n)
@@ -86,36 +140,43 @@ def differentiation_matrix(nodes: np.ndarray, lam: np.ndarray) -> np.ndarray:
     return D
 
 
+def dct_matrix(n: int) -> np.ndarray:
+    """D (n x n) with D @ values = the Chebyshev coefficients of the interpolant of values
+    on n Lobatto nodes (the DCT-I: the FFT of the even extension, as a matrix, so that rows
+    of the coefficients can be computed by themselves)."""
+    k = np.arange(n)
+    D = np.cos(np.pi * np.outer(k, k) / (n - 1)) * (2.0 / (n - 1))
+    D[:, 0] /= 2
+    D[:, -1] /= 2
+    return D
+
+
 def chebyshev_coefficients(values: np.ndarray) -> np.ndarray:
-    """Tensor Chebyshev coefficients of a table on Lobatto nodes (FFT of the even
-    extension along each axis)."""
+    """Tensor Chebyshev coefficients of a table on Lobatto nodes (the DCT-I along each axis)."""
     c = np.asarray(values, float)
     for axis in range(c.ndim):
-        n = c.shape[axis]
-        ext = np.concatenate([c, np.flip(c, axis=axis).take(range(1, n - 1), axis=axis)], axis=axis)
-        c = np.fft.rfft(ext, axis=axis).real / (n - 1)
+        c = np.moveaxis(np.tensordot(dct_matrix(c.shape[axis]), c, axes=(1, axis)), 0, axis)
     return c
 
 
-def _shell_max(c: np.ndarray) -> np.ndarray:
-    """max over {(i, j): max(i, j) = k} of c (n, n), per k: the diagonal of the running
-    maxima along rows (c[k, :k+1]) and along columns (c[:k+1, k])."""
-    rows = np.maximum.accumulate(c, axis=1).diagonal()
-    cols = np.maximum.accumulate(c, axis=0).diagonal()
-    return np.maximum(rows, cols)
+def shell_maxima(block: np.ndarray, r0: int = 0) -> np.ndarray:
+    """Per shell k: the largest entry of ``block`` (rows r0, r0 + 1, ... of an n x n array
+    of nonnegative values) among those whose larger index is k; zero where it has none.
+    The maxima of row blocks combine by max into those of the whole array."""
+    rows, n = block.shape
+    out = np.zeros(n)
+    if rows == 0:
+        return out
+    i = np.arange(r0, r0 + rows)[:, None]
+    lower = np.arange(n)[None, :] <= i                      # larger index: the row
+    out[r0:r0 + rows] = np.where(lower, block, 0.0).max(axis=1)
+    return np.maximum(out, np.where(lower, 0.0, block).max(axis=0))
 
 
-def coefficient_decay(tables) -> tuple[float, float, float]:
-    """Decay of the tensor Chebyshev coefficients of tables on Lobatto nodes, relative
-    to the tables' size: (largest coefficient in the top eighth of shells, log-rate s and
-    intercept c of the fit log|coef_k| ~ c + s k over the top half of the shells), where
-    shell k holds the coefficients whose largest index is k."""
-    shells = None
-    for t in tables:
-        c = np.abs(chebyshev_coefficients(t))
-        shell = c if c.ndim == 1 else _shell_max(c)
-        shells = shell if shells is None else np.maximum(shells, shell)
-    shells = shells / max(max(np.abs(t).max() for t in tables), 1e-300)
+def decay_fit(shells: np.ndarray) -> tuple[float, float, float]:
+    """From the largest Chebyshev coefficient of each shell (relative to the table's
+    size): (largest in the top eighth of shells, log-rate s and intercept c of the fit
+    log|coef_k| ~ c + s k over the top half)."""
     n = len(shells)
     top = float(shells[n - max(2, n // 8):].max())
     ks = np.arange(n // 2, n)
@@ -178,12 +239,26 @@ class Panels:
         a, b = self.edges[:-1, None], self.edges[1:, None]
         self.nodes = (a + (b - a) * (self.std[None, :] + 1) / 2).ravel()    # (P q,)
 
+    def index(self, y: np.ndarray) -> np.ndarray:
+        """The panel of each point: the last edge at or below it (clamped)."""
+        return np.clip(np.searchsorted(self.edges, y, side="right") - 1, 0, self.count - 1)
+
     def locate(self, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Panel index (m,) and Lagrange weights (m, q) of the points y (m,)."""
-        p = np.clip(np.searchsorted(self.edges, y, side="right") - 1, 0, self.count - 1)
+        p = self.index(y)
         a, b = self.edges[p], self.edges[p + 1]
         t = np.clip(2 * (y - a) / np.where(b > a, b - a, 1.0) - 1, -1.0, 1.0)
         return p, barycentric_weights(t, self.std, self.lam)
+
+    def window(self, first: int, last: int) -> "Panels":
+        """Panels first..last alone (same edges and nodes): a point of them has the same
+        panel, less ``first``, and the same weights."""
+        sub = object.__new__(Panels)
+        sub.q, sub.std, sub.lam = self.q, self.std, self.lam
+        sub.count = last - first + 1
+        sub.edges = self.edges[first:last + 2]
+        sub.nodes = self.nodes[first * self.q:(last + 1) * self.q]
+        return sub
 
 
 def blocks_by_key(key: np.ndarray):
@@ -196,12 +271,13 @@ def blocks_by_key(key: np.ndarray):
 
 
 def coordinate_range(points: np.ndarray, comm) -> tuple[np.ndarray, np.ndarray]:
-    """Per-axis min and max of the points of all ranks (inf, -inf where there are none)."""
+    """Per-axis min and max of the points of all ranks (inf, -inf where there are none):
+    one Allreduce of (-min, max)."""
     d = points.shape[1]
-    lo, hi = np.empty(d), np.empty(d)
-    comm.Allreduce(points.min(axis=0) if len(points) else np.full(d, np.inf), lo, op=MPI.MIN)
-    comm.Allreduce(points.max(axis=0) if len(points) else np.full(d, -np.inf), hi, op=MPI.MAX)
-    return lo, hi
+    local = np.concatenate([-points.min(axis=0), points.max(axis=0)]) if len(points) \
+        else np.full(2 * d, -np.inf)
+    comm.Allreduce(MPI.IN_PLACE, local, op=MPI.MAX)
+    return -local[:d], local[d:]
 
 
 def panel_product_flops(n: int, d: int, ncols: int, nodes: list) -> float:
@@ -222,15 +298,146 @@ def table_flops(n: int, d: int, ncols: int, sources: int, nodes: list | None) ->
     return min(direct, panel_product_flops(n, d, ncols, nodes) + spread)
 
 
+class Tile:
+    """Sources of one tile: this rank's (``index`` into its points, ``pts``), the tile's
+    coordinate range and count over all ranks, its panels (None without sources) and
+    this rank's window of them (``local_panels``: the panels its own sources touch)."""
+
+    def __init__(self, index, pts, lo, hi, count, panels):
+        self.index, self.pts, self.lo, self.hi, self.count = index, pts, lo, hi, count
+        self.panels = panels
+        self.first = self.local_panels = None
+        if panels is not None and len(pts):
+            first = [int(pa.index(pts[:, a]).min()) for a, pa in enumerate(panels)]
+            last = [int(pa.index(pts[:, a]).max()) for a, pa in enumerate(panels)]
+            self.first = first
+            self.local_panels = [pa.window(f, l) for pa, f, l in zip(panels, first, last)]
+
+
+class SourceLayout:
+    """Where this rank's sources lie for one table box: tiles of the sources' bounding
+    box small enough that no shifted product of per-axis factors underflows
+    (max|b| x tile extent <= UNDERFLOW_GAP per axis), each with its range and count over
+    all ranks and its panels. Depends on the points and the box only, not on n or the
+    weights, so one is built per box and reused while the points stay; per table size
+    the shifts and the shifted factors at this rank's panel nodes are kept too."""
+
+    FACTOR_SIZES = 3     # table sizes whose factors are kept
+
+    def __init__(self, points: np.ndarray, lo, hi, comm):
+        self.points, self.comm = points, comm
+        d = self.d = points.shape[1]
+        self.lo, self.hi = np.asarray(lo, float), np.asarray(hi, float)
+        bmax = np.maximum(np.abs(self.lo), np.abs(self.hi))
+        glo, ghi = coordinate_range(points, comm)
+        counts = np.maximum(1, np.ceil(bmax * (ghi - glo) * d / UNDERFLOW_GAP))
+        if not np.all(np.isfinite(counts)) or np.prod(counts) > MAX_TILES:
+            raise FloatingPointError(f"attention too sharp for a laplace table (|b| up to {bmax.max():.3g})")
+        counts = counts.astype(int)
+        ntiles = int(np.prod(counts))
+        index = np.zeros(len(points), int)
+        for a in range(d):
+            edges = np.linspace(glo[a], ghi[a], counts[a] + 1)
+            i = np.clip(np.searchsorted(edges, points[:, a], side="right") - 1, 0, counts[a] - 1)
+            index = index * counts[a] + i
+        order = np.argsort(index, kind="stable")
+        bounds = np.searchsorted(index[order], np.arange(ntiles + 1))
+        mine = [order[bounds[t]:bounds[t + 1]] for t in range(ntiles)]
+        # every tile's range and count over all ranks: one Allreduce
+        ext = np.full((ntiles, 2 * d + 1), -np.inf)
+        for t, i in enumerate(mine):
+            if len(i):
+                ext[t, :d], ext[t, d:2 * d] = -points[i].min(axis=0), points[i].max(axis=0)
+            ext[t, 2 * d] = len(i)
+        total = ext[:, 2 * d].copy()
+        comm.Allreduce(MPI.IN_PLACE, ext, op=MPI.MAX)       # ranges
+        comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)     # counts
+        q = panel_degree()
+        self.tiles = []
+        for t, i in enumerate(mine):
+            tlo, thi, count = -ext[t, :d], ext[t, d:2 * d], int(total[t])
+            panels = [Panels(tlo[a], thi[a], bmax[a], q) for a in range(d)] if count else None
+            self.tiles.append(Tile(i, points[i], tlo, thi, count, panels))
+        self._factors: dict = {}
+
+    def factors(self, axes: list) -> list:
+        """Per tile, for the grid ``axes``: (shifts, E) with shifts_a[g] = max over the tile
+        of b_g y_a (so every e^{b_g y_a - shift} <= 1) and E_a = e^{b_g yhat_k - shift_a[g]}
+        at this rank's panel nodes yhat (n x window), or None where it has no sources there."""
+        key = (len(axes[0][0]), axes[0][0][0], axes[0][0][-1])
+        if key not in self._factors:
+            if len(self._factors) >= self.FACTOR_SIZES:
+                self._factors.pop(next(iter(self._factors)))
+            out = []
+            for tile in self.tiles:
+                if tile.count == 0:
+                    out.append(([np.zeros(len(nodes)) for nodes, _ in axes], None))
+                    continue
+                shifts = [np.maximum(nodes * tile.lo[a], nodes * tile.hi[a])
+                          for a, (nodes, _) in enumerate(axes)]
+                E = None
+                if tile.local_panels is not None:
+                    E = []
+                    for (nodes, _), pa, sh in zip(axes, tile.local_panels, shifts):
+                        r = np.multiply.outer(nodes, pa.nodes)
+                        r -= sh[:, None]
+                        E.append(np.exp(r, out=r))
+                out.append((shifts, E))
+            self._factors[key] = out
+        return self._factors[key]
+
+
+# ------------------------------------------------------------------ interpolants
+def _ratio(c, Jc, u, d: int, signed: bool):
+    """m (and with Jc its Jacobian J[k, a] = dm_k/db_a, with u the cotangent of the table
+    values at the points) from the interpolated values c (P, ncomp) and their Jacobians
+    Jc (P, ncomp, d): m = c for nonnegative weights; m = mu / zeta for signed ones,
+    J = (J_mu - m J_zeta^T) / zeta and the value cotangents (u / zeta, -(u . m) / zeta)."""
+    if not signed:
+        return c, Jc, u
+    z = c[:, d]
+    m = c[:, :d] / z[:, None]
+    if Jc is None:
+        return m, None, None
+    J = (Jc[:, :d, :] - m[:, :, None] * Jc[:, d, None, :]) / z[:, None, None]
+    cbar = None if u is None else np.column_stack([u / z[:, None], -np.einsum("pk,pk->p", u, m) / z])
+    return m, J, cbar
+
+
 class HeadSums:
-    """The velocity of all heads from an interpolant of m (numpy; FineGrid may override):
-    v(x) = (1/H) sum_h V_h m(A_h x) and its reverse mode."""
+    """The velocity of all heads from an interpolant of the table values (numpy; FineGrid
+    may override): v(x) = (1/H) sum_h V_h m(A_h x) and its reverse mode. Subclasses give
+    :meth:`interpolate` (values and Jacobians at points) and :meth:`transpose` (the
+    transposed interpolation of value cotangents, summed over ranks)."""
+
+    d: int
+    signed: bool
+    conditioning = None   # after a velocity of signed weights: (max 1/|zeta|, max |m|), this rank
+
+    def means(self, b: np.ndarray) -> np.ndarray:
+        """m at points b (P, d)."""
+        return _ratio(self.interpolate(b), None, None, self.d, self.signed)[0]
+
+    def jacobians(self, b: np.ndarray) -> np.ndarray:
+        """d m_k / d b_a at points b: (P, d, d) [k, a]."""
+        return _ratio(*self.interpolate(b, jacobian=True), None, self.d, self.signed)[1]
+
+    def reverse(self, b: np.ndarray, u: np.ndarray):
+        """One pass over the points b (P, d) with cotangents u (P, d) of m(b): m (P, d),
+        the Jacobians dm/db (P, d, d) [k, a] and the table cotangent (summed over ranks)."""
+        m, J, cbar = _ratio(*self.interpolate(b, jacobian=True), u, self.d, self.signed)
+        return m, J, self.transpose(b, cbar)
 
     def velocity(self, x: np.ndarray, A: np.ndarray, V: np.ndarray) -> np.ndarray:
         """v at this rank's targets x (N, d) for heads A, V (H, d, d)."""
         H, N, d = A.shape[0], x.shape[0], A.shape[1]
         b = np.einsum("hij,nj->hni", A, x).reshape(-1, d)
-        return np.einsum("hij,hnj->ni", V, self.means(b).reshape(H, N, d)) / H
+        c = self.interpolate(b)
+        m = _ratio(c, None, None, d, self.signed)[0]
+        if self.signed:
+            self.conditioning = np.array([np.max(1 / np.abs(c[:, d]), initial=0.0),
+                                          np.max(np.abs(m), initial=0.0)])
+        return np.einsum("hij,hnj->ni", V, m.reshape(H, N, d)) / H
 
     def velocity_vjp(self, x: np.ndarray, A: np.ndarray, V: np.ndarray, g: np.ndarray,
                      positions: bool = False):
@@ -250,86 +457,74 @@ class HeadSums:
 
 
 class LaplaceTable(HeadSums):
-    """m(b) = grad Lambda (and C(b) = Hess Lambda if ``order`` is 2) on a Chebyshev grid.
+    """The values of m(b) = grad Lambda(b) on a Chebyshev grid, for this rank's sources
+    ``points``/``weights`` summed over ``comm``: m itself (``values``, d tables) for
+    nonnegative weights; for ``signed`` ones (any negative weight on any rank; decided
+    here if not given) mu = S_y / N and zeta = Z / N (d + 1 tables) with
+    N = sum_j |w_j| e^{<b, y_j>}, m = mu / zeta at each point. ``layout``: a
+    :class:`SourceLayout` of these points for this box (built if not given)."""
 
-    ``points``/``weights`` are this rank's sources; tables are summed over ``comm``."""
-
-    def __init__(self, points, weights, lo, hi, n: int, comm, order: int = 1, tiles=None):
+    def __init__(self, points, weights, lo, hi, n: int, comm, signed: bool | None = None,
+                 layout: SourceLayout | None = None, lib=EVERY_RANK):
         self.d = points.shape[1]
         if self.d > 2:
             raise ValueError("the laplace backend is implemented for d = 1 and 2")
-        self.comm, self.n, self.order = comm, n, order
+        self.comm, self.n = comm, n
         self.lo, self.hi = np.asarray(lo, float), np.asarray(hi, float)
         self.axes = [chebyshev_lobatto(n, a, b) for a, b in zip(self.lo, self.hi)]
-        self.ncols = 1 + self.d + (self.d * (self.d + 1) // 2 if order >= 2 else 0)
-        self.tiles = tiles if tiles is not None else self._split(points, weights)
-        # the compiled panel loops (d = 2), if every rank has them (a collective call)
-        self.lib = kernels_on(comm) if self.d == 2 and panel_degree() <= PANEL_QMAX else None
+        self.signed = any_negative(weights, comm) if signed is None else bool(signed)
+        self.ncols = 2 + self.d if self.signed else 1 + self.d      # [w, w y, (|w|)]
+        self.ncomp = self.d + 1 if self.signed else self.d           # [m] or [mu, zeta]
+        self.layout = layout if layout is not None else SourceLayout(points, self.lo, self.hi, comm)
+        self.weights = weights
+        # the compiled panel loops (d = 2), if every rank has them (a collective call unless given)
+        if self.d != 2 or panel_degree() > PANEL_QMAX:
+            self.lib = None
+        else:
+            self.lib = kernels_on(comm) if lib is EVERY_RANK else lib
         self._build()
 
+    @property
+    def m(self) -> np.ndarray:
+        """m on the grid nodes (d, grid): the values themselves for nonnegative weights
+        (the same array), mu / zeta for signed ones."""
+        return self.values if not self.signed else self.values[:self.d] / self.values[self.d]
+
+    @property
+    def groups(self) -> list:
+        """Index ranges of the values whose errors are judged together: m; or mu, zeta."""
+        d = self.d
+        return [slice(0, d)] if not self.signed else [slice(0, d), slice(d, d + 1)]
+
     # ------------------------------------------------------------------ tables
-    def _split(self, points, weights) -> list:
-        """Tiles of the sources' bounding box, small enough that no shifted product of
-        per-axis factors underflows: max|b| x tile extent <= UNDERFLOW_GAP per axis."""
-        lo, hi = coordinate_range(points, self.comm)
-        bmax = np.maximum(np.abs(self.lo), np.abs(self.hi))
-        counts = np.maximum(1, np.ceil(bmax * (hi - lo) * self.d / UNDERFLOW_GAP))
-        if not np.all(np.isfinite(counts)) or np.prod(counts) > MAX_TILES:
-            raise FloatingPointError(f"attention too sharp for a laplace table (|b| up to {bmax.max():.3g})")
-        counts = counts.astype(int)
-        edges = [np.linspace(a, b, k + 1) for a, b, k in zip(lo, hi, counts)]
-        index = np.zeros(len(points), int)
-        for a in range(self.d):
-            i = np.clip(np.searchsorted(edges[a], points[:, a], side="right") - 1, 0, counts[a] - 1)
-            index = index * counts[a] + i
-        order = [np.flatnonzero(index == t) for t in range(int(np.prod(counts)))]
-        return [(points[i], weights[i], i) for i in order]
-
-    SOURCE_CHUNK = 4096  # sources per block: the (n x chunk) factors stay in cache
-
-    def _shifts(self, lo, hi) -> list:
-        """Per axis: max over the tile's points of b_g y_a, i.e. max(b_g lo_a, b_g hi_a)
-        with the tile's coordinate range."""
-        if not np.all(np.isfinite(lo)):       # an empty tile
-            return [np.zeros(self.n) for _ in range(self.d)]
-        return [np.maximum(nodes * lo[a], nodes * hi[a]) for a, (nodes, _) in enumerate(self.axes)]
-
     # costs in matrix-product flops (about 40 Gflop/s with OpenBLAS, one core): the
     # exponentials of the dense sums, about 10 ns per node and source; the compiled
     # spread, about 0.07 us per source and column plus 0.5 ms (measured, M = 2e3-1e5,
     # n = 33-257, K = 92-460 panel nodes per axis)
+    assessment = None     # its errors, where assessed (:func:`assess`)
     DENSE_EXP_FLOPS = 400.0
     SPREAD_FLOPS = 3000.0
     SPREAD_FIXED = 2e7
+    SOURCE_CHUNK = 4096  # sources per block: the (n x chunk) factors stay in cache
 
-    def _panels(self, lo, hi, count: int):
-        """Panels per axis for a tile of ``count`` sources (all ranks), or None where
-        summing over the sources directly is cheaper. With the compiled spread: the
-        products through the panel nodes plus SPREAD_FLOPS per source and column against
-        the dense products plus their exponentials; with numpy: the flop counts, the
-        panel loop costed at 1e6 flops per block of sources."""
-        if count == 0 or not np.all(np.isfinite(lo)):
+    def _panels(self, tile: Tile):
+        """The tile's panels, or None where summing over its sources directly is cheaper,
+        from the sizes over all ranks (every rank takes the same path). With the compiled
+        spread: the products through the panel nodes plus SPREAD_FLOPS per source and
+        column against the dense products plus their exponentials; with numpy: the flop
+        counts, the panel loop costed at 1e6 flops per block of sources."""
+        if tile.count == 0:
             return None
-        bmax = [np.abs(nodes).max() for nodes, _ in self.axes]
-        panels = [Panels(lo[a], hi[a], bmax[a], panel_degree()) for a in range(self.d)]
-        blocks = int(np.prod([pa.count for pa in panels]))
+        count = tile.count
         dense = table_flops(self.n, self.d, self.ncols, count, None)
-        K = [len(pa.nodes) for pa in panels]
+        K = [len(pa.nodes) for pa in tile.panels]
         if self.lib is not None:
             via = (panel_product_flops(self.n, self.d, self.ncols, K)
                    + self.SPREAD_FLOPS * self.ncols * count + self.SPREAD_FIXED)
-            return panels if via < dense + self.DENSE_EXP_FLOPS * self.n * count else None
+            return tile.panels if via < dense + self.DENSE_EXP_FLOPS * self.n * count else None
+        blocks = int(np.prod([pa.count for pa in tile.panels]))
         via = table_flops(self.n, self.d, self.ncols, count, K)
-        return panels if via + 1e6 * min(blocks, count) < 0.5 * dense else None
-
-    def _panel_factors(self, panels, shifts) -> list:
-        """Per axis: e^{b_g yhat_k - shift_g} (n, P q) at the panel nodes."""
-        out = []
-        for (nodes, _), pa, sh in zip(self.axes, panels, shifts):
-            r = np.multiply.outer(nodes, pa.nodes)
-            r -= sh[:, None]
-            out.append(np.exp(r, out=r))
-        return out
+        return tile.panels if via + 1e6 * min(blocks, count) < 0.5 * dense else None
 
     def _spread(self, panels, pts, cols) -> np.ndarray:
         """W[c, k0, k1] = sum_j cols[j, c] L_k0(y0_j) L_k1(y1_j): the sources on the
@@ -339,18 +534,28 @@ class LaplaceTable(HeadSums):
             return panel_spread(self.lib, panels, pts, cols)
         loc = [pa.locate(pts[:, a]) for a, pa in enumerate(panels)]
         if self.d == 1:
-            W = np.zeros((self.ncols, len(panels[0].nodes)))
+            W = np.zeros((cols.shape[1], len(panels[0].nodes)))
             for p0, idx in blocks_by_key(loc[0][0]):
                 W[:, p0 * q:(p0 + 1) * q] += cols[idx].T @ loc[0][1][idx]
             return W
         P1 = panels[1].count
-        W = np.zeros((self.ncols, len(panels[0].nodes), len(panels[1].nodes)))
+        W = np.zeros((cols.shape[1], len(panels[0].nodes), len(panels[1].nodes)))
         for key, idx in blocks_by_key(loc[0][0] * P1 + loc[1][0]):
             p0, p1 = divmod(key, P1)
             right = (cols[idx][:, :, None] * loc[1][1][idx][:, None, :]).reshape(len(idx), -1)
-            blk = (loc[0][1][idx].T @ right).reshape(q, self.ncols, q)
+            blk = (loc[0][1][idx].T @ right).reshape(q, cols.shape[1], q)
             W[:, p0 * q:(p0 + 1) * q, p1 * q:(p1 + 1) * q] += blk.transpose(1, 0, 2)
         return W
+
+    @staticmethod
+    def _through(E, W) -> np.ndarray:
+        """E_1 W E_2^T (d = 2; W (ncols, K1, K2)) or W E_1^T (d = 1), associated so that
+        the n^2 product runs over the shorter side of W."""
+        if len(E) == 1:
+            return W @ E[0].T
+        if W.shape[2] <= W.shape[1]:
+            return np.matmul(E[0], W) @ E[1].T
+        return E[0] @ np.matmul(W, E[1].T)
 
     def _chunks(self, pts, shifts):
         """(slice, per-axis shifted factors e^{b_g y_j - shift_g} (n, chunk)) by source block."""
@@ -363,66 +568,53 @@ class LaplaceTable(HeadSums):
                 E.append(np.exp(r, out=r))
             yield blk, E
 
+    def _columns(self) -> np.ndarray:
+        """[w, w y_1 .. w y_d (, |w|)] for this rank's sources, (M, ncols)."""
+        w, y = self.weights, self.layout.points
+        cols = [w, *(w * y[:, a] for a in range(self.d))] + ([np.abs(w)] if self.signed else [])
+        return np.column_stack(cols) if len(w) else np.zeros((0, self.ncols))
+
     def _build(self):
         d, n = self.d, self.n
+        lay = self.layout
+        cols = self._columns()
+        factors = lay.factors(self.axes)
+        local = np.zeros((len(lay.tiles), self.ncols) + (n,) * d)
         self.tile_data = []   # per tile: (shifts, panels or None), for the reverse sums
-        sums, logscale = [], []
-        for pts, w, _ in self.tiles:
-            lo, hi = coordinate_range(pts, self.comm)
-            shifts = self._shifts(lo, hi)
-            panels = self._panels(lo, hi, self.comm.allreduce(len(pts), op=MPI.SUM))
-            cols = self._moment_columns(pts, w)              # (M, ncols)
-            local = np.zeros((self.ncols,) + (n,) * d)
-            if panels is not None:                           # E_1 W E_2^T over the panel nodes
-                E = self._panel_factors(panels, shifts)
-                W = self._spread(panels, pts, cols)
-                if d == 1:
-                    local += W @ E[0].T
-                else:
-                    local += np.stack([E[0] @ Wc @ E[1].T for Wc in W])
-            else:
-                for blk, E in self._chunks(pts, shifts):
-                    if d == 1:
-                        local += (E[0] @ cols[blk]).T
-                    else:   # one product for all columns: [E0 c_0; E0 c_1; ...] E1^T
-                        left = (E[0][None, :, :] * cols[blk].T[:, None, :]).reshape(-1, E[0].shape[1])
-                        local += (left @ E[1].T).reshape(self.ncols, n, n)
-            total = np.empty(local.shape)
-            self.comm.Allreduce(local, total, op=MPI.SUM)
-            scale = shifts[0] if d == 1 else shifts[0][:, None] + shifts[1][None, :]
+        for t, (tile, (shifts, E)) in enumerate(zip(lay.tiles, factors)):
+            panels = self._panels(tile)
             self.tile_data.append((shifts, panels))
-            sums.append(total)
-            logscale.append(scale)
-        # combine tiles by log-sum-exp per node: ref = max_t (scale_t + log Z_t)
+            if len(tile.index) == 0:
+                continue
+            c = cols[tile.index]
+            if panels is not None:          # E_1 W E_2^T through this rank's panel nodes
+                local[t] = self._through(E, self._spread(tile.local_panels, tile.pts, c))
+                continue
+            for blk, Eb in self._chunks(tile.pts, shifts):
+                if d == 1:
+                    local[t] += (Eb[0] @ c[blk]).T
+                else:   # one product for all columns: [E0 c_0; E0 c_1; ...] E1^T
+                    left = (Eb[0][None, :, :] * c[blk].T[:, None, :]).reshape(-1, Eb[0].shape[1])
+                    local[t] += (left @ Eb[1].T).reshape(self.ncols, n, n)
+        self.comm.Allreduce(MPI.IN_PLACE, local, op=MPI.SUM)
+        # combine tiles by log-sum-exp per node on the positive column (Z, or N if signed)
+        norm = self.ncols - 1 if self.signed else 0
+        scales = [sh[0] if d == 1 else sh[0][:, None] + sh[1][None, :] for sh, _ in self.tile_data]
         with np.errstate(divide="ignore"):
-            logs = [ls + np.log(np.maximum(sm[0], 0.0)) for ls, sm in zip(logscale, sums)]
+            logs = [ls + np.log(np.maximum(sm[norm], 0.0)) for ls, sm in zip(scales, local)]
         ref = np.max(logs, axis=0)
         ref = np.where(np.isfinite(ref), ref, 0.0)
-        S = sum(np.exp(ls - ref) * sm for ls, sm in zip(logscale, sums))
-        Z = S[0]
-        if np.any(~(Z > 0)):
-            raise FloatingPointError("laplace table: the partition function vanishes "
-                                     "(negative or underflowing weights)")
-        self.log_z = np.log(Z) + ref
-        self.Zhat = Z
+        S = sum(np.exp(ls - ref) * sm for ls, sm in zip(scales, local))
+        N = S[norm]
+        if np.any(~(N > 0)):
+            raise FloatingPointError("laplace table: the partition function vanishes ("
+                                     + ("underflowing weights)" if self.signed else
+                                        "negative or underflowing weights)"))
+        self.log_z = np.log(N) + ref
+        self.Zhat = N
         self.ref = ref
-        self.m = S[1:1 + d] / Z                              # (d, grid)
-        if self.order >= 2:
-            C = np.empty((d, d) + Z.shape)
-            c = 1 + d
-            for a in range(d):
-                for b in range(a, d):
-                    C[a, b] = S[c] / Z - self.m[a] * self.m[b]
-                    C[b, a] = C[a, b]
-                    c += 1
-            self.C = C
-
-    def _moment_columns(self, pts, w):
-        d = self.d
-        cols = [w, *(w * pts[:, a] for a in range(d))]
-        if self.order >= 2:
-            cols += [w * pts[:, a] * pts[:, b] for a in range(d) for b in range(a, d)]
-        return np.array(cols).T if len(cols[0]) else np.zeros((0, self.ncols))
+        values = list(S[1:1 + d] / N) + ([S[0] / N] if self.signed else [])
+        self.values = np.array(values)                         # (ncomp, grid)
 
     # ------------------------------------------------------------------ evaluation
     CHUNK = 2048  # points per block: the (chunk x n) weights stay in cache
@@ -453,122 +645,105 @@ class LaplaceTable(HeadSums):
             out[blk] = self._apply(self._weights(b[blk]), stacked, len(tables))
         return out
 
-    def means(self, b: np.ndarray) -> np.ndarray:
-        """m(b) of the interpolant at points b (P, d) -> (P, d)."""
-        return self.evaluate(b, list(self.m))
-
-    def covariances(self, b: np.ndarray) -> np.ndarray:
-        """C(b) (P, d, d) interpolated from the order-2 table."""
-        d = self.d
-        pairs = [(a, c) for a in range(d) for c in range(a, d)]
-        vals = self.evaluate(b, [self.C[a, c] for a, c in pairs])
-        out = np.empty((b.shape[0], d, d))
-        for i, (a, c) in enumerate(pairs):
-            out[:, a, c] = out[:, c, a] = vals[:, i]
-        return out
-
     def derivative_tables(self) -> list:
-        """d m_k / d b_a of the interpolant on the grid, [a][k] (differentiation matrices)."""
+        """d value_k / d b_a of the interpolant on the grid, [a][k] (differentiation matrices)."""
         out = []
         for a, (nodes, lam) in enumerate(self.axes):
             D = differentiation_matrix(nodes, lam)
-            out.append([np.moveaxis(np.tensordot(D, self.m[k], axes=(1, a)), 0, a)
-                        for k in range(self.d)])
+            out.append([np.moveaxis(np.tensordot(D, v, axes=(1, a)), 0, a) for v in self.values])
         return out
 
-    def jacobians(self, b: np.ndarray) -> np.ndarray:
-        """d m_k / d b_a of the interpolant at b: (P, d, d) [k, a]."""
-        d = self.d
-        vals = self.evaluate(b, [t for per_axis in self.derivative_tables() for t in per_axis])
-        return vals.reshape(-1, d, d).transpose(0, 2, 1)
+    def interpolate(self, b: np.ndarray, jacobian: bool = False):
+        """The table values at points b (P, d) -> (P, ncomp); with ``jacobian`` also their
+        derivatives (P, ncomp, d) [k, a]."""
+        nc, d, P = self.ncomp, self.d, b.shape[0]
+        tables = list(self.values)
+        if jacobian:
+            tables += [t for per_axis in self.derivative_tables() for t in per_axis]
+        vals = self.evaluate(b, tables)
+        if not jacobian:
+            return vals
+        return vals[:, :nc], vals[:, nc:].reshape(P, d, nc).transpose(0, 2, 1)
+
+    def transpose(self, b: np.ndarray, cbar: np.ndarray) -> np.ndarray:
+        """sum_p cbar[p, k] W(b_p) (the transposed interpolation), summed over ranks."""
+        local = np.zeros(self.values.shape)
+        for blk in self._blocks(b.shape[0]):
+            W = self._weights(b[blk])
+            for k in range(self.ncomp):
+                if self.d == 1:
+                    local[k] += W[0].T @ cbar[blk, k]
+                else:
+                    local[k] += (W[0] * cbar[blk, k:k + 1]).T @ W[1]
+        self.comm.Allreduce(MPI.IN_PLACE, local, op=MPI.SUM)
+        return local
 
     # ------------------------------------------------------------------ reverse mode
-    def reverse(self, b: np.ndarray, u: np.ndarray):
-        """One pass over the points b (P, d) with cotangents u (P, d) of m(b): returns
-        m (P, d), the Jacobians dm/db (P, d, d) [k, a] and the table cotangent
-        mbar[k] = sum_p u[p, k] W(b_p) (summed over ranks)."""
-        d, P = self.d, b.shape[0]
-        tables = list(self.m) + [t for per_axis in self.derivative_tables() for t in per_axis]
-        stacked = self._stack(tables)
-        vals = np.empty((P, len(tables)))
-        local = np.zeros((d,) + self.m.shape[1:])
-        for blk in self._blocks(P):
-            W = self._weights(b[blk])
-            vals[blk] = self._apply(W, stacked, len(tables))
-            for k in range(d):
-                if d == 1:
-                    local[k] += W[0].T @ u[blk, k]
-                else:
-                    local[k] += (W[0] * u[blk, k:k + 1]).T @ W[1]
-        mbar = np.empty_like(local)
-        self.comm.Allreduce(local, mbar, op=MPI.SUM)
-        J = vals[:, d:].reshape(P, d, d).transpose(0, 2, 1)
-        return vals[:, :d], J, mbar
-
     def _source_sums(self, grids: list) -> np.ndarray:
-        """S[j, i] = sum_g e^{<b_g, y_j>} / Z_g X_i[g] for this rank's sources (original
+        """S[j, i] = sum_g e^{<b_g, y_j>} / N_g X_i[g] for this rank's sources (their
         order) and grid arrays X_i: transposed factorised sums, diag(E_1^T X E_2) per
-        source block, in the tiles' shifted scales (through the panel nodes where the
-        table was built on them: G = E_1^T X E_2 there, then each source's Lagrange
+        source block, in the tiles' shifted scales (through this rank's panel nodes where
+        the table was built on them: G = E_1^T X E_2 there, then each source's Lagrange
         weights)."""
         d = self.d
-        out = np.zeros((sum(len(t[2]) for t in self.tiles), len(grids)))
-        for (shifts, panels), (pts, _, idx) in zip(self.tile_data, self.tiles):
+        lay = self.layout
+        out = np.zeros((len(lay.points), len(grids)))
+        for tile, (shifts, panels), (_, E) in zip(lay.tiles, self.tile_data, lay.factors(self.axes)):
+            pts = tile.pts
             if len(pts) == 0:
                 continue
             scale = shifts[0] if d == 1 else shifts[0][:, None] + shifts[1][None, :]
-            factor = np.exp(scale - self.ref) / self.Zhat     # e^{shift}/Z on the grid
+            factor = np.exp(scale - self.ref) / self.Zhat     # e^{shift}/N on the grid
             acc = np.empty((len(pts), len(grids)))
             if panels is not None:
-                E = self._panel_factors(panels, shifts)
-                q = panels[0].q
+                local = tile.local_panels
+                q = local[0].q
                 if d == 1:
-                    loc = [pa.locate(pts[:, a]) for a, pa in enumerate(panels)]
+                    loc = local[0].locate(pts[:, 0])
                     G = np.stack([E[0].T @ (X * factor) for X in grids], axis=1)     # (K, i)
-                    for p0, j in blocks_by_key(loc[0][0]):
-                        acc[j] = loc[0][1][j] @ G[p0 * q:(p0 + 1) * q]
+                    for p0, j in blocks_by_key(loc[0]):
+                        acc[j] = loc[1][j] @ G[p0 * q:(p0 + 1) * q]
                 else:
                     G = np.stack([E[0].T @ (X * factor) @ E[1] for X in grids])      # (i, K0, K1)
                     if self.lib is not None:
-                        acc = panel_gather(self.lib, panels, pts, G)
+                        acc = panel_gather(self.lib, local, pts, G)
                     else:
-                        loc = [pa.locate(pts[:, a]) for a, pa in enumerate(panels)]
-                        P1 = panels[1].count
+                        loc = [pa.locate(pts[:, a]) for a, pa in enumerate(local)]
+                        P1 = local[1].count
                         for key, j in blocks_by_key(loc[0][0] * P1 + loc[1][0]):
                             p0, p1 = divmod(key, P1)
                             g = G[:, p0 * q:(p0 + 1) * q, p1 * q:(p1 + 1) * q]
                             acc[j] = np.einsum("mk,ikl,ml->mi", loc[0][1][j], g, loc[1][1][j])
             else:
-                for blk, E in self._chunks(pts, shifts):
+                for blk, Eb in self._chunks(pts, shifts):
                     for i, X in enumerate(grids):
                         if d == 1:
-                            acc[blk, i] = E[0].T @ (X * factor)
+                            acc[blk, i] = Eb[0].T @ (X * factor)
                         else:
-                            acc[blk, i] = np.einsum("jc,cj->j", E[0].T @ (X * factor), E[1])
-            out[idx] = acc
+                            acc[blk, i] = np.einsum("jc,cj->j", Eb[0].T @ (X * factor), Eb[1])
+            out[tile.index] = acc
         return out
 
-    def _own_sources(self) -> tuple[np.ndarray, np.ndarray]:
-        """This rank's source points and weights in their original order."""
-        M = sum(len(t[2]) for t in self.tiles)
-        y, w = np.empty((M, self.d)), np.empty(M)
-        for pts, wt, idx in self.tiles:
-            y[idx], w[idx] = pts, wt
-        return y, w
-
     def source_cotangents(self, mbar: np.ndarray, positions: bool = False):
-        """d<mbar, m>/dw_j and, with ``positions``, d<mbar, m>/dy_j (M, d) for this rank's
-        sources (original order), in one pass over them, with
-        dm_g/dw_j = e^{<b_g, y_j>} (y_j - m_g) / Z_g and
+        """d<mbar, values>/dw_j and, with ``positions``, d<mbar, values>/dy_j (M, d) for
+        this rank's sources (their order), in one pass over them. With the values
+        c_k = num_k / N: dc_g/dw_j = e^{<b_g, y_j>} (dnum/dw_j - c_g dN/dw_j) / N_g, where
+        num = S_y, N = Z (nonnegative weights: dm/dw_j = e (y_j - m) / Z) or num = (S_y, Z),
+        N = sum |w| e (signed: dN/dw_j = sign w_j); for positions (nonnegative weights)
         dm_g/dy_j = w_j e^{<b_g, y_j>} / Z_g [I + (y_j - m_g) b_g^T], i.e.
         ybar_j,c = w_j sum_g e^{<b_g,y_j>}/Z_g [mbar_c + (mbar . (y_j - m_g)) b_g,c]."""
         d = self.d
-        y, w = self._own_sources()
-        mm = sum(mbar[k] * self.m[k] for k in range(d))
-        grids = [-mm] + list(mbar)
+        y, w = self.layout.points, self.weights
+        cc = np.einsum("k...,k...->...", mbar, self.values)
+        if self.signed:
+            if positions:
+                raise ValueError("position cotangents need nonnegative weights (particles)")
+            S = self._source_sums([-cc, mbar[d]] + list(mbar[:d]))
+            return np.sign(w) * S[:, 0] + S[:, 1] + np.einsum("jk,jk->j", y, S[:, 2:]), None
+        grids = [-cc] + list(mbar)
         if positions:
             nodes = [self.axes[0][0]] if d == 1 else np.meshgrid(self.axes[0][0], self.axes[1][0], indexing="ij")
-            grids += [X for c in range(d) for X in [mbar[c] - mm * nodes[c]] + [mbar[k] * nodes[c] for k in range(d)]]
+            grids += [X for c in range(d) for X in [mbar[c] - cc * nodes[c]] + [mbar[k] * nodes[c] for k in range(d)]]
         S = self._source_sums(grids)
         wbar = S[:, 0] + np.einsum("jk,jk->j", y, S[:, 1:1 + d])
         if not positions:
@@ -577,43 +752,72 @@ class LaplaceTable(HeadSums):
         return wbar, w[:, None] * (P[:, :, 0] + np.einsum("jk,jck->jc", y, P[:, :, 1:]))
 
     def weights_cotangent(self, mbar: np.ndarray) -> np.ndarray:
-        """d<mbar, m>/dw_j (:meth:`source_cotangents`)."""
+        """d<mbar, values>/dw_j (:meth:`source_cotangents`)."""
         return self.source_cotangents(mbar)[0]
 
     def points_cotangent(self, mbar: np.ndarray) -> np.ndarray:
-        """d<mbar, m>/dy_j (:meth:`source_cotangents`)."""
+        """d<mbar, values>/dy_j (:meth:`source_cotangents`)."""
         return self.source_cotangents(mbar, positions=True)[1]
+
+    # ------------------------------------------------------------------ accuracy
+    def local_shells(self) -> np.ndarray:
+        """Per group (:attr:`groups`): the largest Chebyshev coefficient of each shell,
+        relative to the group's largest value, over this rank's share of coefficient
+        rows (d = 2; max over ranks gives all of them). In 1-D every rank does it all."""
+        n = self.n
+        out = np.zeros((len(self.groups), n))
+        if self.d == 1:
+            rows, D = slice(0, n), dct_matrix(n)
+        else:
+            rows, D = share(n, self.comm), dct_matrix(n)
+        for i, grp in enumerate(self.groups):
+            tables = self.values[grp]
+            scale = max(float(np.abs(tables).max()), 1e-300)
+            for t in tables:
+                if self.d == 1:
+                    shell = np.abs(D @ t)
+                else:
+                    shell = shell_maxima(np.abs((D[rows] @ t) @ D.T), rows.start)
+                np.maximum(out[i], shell / scale, out=out[i])
+        return out
 
 
 class FineGrid(HeadSums):
     """Second level for many points (d = 2): the table's Chebyshev interpolant sampled
-    on a uniform nf x nf grid (two small matrix products), then interpolated locally by
-    tensor Lagrange polynomials of degree P_LOCAL (P_LOCAL + 1 points per axis). The
-    cost per point no longer grows with n; the map stays piecewise polynomial, and its
-    reverse mode is the exact transpose (scatter-add, then the transposed sampling)."""
+    on a uniform nf x nf grid (two small matrix products, rows divided over ranks and
+    all-gathered), then interpolated locally by tensor Lagrange polynomials of degree
+    P_LOCAL (P_LOCAL + 1 points per axis). The cost per point no longer grows with n; the
+    map stays piecewise polynomial, and its reverse mode is the exact transpose
+    (scatter-add, then the transposed sampling). Each node holds the table's values
+    interleaved: (m_0, m_1), or (mu_0, mu_1, zeta, 0) for signed weights."""
 
     P_LOCAL = 5
 
-    def __init__(self, table: "LaplaceTable", nf: int, lib="every rank"):
+    def __init__(self, table: "LaplaceTable", nf: int, lib=EVERY_RANK):
         p = self.P_LOCAL
         if nf < p + 1:
             raise ValueError(f"FineGrid: nf = {nf} points per axis, the stencil needs {p + 1}")
-        self.table, self.nf = table, nf
+        self.table, self.nf, self.d, self.signed = table, nf, table.d, table.signed
+        self.width = 4 if table.signed else 2        # values per node (the compiled layouts)
         self.h = (table.hi - table.lo) / (nf - 1)
         # S_a (nf x n): the Chebyshev interpolant's values at the uniform points of axis a
         self.sample = [barycentric_weights(table.lo[a] + self.h[a] * np.arange(nf), nodes, lam)
                        for a, (nodes, lam) in enumerate(table.axes)]
-        self.flat = self._sampled(list(table.m))            # m on the fine grid
+        self.flat = self._sampled()
         self._den = np.array([np.prod([a - c for c in range(p + 1) if c != a]) for a in range(p + 1)])
         # the compiled loop, if every rank has it (a collective call unless given)
-        self.lib = kernels_on(table.comm) if lib == "every rank" else lib
+        self.lib = kernels_on(table.comm) if lib is EVERY_RANK else lib
         if p != KERNEL_DEGREE:
             self.lib = None
 
-    def _sampled(self, tables: list) -> np.ndarray:
-        nf = self.nf
-        vals = np.stack([self.sample[0] @ t @ self.sample[1].T for t in tables], axis=-1)
-        return vals.reshape(nf * nf, len(tables))
+    def _sampled(self) -> np.ndarray:
+        """The values on the fine grid, (nf * nf, width): this rank's rows, then all."""
+        nf, comm = self.nf, self.table.comm
+        rows = share(nf, comm)
+        local = np.zeros((rows.stop - rows.start, nf, self.width))
+        values = np.matmul(np.matmul(self.sample[0][rows], self.table.values), self.sample[1].T)
+        local[:, :, :len(values)] = values.transpose(1, 2, 0)
+        return allgather_shares(comm, local, nf).reshape(nf * nf, self.width)
 
     def _locate(self, b: np.ndarray):
         """Stencil start, local Lagrange weights and their t-derivatives per axis:
@@ -638,39 +842,42 @@ class FineGrid(HeadSums):
                + start[:, 1][:, None, None] + c[None, None, :])
         return idx, L, dL
 
-    def means(self, b: np.ndarray) -> np.ndarray:
-        """m at points b (P, d) from the sampled tables."""
-        out = np.empty((b.shape[0], self.table.d))
-        for blk in self.table._blocks(b.shape[0]):
-            idx, L, _ = self._locate(b[blk])
-            g = self.flat[idx]                               # (P, p+1, p+1, d)
-            out[blk] = np.einsum("pak,pa->pk", np.einsum("pack,pc->pak", g, L[1]), L[0])
-        return out
-
-    def reverse(self, b: np.ndarray, u: np.ndarray):
-        """As LaplaceTable.reverse, for this two-level interpolant."""
-        d, nf, P = self.table.d, self.nf, b.shape[0]
-        m = np.empty((P, d))
-        J = np.empty((P, d, d))
-        acc = np.zeros((d, nf * nf))
+    def interpolate(self, b: np.ndarray, jacobian: bool = False):
+        """As LaplaceTable.interpolate, for this two-level interpolant (numpy)."""
+        nc, P = self.table.ncomp, b.shape[0]
+        c = np.empty((P, nc))
+        Jc = np.empty((P, nc, 2)) if jacobian else None
         for blk in self.table._blocks(P):
             idx, L, dL = self._locate(b[blk])
-            g = self.flat[idx]                               # (n, p+1, p+1, d)
+            g = self.flat[idx][..., :nc]                      # (P, p+1, p+1, nc)
             g2 = np.einsum("pack,pc->pak", g, L[1])
-            m[blk] = np.einsum("pak,pa->pk", g2, L[0])
-            J[blk, :, 0] = np.einsum("pak,pa->pk", g2, dL[0]) / self.h[0]
-            J[blk, :, 1] = np.einsum("pack,pc,pa->pk", g, dL[1], L[0]) / self.h[1]
+            c[blk] = np.einsum("pak,pa->pk", g2, L[0])
+            if jacobian:
+                Jc[blk, :, 0] = np.einsum("pak,pa->pk", g2, dL[0]) / self.h[0]
+                Jc[blk, :, 1] = np.einsum("pack,pc,pa->pk", g, dL[1], L[0]) / self.h[1]
+        return c if not jacobian else (c, Jc)
+
+    def transpose(self, b: np.ndarray, cbar: np.ndarray) -> np.ndarray:
+        """As LaplaceTable.transpose: scatter-add onto the fine grid, then the transposed
+        sampling."""
+        nf = self.nf
+        acc = np.zeros((self.width, nf * nf))
+        for blk in self.table._blocks(b.shape[0]):
+            idx, L, _ = self._locate(b[blk])
             w = (L[0][:, :, None] * L[1][:, None, :]).reshape(len(idx), -1)
-            for k in range(d):
+            for k in range(self.table.ncomp):
                 acc[k] += np.bincount(idx.reshape(len(idx), -1).ravel(),
-                                      (w * u[blk, k:k + 1]).ravel(), minlength=nf * nf)
-        return m, J, self._table_cotangent(acc)
+                                      (w * cbar[blk, k:k + 1]).ravel(), minlength=nf * nf)
+        return self._table_cotangent(acc)
 
     def velocity(self, x, A, V):
         lib = self.lib
         if lib is None:
             return super().velocity(x, A, V)
-        return fine_velocity(lib, self.flat, self.nf, self.table.lo, self.h, self.P_LOCAL, x, A, V)
+        stats = np.zeros(2) if self.signed else None
+        v = fine_velocity(lib, self.flat, self.nf, self.table.lo, self.h, self.P_LOCAL, x, A, V, stats)
+        self.conditioning = stats
+        return v
 
     def velocity_vjp(self, x, A, V, g, positions: bool = False):
         lib = self.lib
@@ -681,32 +888,87 @@ class FineGrid(HeadSums):
         return self._table_cotangent(acc), dA, dV, xbar
 
     def _table_cotangent(self, acc: np.ndarray) -> np.ndarray:
-        """Fine-grid cotangents (d, nf*nf) to table cotangents, summed over ranks."""
-        nf = self.nf
-        local = np.stack([self.sample[0].T @ a.reshape(nf, nf) @ self.sample[1] for a in acc])
-        mbar = np.empty_like(local)
-        self.table.comm.Allreduce(local, mbar, op=MPI.SUM)
-        return mbar
+        """Fine-grid cotangents (width, nf*nf) of this rank's targets to table cotangents
+        (ncomp, n, n), summed over ranks: the fine-grid sums are reduced onto each rank's
+        share of rows (Reduce_scatter), which it samples back (S_0^T X S_1), then one
+        Allreduce of the tables."""
+        nf, nc, comm = self.nf, self.table.ncomp, self.table.comm
+        X = reduce_shares(comm, acc[:nc].reshape(nc, nf, nf).transpose(1, 0, 2))  # (rows, nc, nf)
+        S0 = self.sample[0][share(nf, comm)]
+        local = np.stack([S0.T @ X[:, k, :] @ self.sample[1] for k in range(nc)])
+        comm.Allreduce(MPI.IN_PLACE, local, op=MPI.SUM)
+        return local
 
-    def error(self, check: tuple | None = None) -> float:
-        """Largest difference to the Chebyshev interpolant at the points of ``check``
-        (default :func:`error_samples`), relative to the size of m."""
+    def local_errors(self, b: np.ndarray) -> np.ndarray:
+        """Per group (LaplaceTable.groups): the largest difference to the Chebyshev
+        interpolant at the points b, relative to the group's largest table value."""
         t = self.table
-        b, ref = check if check is not None else error_samples(t)
-        if self.lib is not None:     # m(b) as the velocity of one head with A = V = I
-            eye = np.eye(t.d)[None]
-            mine = self.velocity(b, eye, eye)
-        else:
-            mine = self.means(b)
-        return float(np.abs(mine - ref).max() / max(np.abs(t.m).max(), 1e-300))
+        mine, ref = self.interpolate(b), t.interpolate(b)
+        out = np.zeros(len(t.groups))
+        for i, grp in enumerate(t.groups):
+            scale = max(float(np.abs(t.values[grp]).max()), 1e-300)
+            out[i] = np.max(np.abs(mine[:, grp] - ref[:, grp]), initial=0.0) / scale
+        return out
+
+    def error(self, check: np.ndarray | None = None) -> float:
+        """The largest relative difference to the Chebyshev interpolant over all ranks'
+        check points (this rank's: ``check``, default :func:`own_samples`) and the groups;
+        one Allreduce."""
+        local = self.local_errors(own_samples(self.table) if check is None else check)
+        self.table.comm.Allreduce(MPI.IN_PLACE, local, op=MPI.MAX)
+        return float(local.max())
 
 
-def error_samples(table: "LaplaceTable", samples: int = 400) -> tuple[np.ndarray, np.ndarray]:
-    """(b, m(b)) of the Chebyshev interpolant at fixed pseudo-random points of the box
-    (the same points on every rank): what FineGrid.error compares with."""
+def error_samples(table: "LaplaceTable", samples: int = 400) -> np.ndarray:
+    """Fixed pseudo-random points of the box (the same on every rank), where the fine
+    grid is compared with the Chebyshev interpolant; each rank takes its share."""
     rng = np.random.default_rng(12345)
-    b = table.lo + (table.hi - table.lo) * rng.random((samples, table.d))
-    return b, table.means(b)
+    return table.lo + (table.hi - table.lo) * rng.random((samples, table.d))
+
+
+@dataclass
+class Assessment:
+    """Errors of a table (per group: the coefficient-tail estimate and the decay fit) and
+    of its fine grid (per group, sampled), all relative to the group's largest value."""
+
+    estimates: list
+    fits: list            # (top, slope, intercept) per group
+    fine: list | None
+
+    @property
+    def estimate(self) -> float:
+        return max(self.estimates)
+
+    @property
+    def fine_error(self) -> float:
+        return max(self.fine) if self.fine is not None else 0.0
+
+    def predicted(self, tol: float) -> float:
+        """The size at which every group's extrapolated estimate meets tol."""
+        return max(predicted_size(s, c, tol) for _, s, c in self.fits)
+
+
+def own_samples(table: "LaplaceTable") -> np.ndarray:
+    """This rank's share of :func:`error_samples`."""
+    b = error_samples(table)
+    return b[share(len(b), table.comm)]
+
+
+def assess(table: "LaplaceTable", fine: FineGrid | None = None, check: np.ndarray | None = None
+           ) -> Assessment:
+    """The table's error estimate and, with ``fine``, the fine grid's sampled error at
+    ``check``, this rank's check points (default :func:`own_samples`): each rank computes
+    its share of coefficient rows and its check points, one Allreduce."""
+    groups = len(table.groups)
+    parts = [table.local_shells().ravel()]
+    if fine is not None:
+        parts.append(fine.local_errors(own_samples(table) if check is None else check))
+    buf = np.concatenate(parts)
+    table.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+    shells = buf[:groups * table.n].reshape(groups, table.n)
+    fits = [decay_fit(s) for s in shells]
+    estimates = [tail_estimate(top, slope, table.n) for top, slope, _ in fits]
+    return Assessment(estimates, fits, list(buf[groups * table.n:]) if fine is not None else None)
 
 
 def fine_from(lib) -> int:
@@ -718,17 +980,20 @@ def fine_from(lib) -> int:
 FINE_MAX = 8       # the fine grid has at most FINE_MAX n points per axis
 
 
-def fine_grid(table: "LaplaceTable", tol: float, nf: int | None = None):
+def fine_grid(table: "LaplaceTable", tol: float, nf: int | None = None, lib=EVERY_RANK,
+              check: np.ndarray | None = None):
     """A FineGrid whose local error is below tol/2 (its sampled estimate below tol/4), or
     None when interpolating directly from the table is the better choice (or nothing up
     to FINE_MAX n meets it). The size: the error of local degree-p interpolation falls
     like h^(p+1), so from the error e_1 of the grid with n points per axis the grid with
     n (4 e_1 / tol)^(1/(p+1)) points should meet tol/4 (measured e_1/e_2 = 55-66 against
     64 for p = 5); it is built with 10% to spare, checked, and enlarged by 1.25 while it
-    misses."""
+    misses. With ``nf``: that grid, unchecked. ``check``: this rank's check points
+    (default :func:`own_samples`)."""
     if table.d != 2:
         return None
-    lib = kernels_on(table.comm)                 # one collective call for all candidates
+    if lib is EVERY_RANK:
+        lib = kernels_on(table.comm)                 # one collective call for all candidates
     if nf is not None:
         return FineGrid(table, nf, lib)
     if table.n < fine_from(lib):
@@ -736,23 +1001,17 @@ def fine_grid(table: "LaplaceTable", tol: float, nf: int | None = None):
     # the local error is to stay below tol/2; its sampled estimate saw 0.4-0.8 of the
     # largest error over all b of the benchmark's targets, so the samples must show tol/4
     goal = tol / 4
-
-    check = error_samples(table)          # one reference for every candidate grid
-
-    def error(fg):            # the largest over ranks: every rank takes the same grid
-        return table.comm.allreduce(fg.error(check), op=MPI.MAX)
-
-    fg = FineGrid(table, table.n, lib)
-    err = error(fg)
-    if err <= goal:
-        return fg
-    p1 = FineGrid.P_LOCAL + 1
-    size = table.n * 1.1 * (err / goal) ** (1.0 / p1) if np.isfinite(err) else np.inf
+    size = table.n
     while size <= FINE_MAX * table.n:
         fg = FineGrid(table, int(np.ceil(size)), lib)
-        if error(fg) <= goal:
+        err = fg.error(check)
+        if err <= goal:
             return fg
-        size *= 1.25
+        if size == table.n:
+            p1 = FineGrid.P_LOCAL + 1
+            size = table.n * 1.1 * (err / goal) ** (1.0 / p1) if np.isfinite(err) else np.inf
+        else:
+            size *= 1.25
     return None
 
 
@@ -771,51 +1030,257 @@ def subsample(points: np.ndarray, fraction: float) -> np.ndarray:
     return np.modf(np.abs(points @ c) * 43758.5453)[0] < fraction
 
 
-def choose_table(points, weights, b_lo, b_hi, comm, tol: float, order: int = 1,
-                 n_max: int = N_MAX):
+def size_index(want: float, sizes: tuple, start: int = 0) -> int:
+    """The first index from ``start`` whose size reaches ``want`` (the last if none)."""
+    return next((j for j in range(start, len(sizes)) if sizes[j] >= want), len(sizes) - 1)
+
+
+def choose_table(points, weights, b_lo, b_hi, comm, tol: float, n_max: int = N_MAX,
+                 signed: bool | None = None, layout: SourceLayout | None = None, lib=EVERY_RANK,
+                 start: int | None = None):
     """A table on the rounded box whose error estimate meets ``tol``; returns (table,
-    estimate). Sizes come from SIZES (up to n_max). The size is searched on trial tables
-    of a subsample of the sources (about SUBSAMPLE of them; all when there are fewer),
-    starting at 33 and jumping to PREDICTION_MARGIN times the size where the fitted
-    coefficient decay predicts tol (TRIAL_BUILDS trial tables; the last prediction is
-    taken without building); the table of all sources is then built at that size, and
+    estimate); ``table.assessment`` holds the errors per group. Sizes come from SIZES (up
+    to n_max). Without ``start`` (an index into the sizes) the size is searched on trial
+    tables of a subsample of the sources (about SUBSAMPLE of them; all when there are
+    fewer), starting at 33 and jumping to PREDICTION_MARGIN times the size where the
+    fitted coefficient decay predicts tol (TRIAL_BUILDS trial tables; the last prediction
+    is taken without building); the table of all sources is then built at that size, and
     larger ones only while its own estimate misses tol. The search depends on the
     sources and the box alone, so the same inputs give the same table on any number of
     ranks. If no size meets tol, the largest is returned with its estimate (the caller
     decides)."""
     lo, hi = grid_box(np.asarray(b_lo, float), np.asarray(b_hi, float))
     sizes = [n for n in SIZES if n <= n_max] or [N_MIN]
-    total = comm.allreduce(len(points), op=MPI.SUM)
+    if signed is None:
+        signed = any_negative(weights, comm)
+    if lib is EVERY_RANK:
+        lib = kernels_on(comm) if points.shape[1] == 2 else None
 
-    def search(pts, w, i, builds=None, tiles=None):
+    def search(pts, w, i, lay, builds=None):
         """Build at sizes[i], then at larger sizes (at least the predicted one) until tol;
         after ``builds`` tables that miss it, the predicted index without building."""
+        first = i
         while True:
-            table = LaplaceTable(pts, w, lo, hi, sizes[i], comm, order, tiles)
-            tiles = table.tiles
-            top, slope, icpt = coefficient_decay(list(table.m))
-            est = tail_estimate(top, slope, table.n)
+            table = LaplaceTable(pts, w, lo, hi, sizes[i], comm, signed, lay, lib)
+            lay = table.layout
+            table.assessment = assess(table)
+            est = table.assessment.estimate
             if est <= tol or i + 1 == len(sizes):
                 return i, table, est
             # extrapolated from the coarse first table the prediction falls short
-            margin = PREDICTION_MARGIN if i == first else 1.0
-            want = margin * predicted_size(slope, icpt, tol)
-            i = next((j for j in range(i + 1, len(sizes)) if sizes[j] >= want), len(sizes) - 1)
+            margin = PREDICTION_MARGIN if i == first and start is None else 1.0
+            i = size_index(margin * table.assessment.predicted(tol), sizes, i + 1)
             if builds is not None:
                 builds -= 1
                 if builds == 0:
                     return i, None, None
 
-    first = start = sizes.index(33) if 33 in sizes else 0
-    if total > 2 * SUBSAMPLE:
+    i = start if start is not None else (sizes.index(33) if 33 in sizes else 0)
+    i = min(i, len(sizes) - 1)
+    total = comm.allreduce(len(points), op=MPI.SUM)
+    if start is None and total > 2 * SUBSAMPLE:
         keep = subsample(points, SUBSAMPLE / total)
         if comm.allreduce(int(keep.sum()), op=MPI.SUM) >= SUBSAMPLE // 4:   # not degenerate
             try:
-                start, _, _ = search(points[keep], weights[keep], start, builds=TRIAL_BUILDS)
-            except FloatingPointError:   # signed weights: the subsample's Z may vanish
+                i, _, _ = search(points[keep], weights[keep], i, None, builds=TRIAL_BUILDS)
+            except FloatingPointError:   # the subsample's N may vanish
                 pass
-    _, table, est = search(points, weights, start)
+    _, table, est = search(points, weights, i, layout)
     return table, est
+
+
+@dataclass(frozen=True)
+class TablePlan:
+    """How one velocity was summed through a laplace table: its box, its size n, its fine
+    grid (nf, or None for direct interpolation from the table) and whether it holds the
+    values of signed weights. The adjoint rebuilds exactly this table (the same map)."""
+
+    lo: tuple
+    hi: tuple
+    n: int
+    nf: int | None
+    signed: bool
+
+    def fits(self, lo: np.ndarray, hi: np.ndarray) -> bool:
+        """Whether the (rounded) box lo, hi lies inside this plan's box, and the plan's box
+        is not much wider (at most 1.5x per axis: a box far too wide costs accuracy)."""
+        plo, phi = np.array(self.lo), np.array(self.hi)
+        return bool(np.all(lo >= plo) and np.all(hi <= phi)
+                    and np.all(phi - plo <= 1.5 * (hi - lo)))
+
+
+SIGNED_MARGIN = 2.0   # signed weights: the sizes aim below tol by this first (m = mu/zeta
+                      # amplifies the values' errors by the conditioning, checked after)
+CHECK_POINTS = 400    # attained b where a fine grid is checked (a quarter when reused)
+RELAX = 8.0           # signed weights: a lowered target rises again (x2) when the bound is
+                      # this far below tol
+SHRINK_STEPS = 2      # a plan's size shrinks when its decay predicts a size this many
+                      # steps of SIZES smaller (hysteresis against growing back)
+
+
+class TablePlanner:
+    """The laplace tables of one velocity field. Per key (a prompt's layer) the last
+    :class:`TablePlan` is kept; the next evaluation builds its table on the same box, at
+    the same sizes, while the heads' (rounded) b-range stays inside the box, and judges it
+    by its own error estimate: kept if it meets tol (and the plan shrinks for the next
+    evaluation when the decay shows a size SHRINK_STEPS smaller would do), rebuilt at the
+    size its decay predicts if not. A fresh size search only when there is no plan or the
+    box no longer fits. Source layouts are cached per box while the sources stay; the
+    heads' b-range per key while the heads and targets stay.
+
+    With signed weights m = mu / zeta: after the interpolation the largest 1/|zeta| (kappa)
+    and |m| (M) over the targets bound the error of m by kappa (e_mu s_mu + M e_zeta s_zeta)
+    (e_g, s_g: relative errors and sizes of the values), which relative to max(M, s_mu)
+    must meet tol; if it does not, the sizes aim that much lower (remembered per key) and
+    the table is built again."""
+
+    def __init__(self, comm, tol: float):
+        self.comm, self.tol = comm, tol
+        self.plans: dict = {}
+        self.targets: dict = {}      # key -> the tol the sizes aim at (below tol if signed)
+        self._ranges: dict = {}      # key -> (A, targets, lo, hi)
+        self._layouts: dict = {}
+        self._points = None
+        self._lib = None
+        self.stats = {"searches": 0, "reused": 0, "rebuilt": 0}
+
+    # ------------------------------------------------------------------ caches
+    def lib(self):
+        if self._lib is None:
+            self._lib = (kernels_on(self.comm),)      # one collective call, once
+        return self._lib[0]
+
+    def layout(self, points, lo, hi) -> SourceLayout:
+        if points is not self._points:
+            self._points, self._layouts = points, {}
+        key = (tuple(lo), tuple(hi))
+        if key not in self._layouts:
+            if len(self._layouts) >= 64:
+                self._layouts.pop(next(iter(self._layouts)))
+            self._layouts[key] = SourceLayout(points, lo, hi, self.comm)
+        return self._layouts[key]
+
+    def _attained(self, key, x, A):
+        """(A, x, b_lo, b_hi, check): the b-range of the heads A at the targets x (all
+        ranks) and this rank's check points, b = A_h x for the targets a coordinate hash
+        picks (about CHECK_POINTS b over all ranks, the same on any number of ranks):
+        the fine grid is judged where it is used. Kept per key while A and x stay."""
+        cached = self._ranges.get(key)
+        if cached is None or cached[1] is not x or not np.array_equal(cached[0], A):
+            lo, hi = b_range(x, A, self.comm)
+            count = self.comm.allreduce(len(x), op=MPI.SUM) * len(A)
+            picked = x[subsample(x, CHECK_POINTS / max(count, 1))] if len(x) else x
+            check = np.einsum("hij,nj->hni", A, picked).reshape(-1, x.shape[1])
+            cached = self._ranges[key] = (A.copy(), x, lo, hi, check)
+        return cached
+
+    def b_range(self, key, x, A):
+        return self._attained(key, x, A)[2:4]
+
+    # ------------------------------------------------------------------ tables
+    def replay(self, points, weights, plan: TablePlan):
+        """The table and interpolant of ``plan`` for these sources (the adjoint's)."""
+        lo, hi = np.array(plan.lo), np.array(plan.hi)
+        lib = self.lib() if points.shape[1] == 2 else None
+        table = LaplaceTable(points, weights, lo, hi, plan.n, self.comm, plan.signed,
+                             self.layout(points, lo, hi), lib)
+        return table, (table if plan.nf is None else FineGrid(table, plan.nf, lib))
+
+    def table(self, points, weights, x, A, key, n_max: int):
+        """(table, interpolant, assessment, plan) for this evaluation, or None where no
+        size up to n_max meets the key's target (see :attr:`last`: that assessment);
+        FloatingPointError where no table can be built (too sharp, not finite)."""
+        _, _, lo_b, hi_b, check = self._attained(key, x, A)
+        if not (np.all(np.isfinite(lo_b)) and np.all(np.isfinite(hi_b))):
+            raise FloatingPointError("attention matrices are not finite")
+        lo, hi = grid_box(lo_b, hi_b)
+        signed = any_negative(weights, self.comm)
+        target = self.targets.get(key, self.tol / SIGNED_MARGIN if signed else self.tol)
+        plan = self.plans.get(key)
+        lib = self.lib() if points.shape[1] == 2 else None
+        if plan is not None and plan.signed == signed and plan.n <= n_max and plan.fits(lo, hi):
+            table, interp, a = self._reuse(points, weights, plan, target, n_max, lib, check)
+        else:
+            self.stats["searches"] += 1
+            table, _ = choose_table(points, weights, lo_b, hi_b, self.comm, target, n_max, signed,
+                                    self.layout(points, lo, hi), lib)
+            table, interp, a = self._with_fine_grid(table, target, lib, check)
+        self.last = a
+        if a.estimate > target or a.fine_error > target / 4:
+            return None
+        used = TablePlan(tuple(table.lo), tuple(table.hi), table.n,
+                         None if interp is table else interp.nf, signed)
+        # the next evaluation: a size SHRINK_STEPS smaller if the decay says it does
+        j = size_index(PREDICTION_MARGIN * a.predicted(target), SIZES)
+        shrink = table.n in SIZES and SIZES.index(table.n) - j >= SHRINK_STEPS
+        self.plans[key] = TablePlan(used.lo, used.hi, SIZES[j], used.nf, signed) if shrink else used
+        return table, interp, a, used
+
+    @staticmethod
+    def _with_fine_grid(table, target, lib, check):
+        """(table, interpolant, assessment): a fine grid searched for the table (checked
+        at this rank's points ``check``), and the errors of both."""
+        fine = fine_grid(table, target, lib=lib, check=check)
+        if fine is None:
+            return table, table, table.assessment
+        return table, fine, assess(table, fine, check)
+
+    def _reuse(self, points, weights, plan, target, n_max, lib, check):
+        """The plan's table for these weights, judged by its own estimate (its fine grid
+        at a quarter of the check points): grown to the size its decay predicts where it
+        misses target, its fine grid searched again where that misses target/4."""
+        table, interp = self.replay(points, weights, plan)
+        a = table.assessment = assess(table, None if interp is table else interp,
+                                      check[:(len(check) + 3) // 4])
+        if a.estimate > target:
+            self.stats["rebuilt"] += 1
+            sizes = [n for n in SIZES if n <= n_max]
+            i = size_index(a.predicted(target), sizes, sizes.index(plan.n) + 1 if plan.n in sizes else 0)
+            table, _ = choose_table(points, weights, table.lo, table.hi, self.comm, target,
+                                    n_max, plan.signed, table.layout, lib, start=i)
+            return self._with_fine_grid(table, target, lib, check)
+        self.stats["reused"] += 1
+        if interp is not table and a.fine_error > target / 4:
+            return self._with_fine_grid(table, target, lib, check)
+        return table, interp, a
+
+    def velocity(self, points, weights, x, A, V, key, n_max: int):
+        """(v, plan, estimate) at this rank's targets x for heads A, V, or None where no
+        table up to n_max meets tol (the estimate then in :attr:`last_estimate`). Signed
+        weights: the conditioned bound (:meth:`conditioned`) must meet tol; if it does not,
+        the key's sizes aim lower by its excess and the table is searched once more."""
+        est = math.inf
+        initial = self.tol / SIGNED_MARGIN
+        for _ in range(3):
+            found = self.table(points, weights, x, A, key, n_max)
+            if found is None:
+                est = self.last.estimate
+                break
+            table, interp, a, plan = found
+            v = interp.velocity(x, A, V)
+            est = self.conditioned(table, interp, a) if table.signed else a.estimate
+            target = self.targets.get(key, initial)
+            if est <= self.tol:
+                if table.signed and est * RELAX < self.tol and target < initial:
+                    self.targets[key] = min(initial, 2 * target)
+                return v, plan, est
+            if not np.isfinite(est):
+                break
+            self.targets[key] = target * self.tol / est / 2
+            self.plans.pop(key, None)
+        self.last_estimate = est
+        return None
+
+    def conditioned(self, table, interp, a: Assessment) -> float:
+        """The error bound of m = mu / zeta at this evaluation's targets, relative to the
+        larger of max |m| there and max |mu| (the table's scale, as for nonnegative
+        weights); signed weights, one Allreduce of kappa and M."""
+        stats = np.array(interp.conditioning if interp.conditioning is not None else [0.0, 0.0])
+        self.comm.Allreduce(MPI.IN_PLACE, stats, op=MPI.MAX)
+        kappa, M = stats
+        e = [est + 2 * (a.fine[i] if a.fine is not None else 0.0) for i, est in enumerate(a.estimates)]
+        s = [float(np.abs(table.values[g]).max()) for g in table.groups]
+        return float(kappa * (e[0] * s[0] + M * e[1] * s[1]) / max(M, s[0], 1e-300))
 
 
 B_RANGE_BLOCK = 4096  # targets per product in b_range

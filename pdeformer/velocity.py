@@ -25,10 +25,9 @@ from mpi4py import MPI
 from ._dolfinx import owned_node_coordinates
 from .attention import Sources, VelocityCotangent, attention_velocity, attention_velocity_vjp
 from .errors import SolverBreakdown
-from ._kernels import kernels_on
 from .heads import HeadMeasure
-from .laplace import (N_MAX, N_MAX_FORCED, SIZES, LaplaceTable, b_range, choose_table, direct_estimate,
-                      fine_grid, flops_estimate, panel_nodes, source_extent)
+from .laplace import (N_MAX, N_MAX_FORCED, SIZES, TablePlanner, direct_estimate, flops_estimate,
+                      panel_nodes, source_extent)
 from .parallel import allgather_rows
 
 log = logging.getLogger("pdeformer")
@@ -46,8 +45,10 @@ class AttentionVelocity:
         self.tol = attention.get("tol", 1e-8)
         self.chunk_mb = attention.get("chunk_mb", 2.0)
         self.comm = comm
+        self.planner = TablePlanner(comm, self.tol)
         self._gathered = None  # (points object, all points, slice of this rank)
-        self.last_plan = None   # how the last velocity was summed: None (direct) or (lo, hi, n)
+        self._limits = {}      # key -> (A, points, targets, n_max): the auto cost model
+        self.last_plan = None   # how the last velocity was summed: None (direct) or a TablePlan
         self.stats = {"direct": 0, "laplace": 0, "largest_estimate": 0.0, "largest_grid": 0}
 
     @classmethod
@@ -63,64 +64,78 @@ class AttentionVelocity:
                               slice(start, start + len(points)))
         return self._gathered[1], self._gathered[2]
 
-    def _table(self, points, weights, A, x):
-        """A laplace table for this evaluation, or None where direct must (or should) do."""
+    def _n_max(self, points, A, x, key) -> int | None:
+        """The largest table size worth building: for ``auto`` the largest whose flop
+        count (table and interpolation) is below direct summation's (None: none is), for
+        ``laplace`` N_MAX_FORCED. Kept per key while heads, sources and targets stay."""
+        if self.backend == "laplace":
+            return N_MAX_FORCED
+        cached = self._limits.get(key)
+        if cached is not None and cached[1] is points and cached[2] is x and np.array_equal(cached[0], A):
+            return cached[3]
+        d = points.shape[1]
+        lo, hi = self.planner.b_range(key, x, A)
+        M = self.comm.allreduce(len(points), op=MPI.SUM)
+        N = self.comm.allreduce(len(x), op=MPI.SUM)
+        H = A.shape[0]
+        compiled = self.planner.lib() is not None
+        extent = source_extent(points, self.comm)
+        finite = bool(np.all(np.isfinite(lo)) and np.all(np.isfinite(hi)))
+        nodes = [panel_nodes(max(abs(lo[a]), abs(hi[a])), extent[a]) for a in range(d)] if finite else None
+        cheaper = [n for n in SIZES if n <= N_MAX
+                   and flops_estimate(n, d, M, N * H, compiled, nodes) < direct_estimate(N, H, M)]
+        n_max = cheaper[-1] if cheaper else None
+        self._limits[key] = (A.copy(), points, x, n_max)
+        return n_max
+
+    def _laplace(self, points, weights, x, A, V, key):
+        """(v, plan) through a laplace table, or None where direct must (or should) do."""
         d = points.shape[1]
         if self.backend == "direct" or (d > 2 and self.backend == "auto"):
             return None
         if d > 2:
             raise ValueError("backend 'laplace' is implemented for d = 1 and 2")
-        lo, hi = b_range(x, A, self.comm)
-        finite = bool(np.all(np.isfinite(lo)) and np.all(np.isfinite(hi)))
-        n_max = N_MAX_FORCED
-        if self.backend == "auto":
-            M = self.comm.allreduce(len(points), op=MPI.SUM)
-            N = self.comm.allreduce(len(x), op=MPI.SUM)
-            H = A.shape[0]
-            compiled = kernels_on(self.comm) is not None
-            extent = source_extent(points, self.comm)
-            nodes = [panel_nodes(max(abs(lo[a]), abs(hi[a])), extent[a]) for a in range(d)] if finite else None
-            cheaper = [n for n in SIZES if n <= N_MAX
-                       and flops_estimate(n, d, M, N * H, compiled, nodes) < direct_estimate(N, H, M)]
-            if not cheaper:
-                return None
-            n_max = cheaper[-1]
         try:
-            if not finite:
-                raise FloatingPointError("attention matrices are not finite")
-            table, est = choose_table(points, weights, lo, hi, self.comm, self.tol, n_max=n_max)
+            n_max = self._n_max(points, A, x, key)
+            found = None if n_max is None else \
+                self.planner.velocity(points, weights, x, A, V, key, n_max)
         except FloatingPointError as e:
             if self.backend == "laplace":
                 raise SolverBreakdown(f"attention backend 'laplace': {e}; use 'auto' or 'direct'") from None
             return None
+        if found is None:
+            if self.backend == "laplace":
+                est = self.planner.last_estimate
+                raise SolverBreakdown(f"attention backend 'laplace' cannot reach tol = {self.tol:g} "
+                                      f"(estimate {est:.2g} with grids up to {N_MAX_FORCED}); use "
+                                      "'auto' or 'direct', or raise attention.tol")
+            if n_max is not None:
+                self.stats["largest_estimate"] = max(self.stats["largest_estimate"],
+                                                     self.planner.last_estimate)
+            return None
+        v, plan, est = found
         self.stats["largest_estimate"] = max(self.stats["largest_estimate"], est)
-        if est > self.tol:
-            if self.backend == "auto":
-                return None
-            raise SolverBreakdown(f"attention backend 'laplace' cannot reach tol = {self.tol:g} "
-                                  f"(estimate {est:.2g} with a {table.n}-point grid); use 'auto' "
-                                  "or 'direct', or raise attention.tol")
-        self.stats["largest_grid"] = max(self.stats["largest_grid"], table.n)
-        return table
+        self.stats["largest_grid"] = max(self.stats["largest_grid"], plan.n)
+        return v, plan
 
     # ------------------------------------------------------------------ velocity
     def __call__(self, points: np.ndarray, weights: np.ndarray, layer: int,
-                 targets: np.ndarray | None = None) -> np.ndarray:
+                 targets: np.ndarray | None = None, key=None) -> np.ndarray:
         """Velocity of ``layer`` at this rank's targets, (n, d), for the density given by
-        this rank's source points and weights. :attr:`last_plan` records how."""
+        this rank's source points and weights. :attr:`last_plan` records how. ``key``
+        names whose table plan to reuse (default: the layer)."""
         x = self.targets if targets is None else targets
         A, V = self.heads.attention_matrices(layer), self.heads.values(layer)
-        table = self._table(points, weights, A, x)
-        interp = None if table is None else (fine_grid(table, self.tol) or table)
-        self.last_plan = None if table is None else \
-            (table.lo, table.hi, table.n, interp.nf if interp is not table else None)
-        if table is None:
+        found = self._laplace(points, weights, x, A, V, layer if key is None else key)
+        if found is None:
+            self.last_plan = None
             self.stats["direct"] += 1
             all_points, _ = self._all_points(points)
             sources = Sources.from_arrays(all_points, allgather_rows(self.comm, weights))
             return attention_velocity(x, sources, A, V, chunk_mb=self.chunk_mb)
         self.stats["laplace"] += 1
-        return interp.velocity(x, A, V)
+        v, self.last_plan = found
+        return v
 
     def vjp(self, points: np.ndarray, weights: np.ndarray, layer: int, g: np.ndarray,
             plan=None, targets: np.ndarray | None = None, positions: bool = False) -> VelocityCotangent:
@@ -131,12 +146,7 @@ class AttentionVelocity:
         is differentiated."""
         x = self.targets if targets is None else targets
         A, V = self.heads.attention_matrices(layer), self.heads.values(layer)
-        table = interp = None
-        if plan is not None:
-            lo, hi, n, nf = plan
-            table = LaplaceTable(points, weights, lo, hi, n, self.comm)
-            interp = table if nf is None else fine_grid(table, self.tol, nf)
-        if table is None:
+        if plan is None:
             all_points, mine = self._all_points(points)
             ct = attention_velocity_vjp(x, all_points, allgather_rows(self.comm, weights),
                                         A, V, g, chunk_mb=self.chunk_mb, positions=positions)
@@ -146,6 +156,7 @@ class AttentionVelocity:
                 self.comm.Allreduce(MPI.IN_PLACE, ct.points, op=MPI.SUM)
                 ct.points = ct.points[mine].copy()
             return ct
+        table, interp = self.planner.replay(points, weights, plan)
         mbar, dA, dV, xbar = interp.velocity_vjp(x, A, V, g, positions)
         wbar, ybar = table.source_cotangents(mbar, positions)
         return VelocityCotangent(wbar, dA, dV, xbar, ybar)

@@ -74,7 +74,7 @@ def test_sharp_attention_does_not_overflow():
     with np.errstate(over="ignore"):
         assert not np.all(np.isfinite(np.exp(hi @ y.T)))
     table = LaplaceTable(y, w, lo, hi, 17, COMM)
-    assert len(table.tiles) > 1
+    assert len(table.layout.tiles) > 1
     nodes = np.stack(np.meshgrid(table.axes[0][0], table.axes[1][0], indexing="ij"), -1).reshape(-1, 2)
     direct = tilted_moments(nodes, Sources.from_arrays(y, w), np.eye(2)[None]).mean[0]
     at_nodes = table.m.reshape(2, -1).T
@@ -266,8 +266,10 @@ def test_compiled_loops_that_fail_their_check_are_not_used(tmp_path, monkeypatch
     from pdeformer import _kernels
 
     class Broken:
-        def fine_velocity(self, *args):
+        def fine_velocity2(self, *args):
             pass
+
+        fine_velocity4 = fine_velocity2
 
     assert not _kernels.self_check(Broken())
     saved = dict(_kernels._loaded)
@@ -402,9 +404,9 @@ v, wbar = gather(v, len(x)), gather(wbar, len(y))
 v1, wbar1, dA1, dV1, plan1 = run(MPI.COMM_SELF, y, w, x, g)
 rel = lambda a, b: float(np.abs(a - b).max() / np.abs(b).max())
 from pdeformer.laplace import LaplaceTable
-panels = all(t[1] is not None for t in LaplaceTable(y[r::P], w[r::P], *plan[:3], world).tile_data)
+panels = all(t[1] is not None for t in LaplaceTable(y[r::P], w[r::P], plan.lo, plan.hi, plan.n, world).tile_data)
 if r == 0:
-    json.dump({"n": [int(plan[2]), int(plan1[2])], "nf": [plan[3], plan1[3]], "panels": panels,
+    json.dump({"n": [plan.n, plan1.n], "nf": [plan.nf, plan1.nf], "panels": panels,
                "v": rel(v, v1), "w": rel(wbar, wbar1), "A": rel(dA, dA1), "V": rel(dV, dV1)},
               open(sys.argv[1], "w"))
 '''
@@ -513,13 +515,32 @@ def test_panel_tables_are_the_direct_sums(d, loops, monkeypatch):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-11 * np.abs(b).max())
 
 
-def test_shell_max_is_the_max_over_each_shell():
-    """_shell_max(c)[k] = max of c over the indices whose larger entry is k."""
-    from pdeformer.laplace import _shell_max
+def test_shell_maxima_are_the_max_over_each_shell_also_from_row_blocks():
+    """shell_maxima(c)[k] = max of c over the indices whose larger entry is k; the maxima
+    of row blocks (as each rank computes them) combine by max into those of the whole."""
+    from pdeformer.laplace import shell_maxima
     c = np.random.default_rng(3).random((11, 11))
     k = np.indices(c.shape).max(axis=0)
     expected = [c[k == s].max() for s in range(11)]
-    assert np.array_equal(_shell_max(c), expected)
+    assert np.array_equal(shell_maxima(c), expected)
+    blocks = [shell_maxima(c[r0:r1], r0) for r0, r1 in ((0, 4), (4, 5), (5, 11), (11, 11))]
+    assert np.array_equal(np.max(blocks, axis=0), expected)
+
+
+def test_chebyshev_coefficients_reproduce_the_table():
+    """The DCT-I matrix gives the Chebyshev coefficients of the interpolant on the
+    Lobatto nodes x_j = cos(pi j / (n - 1)) (the first and last halved in the sum; the
+    grid's increasing order flips the odd ones' signs, which the decay does not see),
+    in 1-D and as a tensor."""
+    from pdeformer.laplace import chebyshev_coefficients
+    rng = np.random.default_rng(4)
+    n = 13
+    T = np.cos(np.outer(np.pi * np.arange(n) / (n - 1), np.arange(n)))   # T_k(x_j)
+    T[:, [0, -1]] /= 2
+    t1 = rng.normal(size=n)
+    np.testing.assert_allclose(T @ chebyshev_coefficients(t1), t1, atol=1e-13)
+    t2 = rng.normal(size=(n, n))
+    np.testing.assert_allclose(T @ chebyshev_coefficients(t2) @ T.T, t2, atol=1e-12)
 
 
 @pytest.mark.parametrize("kind", ["uniform", "gaussian", "disc", "grid", "collinear", "duplicates", "few"])

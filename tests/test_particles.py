@@ -156,16 +156,18 @@ def test_particles_command_same_on_one_and_two_ranks(tmp_path):
     cfg = write_config(tmp_path, CONFIG)
     run_cli(["particles", cfg, "--gradient", "--set", "output.dir=s"], cwd=str(tmp_path))
     run_cli(["particles", cfg, "--gradient", "--set", "output.dir=p"], nprocs=2, cwd=str(tmp_path))
-    rows, _ = assert_same_diagnostics(tmp_path / "s" / "diagnostics.csv", tmp_path / "p" / "diagnostics.csv", 1e-12)
+    # the laplace tables sum in a rank-dependent order (each rank through its own panel
+    # window), and the panel nodes amplify rounding by up to e^(2 beta) ~ 400: 1e-10
+    rows, _ = assert_same_diagnostics(tmp_path / "s" / "diagnostics.csv", tmp_path / "p" / "diagnostics.csv", 1e-10)
     assert [r["t"] for r in rows] == [0.0, 0.5, 1.0]
     a, b = np.load(tmp_path / "s" / "gradient.npz"), np.load(tmp_path / "p" / "gradient.npz")
     for n in ("dQ", "dK", "dV"):
-        assert np.abs(a[n] - b[n]).max() < 1e-12 and np.abs(a[n]).max() > 0
+        assert np.abs(a[n] - b[n]).max() < 1e-10 and np.abs(a[n]).max() > 0
     fa, fb = read_pvd(str(tmp_path / "s" / "tokens_g.pvd")), read_pvd(str(tmp_path / "p" / "tokens_g.pvd"))
     assert [t for t, _ in fa] == [0.0, 0.5, 1.0]
     xa, xb = read_vtu(fa[-1][1])["points"], read_vtu(fb[-1][1])["points"]
     assert xa.shape == (500, 3)
-    np.testing.assert_allclose(xa, xb, atol=1e-12)
+    np.testing.assert_allclose(xa, xb, atol=1e-10)
     # the tokens at t = 0 are the prompt's samples: the same whatever the rank count
     np.testing.assert_array_equal(read_vtu(fa[0][1])["points"], read_vtu(fb[0][1])["points"])
 
