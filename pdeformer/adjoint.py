@@ -80,39 +80,49 @@ class AdjointSolver:
         return F, self.rule.transpose(dF, tr.cell_dofs, tr.n_owned)
 
     def risk(self) -> tuple[float, list[float]]:
-        """R = (1/S) sum_s F_s(rho_1^s), forward only (same frozen step plan)."""
-        risks = []
-        for s in range(len(self.forward.problem.prompts)):
-            coeffs, _ = self.forward.solve_prompt(s)
-            risks.append(self.objective_at(s, coeffs)[0])
+        """R = (1/S) sum_s F_s(rho_1^s), forward only (same frozen step plan); every
+        group solves its prompts, the risks are combined over the groups."""
+        groups = self.forward.problem.groups
+        local = {}
+        with groups.combined():
+            for s in groups.owned:
+                coeffs, _ = self.forward.solve_prompt(s)
+                local[s] = self.objective_at(s, coeffs)[0]
+        risks = groups.gather_prompts(local)
         return float(np.mean(risks)), risks
 
     # ------------------------------------------------------------ gradient
     def gradient(self, refreeze: bool = True) -> Gradient:
         """Risk and dR/dQ, dR/dK, dR/dV. Without steps_per_layer the step counts are
         frozen during this evaluation's forward passes (``refreeze``) and kept for
-        later :meth:`risk` calls, which then see the same discrete map."""
+        later :meth:`risk` calls, which then see the same discrete map.
+
+        With prompt groups every group sweeps its own prompts on its communicator; the
+        groups then agree on failure, and one Allreduce over the world sums every rank's
+        share of dA, dV (the same on every rank, so all ranks hold identical gradients)."""
         fw = self.forward
         if refreeze:
             fw.step_counts.clear()
         heads = fw.problem.heads
+        groups = fw.problem.groups
         S = len(fw.problem.prompts)
         dA = np.zeros((heads.layers, heads.heads, heads.dim, heads.dim))
         dV = np.zeros_like(heads.V)
-        risks, tape_bytes = [], 0
-        for s in range(S):
-            tape = []
-            coeffs, _ = fw.solve_prompt(s, tape=tape)
-            tape_bytes = max(tape_bytes, sum(Y.nbytes + v.nbytes for _, _, st in tape for Y, v, _ in st))
-            F, lam = self.objective_at(s, coeffs)
-            risks.append(F)
-            name = fw.problem.prompts[s][0]
-            for layer, dt, stages in reversed(tape):
-                with located(f"adjoint of prompt {name!r}, layer {layer}"):
-                    lam = self._step_vjp(lam, layer, dt, stages, dA, dV)
-        comm = fw.comm
+        local, tape_bytes = {}, 0
+        with groups.combined():
+            for s in groups.owned:
+                tape = []
+                coeffs, _ = fw.solve_prompt(s, tape=tape)
+                tape_bytes = max(tape_bytes, sum(Y.nbytes + v.nbytes for _, _, st in tape for Y, v, _ in st))
+                F, lam = self.objective_at(s, coeffs)
+                local[s] = F
+                name = fw.problem.prompts[s][0]
+                for layer, dt, stages in reversed(tape):
+                    with located(f"adjoint of prompt {name!r}, layer {layer}"):
+                        lam = self._step_vjp(lam, layer, dt, stages, dA, dV)
+        risks = groups.gather_prompts(local)
         for a in (dA, dV):
-            comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
+            groups.world.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
         return Gradient.of_heads(heads, risks, dA / S, dV / S, tape_bytes)
 
     def _step_vjp(self, lam, layer, dt, stages, dA, dV) -> np.ndarray:

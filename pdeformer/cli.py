@@ -4,6 +4,7 @@
     mpirun -n P pdeformer gradient RUN.toml
     mpirun -n P pdeformer particles RUN.toml [--gradient]
     mpirun -n P pdeformer train RUN.toml [--restart]
+    mpirun -n P pdeformer train RUN.toml --prompt-groups G   # G groups of P/G ranks
     pdeformer info
 
 Errors caused by the input are one line on stderr (``pdeformer: error: ...``), exit
@@ -56,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="override config values, e.g. --set mesh.cells=[32,32] model.seed=3 "
                         "prompts[0].name=a (values are TOML: numbers, true/false, [lists], strings)")
     f.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+    _prompt_groups_option(f)
 
     for name, helptext, desc in (
             ("gradient", "risk and its gradient with respect to every head (adjoint sweep)",
@@ -86,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
         c.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", nargs="+",
                        action="extend", default=[], help="override config values (as for forward)")
         c.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+        if name != "ntk":
+            _prompt_groups_option(c)
         if name == "particles":
             c.add_argument("--gradient", action="store_true",
                            help="also the gradient of the particle risk (needs an [objective])")
@@ -113,6 +117,14 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("info", help="versions of pdeformer and its numerical stack",
                    description="Print the versions pdeformer runs with (dolfinx, PETSc, ...).")
     return p
+
+
+def _prompt_groups_option(parser) -> None:
+    parser.add_argument("--prompt-groups", metavar="G", type=int, default=None,
+                        help="split the ranks into G groups of consecutive ranks, each with its "
+                             "own mesh partition and a block of the prompts (overrides [parallel] "
+                             "prompt_groups; G must divide the rank count, at most one group per "
+                             "prompt)")
 
 
 def _duration(text: str) -> float:
@@ -153,7 +165,10 @@ def _run(args, comm) -> int:
             print("  " + ", ".join(summary["files"]) + ("" if summary["status"] == "completed"
                                                          else f" (status {summary['status']})"))
         return 0
-    cfg = load_config(*_config_and_overrides(args))
+    config, overrides = _config_and_overrides(args)
+    if getattr(args, "prompt_groups", None) is not None:
+        overrides.append(f"parallel.prompt_groups={args.prompt_groups}")
+    cfg = load_config(config, overrides)
     from . import run
     if args.command == "forward":
         summary = run.run_forward(cfg, comm)

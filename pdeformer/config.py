@@ -257,6 +257,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "quadrature_degree": Key(integer(1, 20), None,
                                  "quadrature of mesh densities (default: 2 * degree + 2)"),
     },
+    "parallel": {
+        "prompt_groups": Key(integer(1, 10**6), 1,
+                             "split the ranks into this many groups, each with its own mesh "
+                             "partition and a block of the prompts (--prompt-groups)"),
+    },
     "petsc": {},  # free-form PETSc options for the DG mass solver, see petsc_options
 }
 

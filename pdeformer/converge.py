@@ -29,6 +29,10 @@ quadrature; with reference = exact the exact translated prompt) for forward; ``m
 (||g - g_ref|| / ||g_ref||) for gradient and particles. The maximum over prompts is
 reported. The size that orders refer to: h ~ 1/cells, 1/L, 1/H, 1/N, the cfl number;
 for other parameters the value itself.
+
+Every case runs on all ranks together: prompt groups (``[parallel] prompt_groups`` > 1
+in a case's run configuration) are refused. summary.json has the ``parallel`` accounting
+of the whole study (see pdeformer.parallel.Meter).
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ import ufl
 from .config import Key, _check_table, load_config, number, path, string
 from .errors import ConfigError, InputError
 from .output import provenance, write_csv, write_json
-from .parallel import Timer, add_log_file, allgather_rows, on_root, remove_log_file
+from .parallel import (METER, Timer, add_log_file, allgather_rows, describe_parallel, metered, on_root,
+                       parallel_report, remove_log_file)
 
 log = logging.getLogger("pdeformer")
 
@@ -147,6 +152,10 @@ class Case:
     def __init__(self, command: str, cfg: dict, comm, timer: Timer, gradient: bool):
         from .forward import ForwardSolver, build_problem
         self.command, self.cfg = command, cfg
+        if cfg["parallel"]["prompt_groups"] > 1:
+            raise ConfigError("parallel.prompt_groups", "converge runs every case as one group of "
+                              f"all ranks: prompt groups are not supported (set 1, got "
+                              f"{cfg['parallel']['prompt_groups']})")
         t0 = time.perf_counter()
         differentiable = command == "gradient"
         self.problem = build_problem(cfg, comm, differentiable)
@@ -310,7 +319,8 @@ def orders(sizes, errs):
 
 def run_study(study: dict, comm=None, walltime: float | None = None) -> dict:
     from mpi4py import MPI
-    comm = comm or MPI.COMM_WORLD
+    METER.reset()
+    comm = metered(comm or MPI.COMM_WORLD)
     timer = Timer()
     param, values = study["parameter"], study["values"]
     cfgs = [load_config(study["run"], study["set"] + [f"{param}={json.dumps(v)}"]) for v in values]
@@ -339,10 +349,12 @@ def run_study(study: dict, comm=None, walltime: float | None = None) -> dict:
             order = order[-1:] + order[:-1]
         cases = [None] * len(values)
         for i in order:
-            if walltime is not None and timer.elapsed() + _expected(cases) > walltime:
+            if walltime is not None and comm.bcast(   # rank 0 decides for all ranks
+                    timer.elapsed() + _expected(cases) > walltime if comm.rank == 0 else None):
                 status = "walltime"
-                log.warning("warning: stopping before %s = %s: the walltime guard (%.0f s) would be passed",
-                            param, values[i], walltime)
+                if comm.rank == 0:
+                    log.warning("warning: stopping before %s = %s: the walltime guard (%.0f s) would "
+                                "be passed", param, values[i], walltime)
                 break
             with timer.phase("cases"):
                 cases[i] = Case(study["command"], cfgs[i], comm, timer, wants_grad)
@@ -363,9 +375,11 @@ def run_study(study: dict, comm=None, walltime: float | None = None) -> dict:
             for (i, e), o in zip(entries, orders([sizes[i] for i in idx], errs)):
                 rows.append({"case": i, "value": json.dumps(values[i]), "size": sizes[i],
                              "quantity": q, "error": e, "order": o, "seconds": cases[i].seconds})
+        meter = METER.snapshot()
         summary = {"command": "converge", "status": status, "study": study, "provenance": info,
                    "ranks": comm.size, "rows": rows, "timings": timer.report(comm),
                    "files": ["convergence.csv", "convergence.md", "convergence.png", "pdeformer.log"]}
+        summary["parallel"] = parallel_report(comm, None, meter)
         if comm.rank == 0:
             write_csv(os.path.join(outdir, "convergence.csv"),
                       ["case", "value", "size", "quantity", "error", "order", "seconds"],
@@ -378,6 +392,8 @@ def run_study(study: dict, comm=None, walltime: float | None = None) -> dict:
         for r in rows:
             log.info("%-8s %-10s %-12s error %.4e  order %s", r["quantity"], param, r["value"], r["error"],
                      "-" if math.isnan(r["order"]) else f"{r['order']:.2f}")
+        if comm.rank == 0:
+            log.info(describe_parallel(summary["parallel"]))
         return summary
     finally:
         remove_log_file(handler)

@@ -28,7 +28,7 @@ import ufl
 from .errors import ConfigError, InputError, SolverBreakdown
 from .heads import HeadMeasure
 from .mesh import bounding_box, make_mesh
-from .parallel import Timer, any_rank, on_root
+from .parallel import PromptGroups, Timer, any_rank, on_root
 from .objectives import make_objective, make_target
 from .prompts import make_prompt
 from .timestepping import SCHEMES, ssp_step
@@ -51,7 +51,12 @@ def located(where: str):
 
 @dataclass
 class Problem:
-    """What is solved: mesh, heads and prompts of a checked configuration."""
+    """What is solved: mesh, heads and prompts of a checked configuration.
+
+    ``comm`` is the communicator of this rank's prompt group (the world without prompt
+    groups): the mesh is partitioned over it and every collective of the group's work
+    uses it. ``groups`` (:class:`~pdeformer.parallel.PromptGroups`) says which prompts
+    this group solves (``groups.owned``) and combines results over the world."""
 
     comm: object
     cfg: dict
@@ -60,6 +65,11 @@ class Problem:
     prompts: list  # [(name, density object)]
     objective: object = None   # pdeformer.objectives.* or None
     targets: list = None       # per prompt (None where the objective needs none)
+    groups: PromptGroups = None  # default: one group of all ranks of comm
+
+    def __post_init__(self):
+        if self.groups is None:
+            self.groups = PromptGroups.single(self.comm, [n for n, _ in self.prompts])
 
     @property
     def dim(self) -> int:
@@ -79,10 +89,14 @@ def build_heads(comm, model: dict, d: int) -> HeadMeasure:
                               query_scale=model["query_scale"], depth=model["depth"])
 
 
-def build_problem(cfg: dict, comm, differentiable: bool = False) -> Problem:
+def build_problem(cfg: dict, comm, differentiable: bool = False,
+                  groups: PromptGroups | None = None) -> Problem:
     """Mesh, heads, prompts (and objective, targets) of a checked configuration.
     ``differentiable``: the run takes gradients (gradient, train), so the discrete
-    forward map must be smooth in the heads."""
+    forward map must be smooth in the heads. With ``groups`` the mesh is built on this
+    rank's group communicator (``groups.comm``) and ``comm`` is not used."""
+    if groups is not None:
+        comm = groups.comm
     disc, out = cfg["discretisation"], cfg["output"]
     objective = make_objective(cfg["objective"])
     if differentiable:
@@ -108,7 +122,7 @@ def build_problem(cfg: dict, comm, differentiable: bool = False) -> Problem:
     if spl is not None and spl % out["frames_per_layer"]:
         raise ConfigError("output.frames_per_layer",
                           f"{out['frames_per_layer']} does not divide discretisation.steps_per_layer = {spl}")
-    return Problem(comm, cfg, mesh, heads, prompts, objective, targets)
+    return Problem(comm, cfg, mesh, heads, prompts, objective, targets, groups)
 
 
 @dataclass
@@ -156,7 +170,7 @@ class ForwardSolver:
         self.frames_per_layer = cfg["output"]["frames_per_layer"]
         with self.timer.phase("setup"):
             self.transport = DGTransport(problem.mesh, disc["degree"], disc["velocity_degree"],
-                                         disc["quadrature_degree"], cfg["petsc"])
+                                         disc["quadrature_degree"], cfg["petsc"], comm=self.comm)
             self.velocity_field = AttentionVelocity.on_space(self.transport.W, problem.heads,
                                                              cfg["attention"], self.comm)
         self.scheme = SCHEMES[disc["scheme"]]
@@ -170,11 +184,14 @@ class ForwardSolver:
             if prompt.kind == "points":
                 raise ConfigError(f"prompts[{i}].kind", f"{name!r} is a point cloud, which has no "
                                   "density to put on a mesh: use it with particles or ntk")
-        # every prompt is projected (and checked) before anything runs or is written
+        # every prompt of this group is projected (and checked) before anything runs or is
+        # written; the other groups' prompts are None here (their info: just the name)
         with self.timer.phase("prompts"):
-            initial = [self.initial_state(i) for i in range(len(problem.prompts))]
-        self.initial_coeffs = [c for c, _ in initial]
-        self.prompt_info = [info for _, info in initial]
+            initial = {i: self.initial_state(i) for i in problem.groups.owned}
+        self.initial_coeffs = [initial[i][0] if i in initial else None
+                               for i in range(len(problem.prompts))]
+        self.prompt_info = [initial[i][1] if i in initial else {"name": name}
+                            for i, (name, _) in enumerate(problem.prompts)]
 
     def describe(self) -> str:
         return f"DG-{self.disc['degree']}"
@@ -227,7 +244,7 @@ class ForwardSolver:
         for tr in trackers:
             tr.start(self)
         try:
-            for i in range(len(self.problem.prompts)):
+            for i in self.problem.groups.owned:   # this group's prompts
                 self.solve_prompt(i, trackers)
         finally:  # also after a breakdown: trackers write what they have
             for tr in trackers:

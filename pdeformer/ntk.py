@@ -260,7 +260,7 @@ def prompt_measures(problem, timer) -> tuple[list, list]:
                if m.kind != "points" and (t is not None or m.kind == "file")]
     as_tokens = [i for i, (_, m) in enumerate(prompts) if m.kind == "points" and t]
     if on_mesh:
-        sub = dataclasses.replace(problem, prompts=[prompts[i] for i in on_mesh])
+        sub = dataclasses.replace(problem, prompts=[prompts[i] for i in on_mesh], groups=None)
         solver = ForwardSolver(sub, timer)
         tr = solver.transport
         quad = CellQuadrature(problem.mesh, qdeg, tr.u)
@@ -271,7 +271,7 @@ def prompt_measures(problem, timer) -> tuple[list, list]:
             measures[i] = (allgather_rows(comm, quad.points), allgather_rows(comm, quad.weights()))
             how[i] = f"DG-{disc['degree']} density at t = {t or 0:g}, quadrature degree {qdeg}"
     if as_tokens:
-        sub = dataclasses.replace(problem, prompts=[prompts[i] for i in as_tokens])
+        sub = dataclasses.replace(problem, prompts=[prompts[i] for i in as_tokens], groups=None)
         solver = ParticleSolver(sub, timer)
         for j, i in enumerate(as_tokens):
             with timer.phase("particles"):

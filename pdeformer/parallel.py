@@ -1,8 +1,23 @@
-"""MPI helpers: rank-0 logging, collective error handling, gathers, the mpirun line.
+"""MPI helpers: rank-0 logging, collective error handling, gathers, the mpirun line,
+prompt groups and the accounting of compute and communication.
 
 The rule that keeps jobs from hanging: an error is raised on every rank or on none.
 Files are read by rank 0 through :func:`on_root`, which broadcasts either the result
 or the error; numerical checks are all-reduced (:func:`any_rank`).
+
+Prompt groups (:class:`PromptGroups`, ``[parallel] prompt_groups = G``) split the ranks
+into G groups of consecutive ranks; each group holds the mesh partitioned over its own
+ranks and a contiguous block of the prompts. Work on a group's prompts uses only the
+group communicator (so an error there is raised on every rank of that group), and the
+groups meet only at combination points (:meth:`PromptGroups.combined`), where they first
+agree whether any group failed and then combine their results over the world.
+
+Accounting (:data:`METER`, :class:`MeteredComm`): every collective pdeformer calls goes
+through a :class:`MeteredComm`, which adds its wall time, the CPU time spent inside it
+and its payload bytes to one meter per process; ghost updates of dolfinx/PETSc vectors
+made by pdeformer (:func:`scatter_forward`, :func:`ghost_update_add`) count the same way.
+``summary.json`` reports per rank ``compute_cpu_s`` (CPU seconds outside communication),
+``comm_s`` and ``comm_bytes``.
 """
 
 from __future__ import annotations
@@ -13,11 +28,12 @@ import shutil
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import numpy as np
 from mpi4py import MPI
 
-from .errors import PdeformerError
+from .errors import ConfigError, PdeformerError
 
 log = logging.getLogger("pdeformer")
 
@@ -156,3 +172,420 @@ def mpirun_command(nprocs: int) -> list[str]:
         if os.geteuid() == 0:
             cmd.append("--allow-run-as-root")
     return cmd + ["-n", str(nprocs)]
+
+
+# ------------------------------------------------------------------ accounting
+
+class Meter:
+    """Time and bytes of this process's MPI communication, and its CPU time outside it.
+
+    * ``comm_s``: wall seconds inside metered communication (collectives of a
+      :class:`MeteredComm`, metered ghost updates);
+    * ``comm_cpu_s``: CPU seconds (``time.process_time``, all threads) inside it -- with
+      oversubscribed ranks Open MPI spins or yields while it waits, which is not compute;
+    * ``compute_cpu_s`` (:meth:`snapshot`): CPU seconds since :meth:`reset` minus
+      ``comm_cpu_s``: what the rank would need of a core of its own;
+    * ``comm_bytes``: payload bytes. For a collective, the bytes of this rank's input
+      plus the bytes it delivers to this rank (Allreduce of n doubles: 16 n; in place
+      the buffer counts twice; Bcast/bcast: the object on every rank; Allgatherv: the
+      rank's block plus the gathered array; gather: the rank's object, plus all at the
+      root). Pickled (lower-case) calls are counted by the size of their numpy arrays,
+      strings and numbers (8 bytes each), without pickling. A ghost update counts the
+      rank's ghost entries x 8 bytes. This is what MPI is handed and hands back at this
+      rank, not the traffic of the algorithm MPI uses (trees, rings).
+
+    Collectives on a communicator of one rank, and ghost updates on one rank, move
+    nothing and are not counted. Nested sections count once (the outermost)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.comm_s = 0.0
+        self.comm_cpu_s = 0.0
+        self.comm_bytes = 0
+        self.comm_calls = 0
+        self._depth = 0
+        self._cpu0 = time.process_time()
+        self._wall0 = time.perf_counter()
+
+    def __enter__(self):
+        self._depth += 1
+        if self._depth == 1:
+            self._w = time.perf_counter()
+            self._c = time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self._depth -= 1
+        if self._depth == 0:
+            self.comm_cpu_s += time.process_time() - self._c
+            self.comm_s += time.perf_counter() - self._w
+            self.comm_calls += 1
+
+    def add(self, nbytes: int) -> None:
+        self.comm_bytes += int(nbytes)
+
+    def snapshot(self) -> dict:
+        """This rank's numbers since :meth:`reset`."""
+        cpu = time.process_time() - self._cpu0
+        return {"compute_cpu_s": cpu - self.comm_cpu_s, "comm_s": self.comm_s,
+                "comm_cpu_s": self.comm_cpu_s, "comm_bytes": self.comm_bytes,
+                "comm_calls": self.comm_calls, "wall_s": time.perf_counter() - self._wall0}
+
+
+METER = Meter()
+
+
+def _buf_bytes(buf) -> int:
+    """Bytes of an upper-case buffer argument: an array, or [array, counts, ...]."""
+    if buf is None or buf is MPI.IN_PLACE:
+        return 0
+    if isinstance(buf, (list, tuple)):
+        return _buf_bytes(buf[0]) if buf else 0
+    nbytes = getattr(buf, "nbytes", None)
+    if nbytes is not None:
+        return int(nbytes)
+    try:
+        return memoryview(buf).nbytes
+    except TypeError:
+        return 0
+
+
+def _obj_bytes(obj, depth: int = 0) -> int:
+    """Payload of a pickled object, estimated without pickling: arrays by nbytes,
+    strings by length, numbers 8 bytes, containers (and object attributes) summed."""
+    if obj is None or isinstance(obj, (bool, int, float, complex, np.generic)):
+        return 8
+    if isinstance(obj, np.ndarray):
+        return int(obj.nbytes)
+    if isinstance(obj, (str, bytes, bytearray)):
+        return len(obj)
+    if isinstance(obj, BaseException):
+        return len(str(obj))
+    if depth > 6:
+        return 8
+    if isinstance(obj, dict):
+        return sum(_obj_bytes(k, depth + 1) + _obj_bytes(v, depth + 1) for k, v in obj.items())
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return sum(_obj_bytes(x, depth + 1) for x in obj)
+    attrs = getattr(obj, "__dict__", None)
+    if attrs is not None:
+        return _obj_bytes(attrs, depth + 1)
+    return sys.getsizeof(obj)
+
+
+class MeteredComm(MPI.Intracomm):
+    """An intracommunicator that counts its collectives into :data:`METER`.
+
+    ``MeteredComm(comm)`` shares ``comm``'s handle (nothing is duplicated); dolfinx takes
+    it wherever it takes a communicator. petsc4py does not: give PETSc ``mesh.comm`` or
+    ``MPI.Intracomm(comm)``. Communicators that dolfinx objects return (``mesh.comm``) are
+    plain again, so pdeformer's collectives use the metered one it was given."""
+
+    def __init__(self, comm=None):
+        super().__init__()
+        self._solo = self.Get_size() == 1   # nothing to communicate: not metered
+
+    # -- reductions
+    def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM):
+        if self._solo:
+            return super().Allreduce(sendbuf, recvbuf, op)
+        with METER:
+            super().Allreduce(sendbuf, recvbuf, op)
+        n = _buf_bytes(recvbuf)
+        METER.add(n + (n if sendbuf is MPI.IN_PLACE else _buf_bytes(sendbuf)))
+
+    def allreduce(self, sendobj, op=MPI.SUM):
+        if self._solo:
+            return super().allreduce(sendobj, op)
+        with METER:
+            out = super().allreduce(sendobj, op)
+        METER.add(_obj_bytes(sendobj) + _obj_bytes(out))
+        return out
+
+    def Reduce(self, sendbuf, recvbuf, op=MPI.SUM, root=0):
+        if self._solo:
+            return super().Reduce(sendbuf, recvbuf, op, root)
+        with METER:
+            super().Reduce(sendbuf, recvbuf, op, root)
+        n = _buf_bytes(recvbuf) if self.rank == root else 0
+        METER.add(n + (n if sendbuf is MPI.IN_PLACE else _buf_bytes(sendbuf)))
+
+    def reduce(self, sendobj, op=MPI.SUM, root=0):
+        if self._solo:
+            return super().reduce(sendobj, op, root)
+        with METER:
+            out = super().reduce(sendobj, op, root)
+        METER.add(_obj_bytes(sendobj) + (_obj_bytes(out) if self.rank == root else 0))
+        return out
+
+    def Reduce_scatter(self, sendbuf, recvbuf, recvcounts=None, op=MPI.SUM):
+        if self._solo:
+            return super().Reduce_scatter(sendbuf, recvbuf, recvcounts, op)
+        with METER:
+            super().Reduce_scatter(sendbuf, recvbuf, recvcounts, op)
+        METER.add(_buf_bytes(sendbuf) + _buf_bytes(recvbuf))
+
+    def Reduce_scatter_block(self, sendbuf, recvbuf, op=MPI.SUM):
+        if self._solo:
+            return super().Reduce_scatter_block(sendbuf, recvbuf, op)
+        with METER:
+            super().Reduce_scatter_block(sendbuf, recvbuf, op)
+        METER.add(_buf_bytes(sendbuf) + _buf_bytes(recvbuf))
+
+    def Scan(self, sendbuf, recvbuf, op=MPI.SUM):
+        if self._solo:
+            return super().Scan(sendbuf, recvbuf, op)
+        with METER:
+            super().Scan(sendbuf, recvbuf, op)
+        METER.add(_buf_bytes(sendbuf) + _buf_bytes(recvbuf))
+
+    def Exscan(self, sendbuf, recvbuf, op=MPI.SUM):
+        if self._solo:
+            return super().Exscan(sendbuf, recvbuf, op)
+        with METER:
+            super().Exscan(sendbuf, recvbuf, op)
+        METER.add(_buf_bytes(sendbuf) + _buf_bytes(recvbuf))
+
+    # -- gathers and broadcasts
+    def Allgather(self, sendbuf, recvbuf):
+        if self._solo:
+            return super().Allgather(sendbuf, recvbuf)
+        with METER:
+            super().Allgather(sendbuf, recvbuf)
+        METER.add(_buf_bytes(sendbuf) + _buf_bytes(recvbuf))
+
+    def Allgatherv(self, sendbuf, recvbuf):
+        if self._solo:
+            return super().Allgatherv(sendbuf, recvbuf)
+        with METER:
+            super().Allgatherv(sendbuf, recvbuf)
+        METER.add(_buf_bytes(sendbuf) + _buf_bytes(recvbuf))
+
+    def allgather(self, sendobj):
+        if self._solo:
+            return super().allgather(sendobj)
+        with METER:
+            out = super().allgather(sendobj)
+        METER.add(_obj_bytes(sendobj) + _obj_bytes(out))
+        return out
+
+    def Gatherv(self, sendbuf, recvbuf, root=0):
+        if self._solo:
+            return super().Gatherv(sendbuf, recvbuf, root)
+        with METER:
+            super().Gatherv(sendbuf, recvbuf, root)
+        METER.add(_buf_bytes(sendbuf) + (_buf_bytes(recvbuf) if self.rank == root else 0))
+
+    def gather(self, sendobj, root=0):
+        if self._solo:
+            return super().gather(sendobj, root)
+        with METER:
+            out = super().gather(sendobj, root)
+        METER.add(_obj_bytes(sendobj) + (_obj_bytes(out) if self.rank == root else 0))
+        return out
+
+    def Bcast(self, buf, root=0):
+        if self._solo:
+            return super().Bcast(buf, root)
+        with METER:
+            super().Bcast(buf, root)
+        METER.add(_buf_bytes(buf))
+
+    def bcast(self, obj=None, root=0):
+        if self._solo:
+            return super().bcast(obj, root)
+        with METER:
+            out = super().bcast(obj, root)
+        METER.add(_obj_bytes(out))
+        return out
+
+    def Alltoall(self, sendbuf, recvbuf):
+        if self._solo:
+            return super().Alltoall(sendbuf, recvbuf)
+        with METER:
+            super().Alltoall(sendbuf, recvbuf)
+        METER.add(_buf_bytes(sendbuf) + _buf_bytes(recvbuf))
+
+    def alltoall(self, sendobj):
+        if self._solo:
+            return super().alltoall(sendobj)
+        with METER:
+            out = super().alltoall(sendobj)
+        METER.add(_obj_bytes(sendobj) + _obj_bytes(out))
+        return out
+
+    def Barrier(self):
+        if self._solo:
+            return super().Barrier()
+        with METER:
+            super().Barrier()
+
+    barrier = Barrier
+
+    # -- new communicators stay metered
+    def Split(self, color=0, key=0):
+        with METER:
+            return MeteredComm(super().Split(color, key))
+
+    def Dup(self, info=None):
+        with METER:
+            return MeteredComm(super().Dup() if info is None else super().Dup(info))
+
+
+def metered(comm) -> MeteredComm:
+    """``comm`` as a :class:`MeteredComm` (itself if it already is one)."""
+    return comm if isinstance(comm, MeteredComm) else MeteredComm(comm)
+
+
+def scatter_forward(u, comm) -> None:
+    """``u.x.scatter_forward()`` (owned values to the ghosts; ``comm``: the mesh's
+    communicator), counted as communication: the rank's ghost entries x 8 bytes."""
+    if comm.size == 1:
+        u.x.scatter_forward()
+        return
+    dofmap = u.function_space.dofmap
+    with METER:
+        u.x.scatter_forward()
+    METER.add(8 * dofmap.index_map.num_ghosts * dofmap.index_map_bs)
+
+
+def ghost_update_add(b) -> None:
+    """Sum a PETSc ghosted vector's ghost contributions into their owners, counted as
+    communication (ghost entries x 8 bytes)."""
+    from petsc4py import PETSc
+    if b.getComm().getSize() == 1:
+        b.ghostUpdate(addv=PETSc.InsertMode.ADD, mode=PETSc.ScatterMode.REVERSE)
+        return
+    with b.localForm() as loc:
+        ghosts = loc.getSize() - b.getLocalSize()
+    with METER:
+        b.ghostUpdate(addv=PETSc.InsertMode.ADD, mode=PETSc.ScatterMode.REVERSE)
+    METER.add(8 * ghosts)
+
+
+def parallel_report(world, groups, snapshot: dict) -> dict:
+    """The ``parallel`` section of summary.json: ranks, groups (None: one group, no
+    prompts to list), the prompts of every group and per rank (lists in rank order)
+    compute_cpu_s, comm_s, comm_bytes, comm_calls (see :class:`Meter`), gathered on
+    rank 0 (other ranks get their own numbers only)."""
+    keys = ("compute_cpu_s", "comm_s", "comm_bytes", "comm_calls")
+    rows = world.gather([snapshot[k] for k in keys], root=0)
+    count, size = (groups.count, groups.size) if groups is not None else (1, world.size)
+    out = {"ranks": world.size, "groups": count, "ranks_per_group": size,
+           "group_prompts": [[groups.names[i] for i in b] for b in groups.blocks]
+           if groups is not None else None}
+    if rows is None:
+        rows = [[snapshot[k] for k in keys]]
+    out["group_of_rank"] = [r // size for r in range(world.size)] if world.rank == 0 \
+        else [world.rank // size]
+    for j, k in enumerate(keys):
+        out[k] = [r[j] for r in rows]
+    return out
+
+
+def describe_parallel(report: dict) -> str:
+    """One line for the log: ranks, groups, the largest compute and comm time, bytes."""
+    mb = max(report["comm_bytes"]) / 1e6
+    return (f"parallel: {report['ranks']} rank(s) in {report['groups']} group(s), compute "
+            f"{max(report['compute_cpu_s']):.1f} s, comm {max(report['comm_s']):.2f} s, "
+            f"{mb:.3g} MB (max over ranks)")
+
+
+# ------------------------------------------------------------------ prompt groups
+
+class PromptGroups:
+    """The split of the ranks into ``count`` prompt groups, and where they meet.
+
+    Ranks ``g * size .. (g + 1) * size - 1`` form group g (``size = world.size / count``,
+    so a group maps onto nodes x cores); :attr:`comm` is this rank's group communicator,
+    on which its mesh is partitioned. The prompts are dealt in contiguous blocks
+    (``np.array_split`` order: group g holds prompts ``blocks[g]``, the first
+    ``S mod G`` groups one more): with prompts of equal cost this balances as well as
+    round robin, keeps each group's prompts in prompt order, and makes the first failing
+    group hold the first failing prompt, as a run with one group would report it.
+
+    Bad input (``key`` names it): count < 1, a rank count that ``count`` does not
+    divide, more groups than prompts."""
+
+    def __init__(self, world, count: int, names: list[str], key: str = "parallel.prompt_groups"):
+        S = len(names)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ConfigError(key, f"expected an integer >= 1, got {count!r}")
+        if world.size % count:
+            raise ConfigError(key, f"{count} groups cannot split {world.size} rank(s) into equal "
+                                   f"groups: use a divisor of the rank count")
+        if count > S:
+            raise ConfigError(key, f"{count} groups for {S} prompt(s): at most one group per prompt")
+        self.world = world
+        self.count = count
+        self.names = list(names)
+        self.size = world.size // count
+        self.index = world.rank // self.size
+        self.comm = world if count == 1 else world.Split(self.index, world.rank)
+        self.blocks = [[int(i) for i in b] for b in np.array_split(np.arange(S), count)]
+        self.owned = self.blocks[self.index]
+        self.owner = {i: g for g, b in enumerate(self.blocks) for i in b}
+
+    @classmethod
+    def single(cls, comm, names: list[str]) -> "PromptGroups":
+        """One group: every rank of ``comm`` works on every prompt."""
+        return cls(comm, 1, names)
+
+    @property
+    def lead(self) -> bool:
+        """Is this the first rank of its group (the one that speaks for it)?"""
+        return self.comm.rank == 0
+
+    # -- combination points (world collectives: every rank of every group calls them)
+    def agree(self, error: PdeformerError | None) -> None:
+        """Raise on every rank the error of the first failing group (or nothing)."""
+        if self.count == 1:
+            if error is not None:
+                raise error
+            return
+        errors = self.world.allgather(error)
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+
+    @contextmanager
+    def combined(self):
+        """Group work inside; on leaving, all groups agree on failure (:meth:`agree`)."""
+        error = None
+        try:
+            yield
+        except PdeformerError as e:
+            error = e
+        self.agree(error)
+
+    def gather_prompts(self, local: dict) -> list:
+        """Per-prompt values (``{prompt index: value}`` of this group's prompts, the same
+        on every rank of the group) -> a list in prompt order on every rank (None where no
+        group had a value)."""
+        if self.count > 1:
+            merged = {}
+            for part in self.world.allgather(local if self.lead else None):
+                merged.update(part or {})
+            local = merged
+        return [local.get(i) for i in range(len(self.names))]
+
+    def gather_lists(self, items: list) -> list:
+        """Concatenate the groups' lists (the same on every rank of a group), in group order."""
+        if self.count == 1:
+            return list(items)
+        return [x for part in self.world.allgather(items if self.lead else None) for x in part or ()]
+
+    def sum_stats(self, stats: dict) -> dict:
+        """Counters summed over groups; keys starting with ``largest``/``max`` maximised;
+        anything not a number taken from group 0."""
+        if self.count == 1:
+            return dict(stats)
+        parts = [p for p in self.world.allgather(stats if self.lead else None) if p is not None]
+        out = dict(parts[0])
+        for k, v in out.items():
+            vals = [p.get(k) for p in parts]
+            if all(isinstance(x, (int, float, np.number)) and not isinstance(x, bool) for x in vals):
+                out[k] = max(vals) if k.startswith(("largest", "max")) else sum(vals)
+        return out

@@ -13,7 +13,8 @@ the same kernel, heads and SSP scheme as the Eulerian solver, with a fixed numbe
 steps per layer (``[particles] steps_per_layer``, default
 ``discretisation.steps_per_layer`` or 10). Tokens are drawn from the seeded stream
 (``particles.seed``, prompt index), so they are the same for any number of ranks; each
-rank moves its own block of tokens (the targets) and sees all of them as sources. Tokens
+rank moves its own block of tokens (the targets) and sees all of them as sources. With
+prompt groups a prompt's tokens are dealt over the ranks of the group that owns it. Tokens
 live in R^d: none leave, so ``mass`` is 1 and ``outflow`` 0 in diagnostics.csv, and
 ``min_rho`` (a density minimum) is not defined (nan).
 
@@ -105,7 +106,7 @@ class ParticleSolver:
         for tr in trackers:
             tr.start(self)
         try:
-            for i in range(len(self.problem.prompts)):
+            for i in self.problem.groups.owned:   # this group's prompts
                 self.solve_prompt(i, trackers)
         finally:
             for tr in trackers:
@@ -223,30 +224,36 @@ class ParticleAdjoint:
         return dict(target, samples=(z, np.full(len(z), 1.0 / len(z))))
 
     def risk(self) -> tuple[float, list]:
-        risks = []
-        for s in range(len(self.solver.problem.prompts)):
-            x, w = self.solver.solve_prompt(s)
-            risks.append(self.objective.particle_value_and_gradient(x, w, self.targets[s],
-                                                                    self.solver.comm)[0])
+        groups = self.solver.problem.groups
+        local = {}
+        with groups.combined():
+            for s in groups.owned:
+                x, w = self.solver.solve_prompt(s)
+                local[s] = self.objective.particle_value_and_gradient(x, w, self.targets[s],
+                                                                      self.solver.comm)[0]
+        risks = groups.gather_prompts(local)
         return float(np.mean(risks)), risks
 
     def gradient(self):
         from .adjoint import Gradient
         sv = self.solver
         heads = sv.problem.heads
+        groups = sv.problem.groups
         S = len(sv.problem.prompts)
         dA = np.zeros((heads.layers, heads.heads, heads.dim, heads.dim))
         dV = np.zeros_like(heads.V)
-        risks = []
-        for s in range(S):
-            tape = []
-            x, w = sv.solve_prompt(s, tape=tape)
-            F, lam = self.objective.particle_value_and_gradient(x, w, self.targets[s], sv.comm)
-            risks.append(F)
-            for layer, dt, stages in reversed(tape):
-                lam = self._step_vjp(lam, w, layer, dt, stages, dA, dV)
-        for a in (dA, dV):
-            sv.comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
+        local = {}
+        with groups.combined():
+            for s in groups.owned:
+                tape = []
+                x, w = sv.solve_prompt(s, tape=tape)
+                F, lam = self.objective.particle_value_and_gradient(x, w, self.targets[s], sv.comm)
+                local[s] = F
+                for layer, dt, stages in reversed(tape):
+                    lam = self._step_vjp(lam, w, layer, dt, stages, dA, dV)
+        risks = groups.gather_prompts(local)
+        for a in (dA, dV):   # every rank's share, summed over all groups
+            groups.world.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
         return Gradient.of_heads(heads, risks, dA / S, dV / S)
 
     def _step_vjp(self, lam, w, layer, dt, stages, dA, dV):

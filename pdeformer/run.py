@@ -9,6 +9,15 @@ commit, wall time per phase, results) besides its own files:
 * gradient: gradient.npz (dQ, dK, dV: derivatives of the discrete risk)
 * train:    history.csv, params_XXXX.npz, heads_XXXX.vtu + heads.pvd, checkpoint.npz
 * ntk:      ntk.json (both injectivity tests), ntk.png (their spectra)
+
+Prompt groups (``[parallel] prompt_groups``, ``--prompt-groups``; see
+pdeformer.parallel.PromptGroups): every group builds the mesh on its own communicator and
+solves its block of the prompts; the groups meet (agree on failure, then combine) after
+the set-up, after the forward pass (diagnostics rows, risks, field file names), inside
+every gradient (risks, the world-wide sum of dQ, dK, dV) and in the summary (prompt info,
+stats summed over groups, timings, the ``parallel`` accounting). World rank 0 logs and
+writes the tables and JSON files; each prompt's field series is written by its group.
+``converge`` and ``ntk`` run as one group (prompt_groups > 1 is refused there).
 """
 
 from __future__ import annotations
@@ -24,8 +33,9 @@ from . import _dolfinx as dfx
 from .errors import ConfigError, InputError, SolverBreakdown
 from .forward import ForwardSolver, Tracker, build_problem
 from .output import provenance, write_json
-from .parallel import Timer, add_log_file, on_root, remove_log_file
-from .trackers import DiagnosticsTable, FieldOutput, ProgressLog
+from .parallel import (METER, PromptGroups, Timer, add_log_file, describe_parallel, metered, on_root,
+                       parallel_report, remove_log_file)
+from .trackers import DiagnosticsTable, FieldOutput, ProgressLog, log_other_groups
 
 log = logging.getLogger("pdeformer")
 
@@ -43,24 +53,38 @@ def _make_outdir(path: str) -> None:
 
 class Run:
     """What every command shares: inputs checked first (nothing is written for bad
-    input), then the output folder, the log file, provenance and the summary."""
+    input), then the output folder, the log file, provenance and the summary.
+
+    ``comm`` is the world of the run; it is wrapped in a MeteredComm (``self.comm``) and
+    split into prompt groups (``self.groups``); the problem and solver live on this
+    rank's group communicator (``self.problem.comm``)."""
 
     def __init__(self, command: str, cfg: dict, comm, differentiable: bool = False,
-                 solver=ForwardSolver, check=None):
-        self.command, self.cfg, self.comm = command, cfg, comm
+                 solver=ForwardSolver, check=None, groups: bool = True):
+        METER.reset()
+        self.command, self.cfg = command, cfg
+        self.comm = metered(comm)
         self.timer = Timer()
         out = cfg["output"]
         if command == "forward" and out["fields"] and out["format"] == "vtx" and not dfx.has_vtx():
             raise ConfigError("output.format", f"'vtx' needs dolfinx built with ADIOS2 "
                               f"(this is dolfinx {dfx.VERSION_STRING} without it); use 'vtk'")
-        with self.timer.phase("setup"):
-            self.problem = build_problem(cfg, comm, differentiable and solver is ForwardSolver)
-            if check is not None:   # the command's own input checks
-                check(self.problem)
-        self.solver = solver(self.problem, self.timer) if solver else None
+        G = cfg["parallel"]["prompt_groups"]
+        if not groups and G > 1:
+            raise ConfigError("parallel.prompt_groups", f"{command} runs as one group of all ranks: "
+                              f"prompt groups are not supported (set 1, got {G})")
+        # bad G is bad input on every rank alike (no collective before this)
+        self.groups = PromptGroups(self.comm, G, [p["name"] for p in cfg["prompts"]])
+        with self.groups.combined():   # a group's failing set-up ends every group
+            with self.timer.phase("setup"):
+                self.problem = build_problem(cfg, self.comm, differentiable and solver is ForwardSolver,
+                                             groups=self.groups)
+                if check is not None:   # the command's own input checks
+                    check(self.problem)
+            self.solver = solver(self.problem, self.timer) if solver else None
         self.outdir = out["dir"]
-        on_root(comm, _make_outdir, self.outdir)
-        self.info = provenance(comm) if comm.rank == 0 else {}
+        on_root(self.comm, _make_outdir, self.outdir)
+        self.info = provenance(self.comm) if self.comm.rank == 0 else {}
 
     def path(self, name: str) -> str:
         return os.path.join(self.outdir, name)
@@ -78,7 +102,10 @@ class Run:
             remove_log_file(handler)
 
     def summary(self, status: str, error, **results) -> dict:
-        p = self.problem
+        """summary.json (written by rank 0) and the closing log lines; a combination
+        point (every rank of every group calls it)."""
+        meter = METER.snapshot()   # before the summary's own collectives
+        p, groups = self.problem, self.groups
         timings = self.timer.report(self.comm)
         mesh = {"dim": p.dim, "cells": dfx.global_cells(p.mesh), "cell_type": dfx.cell_type_name(p.mesh)}
         tr = getattr(self.solver, "transport", None)
@@ -92,27 +119,43 @@ class Run:
             "model": {"layers": p.heads.layers, "heads": p.heads.heads, "key_dim": p.heads.key_dim},
             "timings": timings, **results}
         if self.solver is not None:
-            summary.update(prompts=self.solver.prompt_info, stats=self.solver.stats,
+            sv = self.solver
+            summary.update(prompts=self.prompt_info(),
+                           stats=groups.sum_stats(sv.stats),
                            attention={"backend": self.cfg["attention"]["backend"],
                                       "tol": self.cfg["attention"]["tol"],
-                                      **self.solver.velocity_field.stats})
+                                      **groups.sum_stats(sv.velocity_field.stats)})
+        summary["parallel"] = parallel_report(self.comm, groups, meter)
         if self.comm.rank == 0:
             write_json(self.path("summary.json"), summary)
         log.info("%s done in %.1f s (setup %.1f s, velocity %.1f s, transport %.1f s)",
                  self.command, timings["total"], timings.get("setup", 0),
                  timings.get("velocity", 0), timings.get("transport", 0))
+        if self.comm.rank == 0:
+            log.info(describe_parallel(summary["parallel"]))
         return summary
 
+    def prompt_info(self) -> list:
+        """The solver's per-prompt info of every group, in prompt order (a combination
+        point)."""
+        info = self.solver.prompt_info
+        return self.groups.gather_prompts({i: info[i] for i in self.groups.owned})
 
-def _risk_of(solver: ForwardSolver, problem, coeffs: list) -> dict | None:
-    """The objective at the final densities of a forward run (None without one)."""
+
+def _risk_of(solver: ForwardSolver, problem, coeffs: dict) -> dict | None:
+    """The objective at the final densities of a forward run (None without one);
+    ``coeffs``: {prompt index: final coefficients} of this group's prompts. A
+    combination point."""
     if problem.objective is None:
         return None
     from .adjoint import AdjointSolver
     adj = AdjointSolver(solver, problem.objective, problem.targets,
                         problem.cfg["objective"]["quadrature_degree"])
-    risks = [adj.objective_at(s, c)[0] for s, c in enumerate(coeffs)]
-    return {"risk": float(np.mean(risks)), "risks": dict(zip([n for n, _ in problem.prompts], risks))}
+    groups = problem.groups
+    with groups.combined():
+        local = {s: adj.objective_at(s, c)[0] for s, c in coeffs.items()}
+    risks = groups.gather_prompts(local)
+    return {"risk": float(np.mean(risks)), "risks": dict(zip(groups.names, risks))}
 
 
 def run_forward(cfg: dict, comm=None) -> dict:
@@ -132,34 +175,41 @@ def run_forward(cfg: dict, comm=None) -> dict:
     with run.logged():
         status, error = "completed", None
         try:
-            with run.timer.phase("forward"):
-                run.solver.run(trackers)
+            with run.groups.combined():   # each group solves its prompts; then they meet
+                with run.timer.phase("forward"):
+                    run.solver.run(trackers)
         except SolverBreakdown as e:
             status, error = "breakdown", e
+        table.write(run.groups)
+        prompt_info = run.prompt_info()
+        if run.groups.count > 1:
+            log_other_groups(run.groups, table.rows, prompt_info, run.problem.heads.layers)
         risk = _risk_of(run.solver, run.problem, finals.coeffs) if error is None else None
         if risk:
             log.info("risk R = %.12e", risk["risk"])
+        field_files = run.groups.gather_lists(fields.files if fields else [])
         summary = run.summary(
             status, error, final_diagnostics=table.final(), objective=risk,
             files={"diagnostics": "diagnostics.csv", "log": "pdeformer.log",
-                   "fields": [os.path.relpath(f, run.outdir) for f in (fields.files if fields else [])]})
+                   "fields": [os.path.relpath(f, run.outdir) for f in field_files]})
         if error is not None:
             raise error
     return summary
 
 
 class FinalStates(Tracker):
-    """Keeps the density (or the tokens and weights) of every prompt at t = 1."""
+    """Keeps the density (or the tokens and weights) of every prompt of this group at
+    t = 1: {prompt index: coefficients} and {prompt index: (tokens, weights)}."""
 
     def __init__(self):
-        self.coeffs = []
-        self.tokens = []
+        self.coeffs = {}
+        self.tokens = {}
 
     def frame(self, solver, frame):
         if frame.layer_boundary and frame.t == 1.0:
-            self.coeffs.append(frame.coeffs)
+            self.coeffs[frame.prompt_index] = frame.coeffs
             if "weights" in frame.extra:
-                self.tokens.append((frame.coeffs, frame.extra["weights"]))
+                self.tokens[frame.prompt_index] = (frame.coeffs, frame.extra["weights"])
 
 
 def run_gradient(cfg: dict, comm=None) -> dict:
@@ -172,26 +222,29 @@ def run_gradient(cfg: dict, comm=None) -> dict:
         with run.timer.phase("gradient"):
             g = adj.gradient()
         log.info("risk R = %.12e, |dR/dtheta| = %.6e", g.risk, g.norm())
+        tape_bytes = run.comm.allreduce(g.tape_bytes, op=MPI.MAX)
         if run.comm.rank == 0:
             with open(run.path("gradient.npz.tmp"), "wb") as f:
                 np.savez(f, dQ=g.dQ, dK=g.dK, dV=g.dV, risk=np.array(g.risk))
             os.replace(run.path("gradient.npz.tmp"), run.path("gradient.npz"))
         return run.summary("completed", None, risk=g.risk,
                            risks=dict(zip([n for n, _ in p.prompts], g.risks)),
-                           gradient_norm=g.norm(), tape_bytes_per_rank=g.tape_bytes,
+                           gradient_norm=g.norm(), tape_bytes_per_rank=tape_bytes,
                            step_counts=_counts(run.solver),
                            files={"gradient": "gradient.npz", "log": "pdeformer.log"})
 
 
 def _counts(solver) -> dict:
-    """Steps per layer used (frozen plan or steps_per_layer), per prompt."""
+    """Steps per layer used (frozen plan or steps_per_layer), per prompt (a combination
+    point: every group counts its own prompts)."""
     if solver.disc["steps_per_layer"] is not None:
         return {"steps_per_layer": solver.disc["steps_per_layer"]}
-    out = {}
+    local = {}
     for (s, layer, _), n in sorted(solver.step_counts.items()):
-        name = solver.problem.prompts[s][0]
-        out.setdefault(name, [0] * solver.problem.heads.layers)[layer] += n
-    return out
+        local.setdefault(s, [0] * solver.problem.heads.layers)[layer] += n
+    groups = solver.problem.groups
+    counts = groups.gather_prompts(local)
+    return {name: c for name, c in zip(groups.names, counts) if c is not None}
 
 
 def run_train(cfg: dict, comm=None, restart: bool = False, walltime: float | None = None) -> dict:
@@ -231,7 +284,7 @@ def run_ntk(cfg: dict, comm=None) -> dict:
     ntk.png, summary.json. With ``[ntk] depth`` the prompts first go through a forward
     run (point clouds through the particle model) to that depth."""
     from .ntk import check_inputs, plot_spectra, prompt_measures, run_analysis
-    run = Run("ntk", cfg, comm or MPI.COMM_WORLD, solver=None, check=check_inputs)
+    run = Run("ntk", cfg, comm or MPI.COMM_WORLD, solver=None, check=check_inputs, groups=False)
     p = run.problem
     names = [n for n, _ in p.prompts]
     with run.logged():
@@ -286,13 +339,19 @@ def run_particles(cfg: dict, comm=None, gradient: bool = False) -> dict:
     with run.logged():
         status, error, results = "completed", None, {}
         try:
-            with run.timer.phase("particles"):
-                run.solver.run(trackers)
+            with run.groups.combined():   # each group moves its prompts' tokens; then they meet
+                with run.timer.phase("particles"):
+                    run.solver.run(trackers)
+                if adjoint is not None:
+                    local = {s: adjoint.objective.particle_value_and_gradient(
+                        x, w, adjoint.targets[s], p.comm)[0] for s, (x, w) in finals.tokens.items()}
+            table.write(run.groups)
+            if run.groups.count > 1:
+                log_other_groups(run.groups, table.rows, run.prompt_info(), p.heads.layers)
             if adjoint is not None:
-                risks = [adjoint.objective.particle_value_and_gradient(
-                    x, w, adjoint.targets[s], run.comm)[0] for s, (x, w) in enumerate(finals.tokens)]
+                risks = run.groups.gather_prompts(local)
                 results["objective"] = {"risk": float(np.mean(risks)),
-                                        "risks": dict(zip([n for n, _ in p.prompts], risks))}
+                                        "risks": dict(zip(run.groups.names, risks))}
                 log.info("risk R = %.12e", results["objective"]["risk"])
             if gradient:
                 with run.timer.phase("gradient"):
@@ -305,10 +364,12 @@ def run_particles(cfg: dict, comm=None, gradient: bool = False) -> dict:
                 log.info("|dR/dtheta| = %.6e", g.norm())
         except SolverBreakdown as e:
             status, error = "breakdown", e
+            if not table.written:   # the breakdown came from the tokens' run
+                table.write(run.groups)
         summary = run.summary(
             status, error, final_diagnostics=table.final(), **results,
             files={"diagnostics": "diagnostics.csv", "log": "pdeformer.log",
-                   "tokens": tokens.files if tokens else [],
+                   "tokens": run.groups.gather_lists(tokens.files if tokens else []),
                    **({"gradient": "gradient.npz"} if gradient else {})})
         if error is not None:
             raise error

@@ -2,6 +2,12 @@
 
 Each is plugged into :meth:`ForwardSolver.run`; none is threaded through the solver.
 Diagnostics of a frame are computed once and shared (``frame.extra``).
+
+With prompt groups every group's trackers see only that group's prompts: field series
+are written by the group that owns the prompt (collectively on its communicator), the
+diagnostics rows of all groups are gathered once the groups have met
+(:meth:`DiagnosticsTable.write`), and rank 0 then logs the other groups' progress
+(:func:`log_other_groups`).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import dolfinx.fem
 from . import _dolfinx as dfx
 from .forward import Frame, ForwardSolver, Tracker
 from .output import diagnostics_header, diagnostics_row, write_csv
+from .parallel import scatter_forward
 
 log = logging.getLogger("pdeformer")
 
@@ -31,9 +38,15 @@ class ProgressLog(Tracker):
     def start(self, solver):
         self.t0 = time.perf_counter()
         p = solver.problem
-        log.info("%d prompt(s), L = %d layers, H = %d heads, d = %d, %s, %s, %d rank(s)",
+        g = p.groups
+        ranks = f"{g.world.size} rank(s)" if g.count == 1 else \
+            f"{g.world.size} rank(s) in {g.count} prompt groups of {g.size}"
+        log.info("%d prompt(s), L = %d layers, H = %d heads, d = %d, %s, %s, %s",
                  len(p.prompts), p.heads.layers, p.heads.heads, p.dim, solver.describe(),
-                 solver.scheme.name, solver.comm.size)
+                 solver.scheme.name, ranks)
+        if g.count > 1:
+            log.info("group 0 (this log) holds %s; the other groups' progress is logged "
+                     "when the groups meet", ", ".join(g.names[i] for i in g.owned))
 
     def frame(self, solver, frame):
         if not frame.layer_boundary:
@@ -46,19 +59,32 @@ class ProgressLog(Tracker):
 
 
 class DiagnosticsTable(Tracker):
-    """diagnostics.csv: one row per prompt at t = 0 and at every layer boundary."""
+    """diagnostics.csv: one row per prompt at t = 0 and at every layer boundary.
+
+    Rows are collected while the solver runs; :meth:`write` (a combination point: every
+    rank of every group calls it) gathers the groups' rows in prompt order and rank 0
+    writes the file."""
 
     def __init__(self, filename: str):
         self.filename = filename
         self.rows: list[dict] = []
+        self.dim = None
+        self.written = False
 
     def frame(self, solver, frame):
         if frame.layer_boundary:
             self.rows.append(frame_diagnostics(solver, frame))
 
     def finish(self, solver):
-        if solver.comm.rank == 0:
-            write_csv(self.filename, diagnostics_header(solver.problem.dim),
+        self.dim = solver.problem.dim
+
+    def write(self, groups) -> None:
+        """Gather the rows of all groups (prompt order, then t) and write the file (rank 0)."""
+        order = {n: i for i, n in enumerate(groups.names)}
+        self.rows = sorted(groups.gather_lists(self.rows), key=lambda r: order[r["prompt"]])
+        self.written = True
+        if groups.world.rank == 0 and self.dim is not None:
+            write_csv(self.filename, diagnostics_header(self.dim),
                       [diagnostics_row(r) for r in self.rows])
 
     def final(self) -> list[dict]:
@@ -108,12 +134,26 @@ class FieldOutput(Tracker):
             self._open(solver, frame.prompt)
         n = solver.transport.n_owned
         self.rho.x.array[:n] = frame.coeffs
-        self.rho.x.scatter_forward()
+        scatter_forward(self.rho, solver.comm)
         if self.needs_velocity:
             self.vel.x.array[:frame.velocity.size] = frame.velocity.ravel()
-            self.vel.x.scatter_forward()
+            scatter_forward(self.vel, solver.comm)
         for s in self._series:
             s.write(frame.t)
 
     def finish(self, solver):
         self._close()
+
+
+def log_other_groups(groups, rows: list[dict], prompt_info: list, layers: int) -> None:
+    """Rank 0 logs the layer-boundary rows of the prompts other groups solved (after
+    :meth:`DiagnosticsTable.write` gathered them): the group 0 prompts were logged live."""
+    for r in rows:
+        i = groups.names.index(r["prompt"])
+        if groups.owner[i] == 0:
+            continue
+        info = prompt_info[i] or {}
+        log.info("%-10s layer %2d/%d  t=%.4f  steps %5s  mass=%.12f  outflow=%.3e  min rho=% .3e  "
+                 "(group %d)", r["prompt"], round(r["t"] * layers), layers, r["t"],
+                 info.get("steps", "-") if r["t"] == 1.0 else "-", r["mass"], r["outflow"],
+                 r["min_rho"], groups.owner[i])

@@ -13,6 +13,10 @@ RNG state, the history so far and a fingerprint of the problem; they are written
 temporary file and renamed, so a kill during the write leaves the previous one intact.
 A restart continues from the last checkpoint (also after ``steps`` was raised) and
 gives the same history as an uninterrupted run.
+
+In parallel (also with prompt groups) every rank holds the same heads: the gradient is
+summed over all ranks of all groups, so every rank makes the same step. World rank 0
+writes the files and decides the walltime guard, and broadcasts the decision.
 """
 
 from __future__ import annotations
@@ -183,7 +187,7 @@ class Trainer:
         self.train = cfg["train"]
         self.outdir = outdir
         self.heads = adjoint.forward.problem.heads
-        self.comm = adjoint.forward.comm
+        self.comm = adjoint.forward.problem.groups.world   # all ranks of all groups
         self.optimizer = make_optimizer(self.train, self.heads)
         self.rng = np.random.default_rng(cfg["model"]["seed"])
         self.history: list[dict] = []
@@ -216,14 +220,13 @@ class Trainer:
         t0 = time.perf_counter() - (self.history[-1]["wall_time"] if self.history else 0.0)
         started, last = time.perf_counter(), 0.0
         for k in range(self.start, steps + 1):
-            if self.walltime is not None and k > self.start and \
-                    time.perf_counter() - started + 1.2 * last > self.walltime:
+            if self.walltime is not None and k > self.start and self._out_of_time(started, last):
                 # the walltime guard: stop with a checkpoint at theta_k (restart continues)
                 self.status = "walltime"
-                log.warning("warning: walltime guard: stopping before step %d (%.0f s of %.0f s "
-                            "used); continue with --restart", k, time.perf_counter() - started,
-                            self.walltime)
-                if self.comm.rank == 0:
+                if self.comm.rank == 0:   # one line, not one per rank
+                    log.warning("warning: walltime guard: stopping before step %d (%.0f s of %.0f s "
+                                "used); continue with --restart", k, time.perf_counter() - started,
+                                self.walltime)
                     write_checkpoint(self.checkpoint_file, self.heads, self.optimizer, k,
                                      self.history, self.rng, self.cfg)
                 break
@@ -250,6 +253,13 @@ class Trainer:
             self.last_gradient = g
             last = time.perf_counter() - step_start
         return self.history
+
+    def _out_of_time(self, started: float, last: float) -> bool:
+        """Would the next step end past the walltime? Rank 0's clock decides for all
+        ranks (clocks and step times differ between ranks: deciding apart would leave
+        some ranks in the next step's collectives and the others gone)."""
+        late = time.perf_counter() - started + 1.2 * last > self.walltime
+        return bool(self.comm.bcast(late if self.comm.rank == 0 else None, root=0))
 
     def _write(self, k: int, before) -> None:
         """history.csv every step; params and head points of theta_k on output steps."""

@@ -37,7 +37,7 @@ import dolfinx.fem.petsc
 
 from . import _dolfinx as dfx
 from .errors import ConfigError, InputError, SolverBreakdown
-from .parallel import any_rank
+from .parallel import any_rank, ghost_update_add, scatter_forward
 
 MASS_PREFIX = "pdeformer_mass_"
 MASS_DEFAULTS = {"ksp_type": "preonly", "pc_type": "bjacobi", "sub_pc_type": "lu"}
@@ -74,8 +74,9 @@ def reference_facet_points(mesh, degree: int) -> np.ndarray:
 
 
 def add_ghost_contributions(b) -> None:
-    """Sum the contributions assembled on other ranks into the owned entries."""
-    b.ghostUpdate(addv=PETSc.InsertMode.ADD, mode=PETSc.ScatterMode.REVERSE)
+    """Sum the contributions assembled on other ranks into the owned entries (counted
+    as communication, see pdeformer.parallel.METER)."""
+    ghost_update_add(b)
 
 
 class CellQuadrature:
@@ -120,12 +121,16 @@ class CellQuadrature:
 
 
 class DGTransport:
-    """Spaces, forms and solvers of the DG transport step (one instance per run)."""
+    """Spaces, forms and solvers of the DG transport step (one instance per run).
+
+    ``comm`` (default ``mesh.comm``) is the communicator of pdeformer's own collectives
+    (the mesh's, possibly a :class:`~pdeformer.parallel.MeteredComm` of it); PETSc gets
+    ``mesh.comm``."""
 
     def __init__(self, mesh, degree: int, velocity_degree: int, source_degree: int,
-                 petsc_options: dict | None = None):
+                 petsc_options: dict | None = None, comm=None):
         self.mesh = mesh
-        self.comm = mesh.comm
+        self.comm = mesh.comm if comm is None else comm
         self.d = mesh.topology.dim
         self.degree = degree
         self.velocity_degree = velocity_degree
@@ -188,7 +193,7 @@ class DGTransport:
         opts = PETSc.Options()
         for k, val in {**MASS_DEFAULTS, **user_options}.items():
             opts[MASS_PREFIX + k] = val
-        ksp = PETSc.KSP().create(self.comm)
+        ksp = PETSc.KSP().create(self.mesh.comm)
         ksp.setOptionsPrefix(MASS_PREFIX)
         ksp.setOperators(M)
         try:
@@ -234,12 +239,12 @@ class DGTransport:
     def set_state(self, coeffs: np.ndarray) -> None:
         """Make ``coeffs`` (owned DG coefficients) the density the forms see."""
         self.u.x.array[:self.n_owned] = coeffs
-        self.u.x.scatter_forward()
+        scatter_forward(self.u, self.comm)
 
     def set_velocity(self, owned_values: np.ndarray) -> None:
         """Owned velocity node values (n_nodes, d) -> v (and its ghosts)."""
         self.v.x.array[:owned_values.size] = owned_values.ravel()
-        self.v.x.scatter_forward()
+        scatter_forward(self.v, self.comm)
 
     def source_weights(self) -> np.ndarray:
         """rho omega at this rank's attention quadrature points (zeros included); a
@@ -276,7 +281,7 @@ class DGTransport:
         b.array_w[:] = rate_bar
         self._solve_mass(b, self.solution)
         self.z.x.array[:self.n_owned] = self.solution.array_r
-        self.z.x.scatter_forward()
+        scatter_forward(self.z, self.comm)
         out = []
         for form in self._adjoint_forms:
             vec = dolfinx.fem.petsc.assemble_vector(form)
