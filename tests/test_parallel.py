@@ -1,0 +1,292 @@
+"""Prompt groups and the parallel accounting: 1, 2, 3 and 4 ranks (oversubscribed) with
+G = 1, 2, 3, 4 prompt groups give the same diagnostics, risks, gradient and training
+history; bad group counts and a breakdown in one group end every rank; summary.json's
+``parallel`` section."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import requires_dolfinx, run_cli, write_config
+from test_cli import check_one_line_error
+
+pytestmark = [requires_dolfinx]
+
+PROMPTS = ("a", "b", "c", "d")
+CONFIG = """
+[mesh]
+lower = [-3.0, -3.0]
+upper = [3.0, 3.0]
+cells = [12, 12]
+
+[discretisation]
+limiter = false
+steps_per_layer = 6
+
+[model]
+layers = 2
+heads = 2
+seed = 3
+init_scale = 0.8
+
+[attention]
+backend = "direct"
+
+[objective]
+kind = "moments"
+
+[train]
+steps = 2
+lr = 0.05
+
+[output]
+dir = "out"
+velocity = false
+
+[[prompts]]
+name = "a"
+kind = "gaussian_mixture"
+means = [[-0.5, 0.0]]
+covs = [0.3]
+target = { mean = [0.3, -0.2], cov = [[0.4, 0.1], [0.1, 0.3]] }
+
+[[prompts]]
+name = "b"
+kind = "gaussian_mixture"
+means = [[0.5, 0.3]]
+covs = [0.25]
+target = { mean = [0.0, 0.5], cov = 0.3 }
+
+[[prompts]]
+name = "c"
+kind = "uniform"
+lower = [-1.0, -0.5]
+upper = [0.5, 1.0]
+target = { mean = [-0.2, 0.1], cov = 0.2 }
+
+[[prompts]]
+name = "d"
+kind = "gaussian_mixture"
+weights = [1.0, 2.0]
+means = [[-0.5, 0.5], [0.6, -0.4]]
+covs = [0.2, [[0.3, 0.1], [0.1, 0.2]]]
+target = { mean = [0.1, 0.1], cov = 0.35 }
+"""
+
+# Under mpirun -n P: forward, gradient and train for every G given, one process for all.
+DRIVER = r'''
+import logging, sys
+from mpi4py import MPI
+from pdeformer.config import load_config
+from pdeformer.parallel import setup_logging
+from pdeformer import run
+
+config, groups = sys.argv[1], [int(g) for g in sys.argv[2:]]
+comm = MPI.COMM_WORLD
+setup_logging(comm, logging.WARNING)
+for G in groups:
+    tag = f"P{comm.size}G{G}"
+    for command, fn in (("forward", run.run_forward), ("gradient", run.run_gradient),
+                        ("train", run.run_train)):
+        cfg = load_config(config, [f"output.dir={command}_{tag}", f"parallel.prompt_groups={G}"]
+                          + (["output.fields=false"] if command == "train" else []))
+        fn(cfg, comm)
+'''
+
+LAUNCHES = {1: [1], 2: [1, 2], 3: [1, 3], 4: [1, 2, 4]}
+
+
+def _launch(tmp_path, cfg, P, groups):
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    cmd = [sys.executable, str(script), cfg, *map(str, groups)]
+    if P > 1:
+        from pdeformer.parallel import mpirun_command
+        cmd = mpirun_command(P) + cmd
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _read(folder):
+    from pdeformer.output import read_diagnostics
+    out = {}
+    with open(folder / "summary.json") as f:
+        out["summary"] = json.load(f)
+    if (folder / "diagnostics.csv").exists():
+        out["diagnostics"] = read_diagnostics(str(folder / "diagnostics.csv"))
+    if (folder / "gradient.npz").exists():
+        with np.load(folder / "gradient.npz") as g:
+            out["gradient"] = {k: g[k] for k in g.files}
+    if (folder / "history.csv").exists():
+        with open(folder / "history.csv") as f:
+            out["history"] = [{k: float(v) for k, v in r.items()} for r in csv.DictReader(f)]
+    return out
+
+
+def _close(a, b, tol=1e-10):
+    return abs(a - b) <= tol
+
+
+@pytest.mark.mpi
+def test_ranks_and_prompt_groups_give_the_same_results(tmp_path):
+    """forward, gradient, train on P = 1..4 ranks with G | P groups: diagnostics, risks,
+    gradient and history agree with one rank to 1e-10; every output is one file per run;
+    the parallel section names the ranks, groups and their prompts."""
+    cfg = write_config(tmp_path, CONFIG)
+    for P, groups in LAUNCHES.items():
+        _launch(tmp_path, cfg, P, groups)
+    ref = {c: _read(tmp_path / f"{c}_P1G1") for c in ("forward", "gradient", "train")}
+    rows = ref["forward"]["diagnostics"]
+    assert [r["prompt"] for r in rows] == [p for p in PROMPTS for _ in range(3)]
+    assert abs(ref["gradient"]["gradient"]["dV"]).max() > 1e-4      # not trivially zero
+    risks = ref["train"]["history"]
+    assert len(risks) == 3 and risks[2]["risk"] < risks[0]["risk"]
+    for P, groups in LAUNCHES.items():
+        for G in groups:
+            tag = f"P{P}G{G}"
+            fw = _read(tmp_path / f"forward_{tag}")
+            assert len(fw["diagnostics"]) == len(rows), tag
+            for ra, rb in zip(rows, fw["diagnostics"]):
+                assert ra["prompt"] == rb["prompt"] and ra["t"] == rb["t"], tag
+                for k in ra:
+                    if k != "prompt":
+                        assert _close(ra[k], rb[k]), (tag, k, ra, rb)
+            s, s1 = fw["summary"], ref["forward"]["summary"]
+            assert s["status"] == "completed" and s["ranks"] == P
+            assert _close(s["objective"]["risk"], s1["objective"]["risk"])
+            for p in PROMPTS:
+                assert _close(s["objective"]["risks"][p], s1["objective"]["risks"][p]), (tag, p)
+            assert [r["prompt"] for r in s["final_diagnostics"]] == list(PROMPTS)
+            assert [p["name"] for p in s["prompts"]] == list(PROMPTS)
+            assert [p["steps"] for p in s["prompts"]] == [12] * 4
+            assert s["stats"] == s1["stats"], tag                      # summed over groups
+            assert s["attention"]["direct"] == s1["attention"]["direct"], tag
+            assert s["files"]["fields"] == [f"density_{p}.pvd" for p in PROMPTS], tag
+            par = s["parallel"]
+            blocks = [list(b) for b in np.array_split(list(PROMPTS), G)]
+            assert par["ranks"] == P and par["groups"] == G and par["group_prompts"] == blocks, par
+            assert par["group_of_rank"] == [r // (P // G) for r in range(P)]
+            for key in ("compute_cpu_s", "comm_s", "comm_bytes"):
+                assert len(par[key]) == P, (tag, key)
+            assert min(par["compute_cpu_s"]) > 0, par
+            if P > 1:
+                assert min(par["comm_bytes"]) > 0 and min(par["comm_s"]) > 0, par
+            # each prompt's field series: written by its group, one piece per rank of it
+            from pdeformer.output import read_pvd
+            for p in PROMPTS:
+                frames = read_pvd(str(tmp_path / f"forward_{tag}" / f"density_{p}.pvd"))
+                assert len(frames) == 3, (tag, p)
+                pieces = 1 if P == G else open(frames[-1][1]).read().count("<Piece ")
+                assert pieces == P // G, (tag, p, pieces)
+
+            gr, g1 = _read(tmp_path / f"gradient_{tag}"), ref["gradient"]
+            for k in ("dQ", "dK", "dV", "risk"):
+                assert np.abs(gr["gradient"][k] - g1["gradient"][k]).max() <= 1e-10, (tag, k)
+            for p in PROMPTS:
+                assert _close(gr["summary"]["risks"][p], g1["summary"]["risks"][p]), (tag, p)
+
+            tr = _read(tmp_path / f"train_{tag}")
+            assert [r["step"] for r in tr["history"]] == [0, 1, 2]
+            for ra, rb in zip(risks, tr["history"]):
+                for k in ("risk", "grad_norm", "displacement"):
+                    assert _close(ra[k], rb[k]), (tag, k, ra, rb)
+            assert tr["summary"]["status"] == "completed" and tr["summary"]["parallel"]["groups"] == G
+
+
+@pytest.mark.mpi
+def test_bad_prompt_groups_end_every_rank(tmp_path):
+    """G that does not divide the ranks, G above the prompt count, G < 1: one line naming
+    parallel.prompt_groups, exit status 2, no rank left behind (the timeout)."""
+    cfg = write_config(tmp_path, CONFIG)
+    proc = run_cli(["forward", cfg, "--prompt-groups", "2"], nprocs=3, check=False, timeout=120)
+    check_one_line_error(proc, "parallel.prompt_groups: 2 groups cannot split 3 rank(s)")
+    one = write_config(tmp_path, CONFIG.split("[[prompts]]")[0] + "[[prompts]]"
+                       + CONFIG.split("[[prompts]]")[1], "one.toml")
+    proc = run_cli(["gradient", one, "--prompt-groups", "2"], nprocs=2, check=False, timeout=120)
+    check_one_line_error(proc, "parallel.prompt_groups: 2 groups for 1 prompt(s)")
+    for args in (["--prompt-groups", "0"], ["--set", "parallel.prompt_groups=-1"]):
+        proc = run_cli(["particles", cfg, *args], check=False, timeout=120)
+        check_one_line_error(proc, "parallel.prompt_groups: expected an integer")
+    proc = run_cli(["ntk", cfg, "--set", "parallel.prompt_groups=2"], nprocs=2, check=False, timeout=120)
+    check_one_line_error(proc, "parallel.prompt_groups: ntk runs as one group")
+
+
+BREAKDOWN = """
+[mesh]
+lower = [-3.0, -3.0]
+upper = [3.0, 3.0]
+cells = [8, 8]
+
+[discretisation]
+limiter = false
+
+[model]
+layers = 2
+heads = 2
+seed = 3
+query_scale = 0.0
+init_scale = 1e5
+
+[attention]
+backend = "direct"
+
+[output]
+dir = "out"
+fields = false
+
+[[prompts]]
+name = "centred"
+kind = "gaussian_mixture"
+means = [[0.0, 0.0]]
+covs = [0.3]
+
+[[prompts]]
+name = "far"
+kind = "gaussian_mixture"
+means = [[1.5, 1.5]]
+covs = [0.3]
+"""
+
+
+@pytest.mark.mpi
+def test_a_failure_in_one_group_ends_every_rank(tmp_path):
+    """Uniform attention with huge V: the centred prompt (mean ~ 0) barely moves, the
+    off-centre one (group 1) needs more than the allowed CFL steps: every rank ends with
+    status 3 and the one line; group 0's diagnostics are still written. A prompt outside
+    the mesh in group 1 is bad input found in set-up: status 2 on every rank."""
+    cfg = write_config(tmp_path, BREAKDOWN)
+    proc = run_cli(["forward", cfg, "--prompt-groups", "2"], nprocs=2, check=False, timeout=120)
+    check_one_line_error(proc, "prompt 'far', layer 0, t = 0: velocity too large", status=3)
+    with open(tmp_path / "out" / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["status"] == "breakdown" and summary["parallel"]["groups"] == 2
+    from pdeformer.output import read_diagnostics
+    rows = read_diagnostics(str(tmp_path / "out" / "diagnostics.csv"))
+    assert [(r["prompt"], r["t"]) for r in rows] == [("centred", 0.0), ("centred", 0.5),
+                                                     ("centred", 1.0), ("far", 0.0)]
+    proc = run_cli(["forward", cfg, "--prompt-groups", "2", "--set", "prompts[1].means=[[9.0, 9.0]]",
+                    "prompts[1].covs=[0.01]"], nprocs=2, check=False, timeout=120)
+    check_one_line_error(proc, "prompts[1] ('far'): the prompt lies outside the mesh")
+
+
+@pytest.mark.mpi
+def test_walltime_guard_is_agreed_across_groups(tmp_path):
+    """The walltime decision is rank 0's, broadcast: with two groups every rank stops
+    before the same step, and a restart continues to the uninterrupted history."""
+    cfg = write_config(tmp_path, CONFIG)
+    args = ["train", cfg, "--prompt-groups", "2", "--set", "output.fields=false", "train.steps=3"]
+    proc = run_cli(args + ["--walltime", "0.01"], nprocs=2, check=False, timeout=120)
+    assert proc.returncode == 0 and "walltime guard" in proc.stderr, proc.stderr
+    with open(tmp_path / "out" / "summary.json") as f:
+        assert json.load(f)["status"] == "walltime"
+    run_cli(args + ["--restart", "--prompt-groups", "1"], nprocs=2)
+    with open(tmp_path / "out" / "history.csv") as f:
+        assert [int(r["step"]) for r in csv.DictReader(f)] == [0, 1, 2, 3]
