@@ -46,6 +46,7 @@ summation at the sizes pdeformer meshes reach, so ``auto`` uses direct there.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -140,6 +141,7 @@ def differentiation_matrix(nodes: np.ndarray, lam: np.ndarray) -> np.ndarray:
     return D
 
 
+@functools.lru_cache(maxsize=16)
 def dct_matrix(n: int) -> np.ndarray:
     """D (n x n) with D @ values = the Chebyshev coefficients of the interpolant of values
     on n Lobatto nodes (the DCT-I: the FFT of the even extension, as a matrix, so that rows
@@ -148,6 +150,7 @@ def dct_matrix(n: int) -> np.ndarray:
     D = np.cos(np.pi * np.outer(k, k) / (n - 1)) * (2.0 / (n - 1))
     D[:, 0] /= 2
     D[:, -1] /= 2
+    D.flags.writeable = False
     return D
 
 
@@ -209,7 +212,13 @@ def grid_box(b_lo: np.ndarray, b_hi: np.ndarray) -> tuple[np.ndarray, np.ndarray
 
 
 PANEL_BETA = 3.0     # |b|max x panel half-width: e^{b y} varies by at most e^{2 beta} on a panel
-PANEL_EPS = 1e-14    # relative accuracy of the per-panel interpolation of e^{b y}
+PANEL_EPS = 1e-14    # relative accuracy of the per-panel interpolation of e^{b y} (at most)
+
+
+def panel_eps(tol: float) -> float:
+    """The panel accuracy a table for ``tol`` needs: 1e-3 tol, in [PANEL_EPS, 1e-9] (the
+    spread costs q^2 per source and column: q = 18 at 1e-9 against 23 at 1e-14)."""
+    return float(min(1e-9, max(PANEL_EPS, 1e-3 * tol)))
 
 
 def panel_degree(beta: float = PANEL_BETA, eps: float = PANEL_EPS) -> int:
@@ -324,8 +333,8 @@ class SourceLayout:
 
     FACTOR_SIZES = 3     # table sizes whose factors are kept
 
-    def __init__(self, points: np.ndarray, lo, hi, comm):
-        self.points, self.comm = points, comm
+    def __init__(self, points: np.ndarray, lo, hi, comm, eps: float = PANEL_EPS):
+        self.points, self.comm, self.eps = points, comm, eps
         d = self.d = points.shape[1]
         self.lo, self.hi = np.asarray(lo, float), np.asarray(hi, float)
         bmax = np.maximum(np.abs(self.lo), np.abs(self.hi))
@@ -352,7 +361,7 @@ class SourceLayout:
         total = ext[:, 2 * d].copy()
         comm.Allreduce(MPI.IN_PLACE, ext, op=MPI.MAX)       # ranges
         comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)     # counts
-        q = panel_degree()
+        q = self.q = panel_degree(eps=eps)
         self.tiles = []
         for t, i in enumerate(mine):
             tlo, thi, count = -ext[t, :d], ext[t, d:2 * d], int(total[t])
@@ -462,10 +471,11 @@ class LaplaceTable(HeadSums):
     nonnegative weights; for ``signed`` ones (any negative weight on any rank; decided
     here if not given) mu = S_y / N and zeta = Z / N (d + 1 tables) with
     N = sum_j |w_j| e^{<b, y_j>}, m = mu / zeta at each point. ``layout``: a
-    :class:`SourceLayout` of these points for this box (built if not given)."""
+    :class:`SourceLayout` of these points for this box (built if not given, with panels
+    accurate to ``eps``)."""
 
     def __init__(self, points, weights, lo, hi, n: int, comm, signed: bool | None = None,
-                 layout: SourceLayout | None = None, lib=EVERY_RANK):
+                 layout: SourceLayout | None = None, lib=EVERY_RANK, eps: float = PANEL_EPS):
         self.d = points.shape[1]
         if self.d > 2:
             raise ValueError("the laplace backend is implemented for d = 1 and 2")
@@ -475,10 +485,10 @@ class LaplaceTable(HeadSums):
         self.signed = any_negative(weights, comm) if signed is None else bool(signed)
         self.ncols = 2 + self.d if self.signed else 1 + self.d      # [w, w y, (|w|)]
         self.ncomp = self.d + 1 if self.signed else self.d           # [m] or [mu, zeta]
-        self.layout = layout if layout is not None else SourceLayout(points, self.lo, self.hi, comm)
+        self.layout = layout if layout is not None else SourceLayout(points, self.lo, self.hi, comm, eps)
         self.weights = weights
         # the compiled panel loops (d = 2), if every rank has them (a collective call unless given)
-        if self.d != 2 or panel_degree() > PANEL_QMAX:
+        if self.d != 2 or self.layout.q > PANEL_QMAX:
             self.lib = None
         else:
             self.lib = kernels_on(comm) if lib is EVERY_RANK else lib
@@ -782,6 +792,16 @@ class LaplaceTable(HeadSums):
         return out
 
 
+@functools.lru_cache(maxsize=64)
+def sampling_matrix(lo: float, hi: float, n: int, nf: int) -> np.ndarray:
+    """S (nf x n): the values at nf uniform points of [lo, hi] of the polynomial through n
+    Chebyshev-Lobatto values (kept: a plan's fine grid is built at every evaluation)."""
+    nodes, lam = chebyshev_lobatto(n, lo, hi)
+    S = barycentric_weights(lo + (hi - lo) / (nf - 1) * np.arange(nf), nodes, lam)
+    S.flags.writeable = False
+    return S
+
+
 class FineGrid(HeadSums):
     """Second level for many points (d = 2): the table's Chebyshev interpolant sampled
     on a uniform nf x nf grid (two small matrix products, rows divided over ranks and
@@ -801,8 +821,7 @@ class FineGrid(HeadSums):
         self.width = 4 if table.signed else 2        # values per node (the compiled layouts)
         self.h = (table.hi - table.lo) / (nf - 1)
         # S_a (nf x n): the Chebyshev interpolant's values at the uniform points of axis a
-        self.sample = [barycentric_weights(table.lo[a] + self.h[a] * np.arange(nf), nodes, lam)
-                       for a, (nodes, lam) in enumerate(table.axes)]
+        self.sample = [sampling_matrix(lo, hi, table.n, nf) for lo, hi in zip(table.lo, table.hi)]
         self.flat = self._sampled()
         self._den = np.array([np.prod([a - c for c in range(p + 1) if c != a]) for a in range(p + 1)])
         # the compiled loop, if every rank has it (a collective call unless given)
@@ -821,8 +840,9 @@ class FineGrid(HeadSums):
 
     def _locate(self, b: np.ndarray):
         """Stencil start, local Lagrange weights and their t-derivatives per axis:
-        L_a = prod_{c != a} (t - c) / den_a and L_a' = sum_{e != a} prod_{c != a, e} (t - c) / den_a
-        (products only, so exact on the nodes too; the compiled loop does the same)."""
+        L_a = prod_{c != a} (t - c) / den_a through prefix and suffix products, and L_a'
+        by the product rule on both (products only, so exact on the nodes too; the
+        compiled loop does the same)."""
         p, nf = self.P_LOCAL, self.nf
         t = (b - self.table.lo) / self.h                     # grid coordinates
         start = np.clip(np.floor(t).astype(int) - (p - 1) // 2, 0, nf - 1 - p)
@@ -830,14 +850,16 @@ class FineGrid(HeadSums):
         c = np.arange(p + 1)
         for a in range(2):
             x = (t[:, a] - start[:, a])[:, None] - c          # (P, p+1): t - c
-            La, dLa = np.empty_like(x), np.zeros_like(x)
-            for k in range(p + 1):
-                others = [j for j in range(p + 1) if j != k]
-                La[:, k] = np.prod(x[:, others], axis=1)
-                for e in others:
-                    dLa[:, k] += np.prod(x[:, [j for j in others if j != e]], axis=1)
-            L.append(La / self._den)
-            dL.append(dLa / self._den)
+            pre, dpre = np.ones_like(x), np.zeros_like(x)     # prod_{c < k}, its derivative
+            suf, dsuf = np.ones_like(x), np.zeros_like(x)     # prod_{c > k}
+            for k in range(1, p + 1):
+                pre[:, k] = pre[:, k - 1] * x[:, k - 1]
+                dpre[:, k] = dpre[:, k - 1] * x[:, k - 1] + pre[:, k - 1]
+                j = p - k
+                suf[:, j] = suf[:, j + 1] * x[:, j + 1]
+                dsuf[:, j] = dsuf[:, j + 1] * x[:, j + 1] + suf[:, j + 1]
+            L.append(pre * suf / self._den)
+            dL.append((dpre * suf + pre * dsuf) / self._den)
         idx = ((start[:, 0][:, None, None] + c[None, :, None]) * nf
                + start[:, 1][:, None, None] + c[None, None, :])
         return idx, L, dL
@@ -1055,13 +1077,14 @@ def choose_table(points, weights, b_lo, b_hi, comm, tol: float, n_max: int = N_M
         signed = any_negative(weights, comm)
     if lib is EVERY_RANK:
         lib = kernels_on(comm) if points.shape[1] == 2 else None
+    eps = layout.eps if layout is not None else panel_eps(tol)
 
     def search(pts, w, i, lay, builds=None):
         """Build at sizes[i], then at larger sizes (at least the predicted one) until tol;
         after ``builds`` tables that miss it, the predicted index without building."""
         first = i
         while True:
-            table = LaplaceTable(pts, w, lo, hi, sizes[i], comm, signed, lay, lib)
+            table = LaplaceTable(pts, w, lo, hi, sizes[i], comm, signed, lay, lib, eps)
             lay = table.layout
             table.assessment = assess(table)
             est = table.assessment.estimate
@@ -1100,6 +1123,7 @@ class TablePlan:
     n: int
     nf: int | None
     signed: bool
+    eps: float = PANEL_EPS     # accuracy of its panel sums
 
     def fits(self, lo: np.ndarray, hi: np.ndarray) -> bool:
         """Whether the (rounded) box lo, hi lies inside this plan's box, and the plan's box
@@ -1150,14 +1174,14 @@ class TablePlanner:
             self._lib = (kernels_on(self.comm),)      # one collective call, once
         return self._lib[0]
 
-    def layout(self, points, lo, hi) -> SourceLayout:
+    def layout(self, points, lo, hi, eps: float) -> SourceLayout:
         if points is not self._points:
             self._points, self._layouts = points, {}
-        key = (tuple(lo), tuple(hi))
+        key = (tuple(lo), tuple(hi), eps)
         if key not in self._layouts:
             if len(self._layouts) >= 64:
                 self._layouts.pop(next(iter(self._layouts)))
-            self._layouts[key] = SourceLayout(points, lo, hi, self.comm)
+            self._layouts[key] = SourceLayout(points, lo, hi, self.comm, eps)
         return self._layouts[key]
 
     def _attained(self, key, x, A):
@@ -1183,7 +1207,7 @@ class TablePlanner:
         lo, hi = np.array(plan.lo), np.array(plan.hi)
         lib = self.lib() if points.shape[1] == 2 else None
         table = LaplaceTable(points, weights, lo, hi, plan.n, self.comm, plan.signed,
-                             self.layout(points, lo, hi), lib)
+                             self.layout(points, lo, hi, plan.eps), lib)
         return table, (table if plan.nf is None else FineGrid(table, plan.nf, lib))
 
     def table(self, points, weights, x, A, key, n_max: int):
@@ -1198,22 +1222,23 @@ class TablePlanner:
         target = self.targets.get(key, self.tol / SIGNED_MARGIN if signed else self.tol)
         plan = self.plans.get(key)
         lib = self.lib() if points.shape[1] == 2 else None
-        if plan is not None and plan.signed == signed and plan.n <= n_max and plan.fits(lo, hi):
+        if plan is not None and plan.signed == signed and plan.n <= n_max and plan.fits(lo, hi) \
+                and plan.eps <= panel_eps(target):
             table, interp, a = self._reuse(points, weights, plan, target, n_max, lib, check)
         else:
             self.stats["searches"] += 1
             table, _ = choose_table(points, weights, lo_b, hi_b, self.comm, target, n_max, signed,
-                                    self.layout(points, lo, hi), lib)
+                                    self.layout(points, lo, hi, panel_eps(target)), lib)
             table, interp, a = self._with_fine_grid(table, target, lib, check)
         self.last = a
         if a.estimate > target or a.fine_error > target / 4:
             return None
         used = TablePlan(tuple(table.lo), tuple(table.hi), table.n,
-                         None if interp is table else interp.nf, signed)
+                         None if interp is table else interp.nf, signed, table.layout.eps)
         # the next evaluation: a size SHRINK_STEPS smaller if the decay says it does
         j = size_index(PREDICTION_MARGIN * a.predicted(target), SIZES)
         shrink = table.n in SIZES and SIZES.index(table.n) - j >= SHRINK_STEPS
-        self.plans[key] = TablePlan(used.lo, used.hi, SIZES[j], used.nf, signed) if shrink else used
+        self.plans[key] = TablePlan(used.lo, used.hi, SIZES[j], used.nf, signed, used.eps) if shrink else used
         return table, interp, a, used
 
     @staticmethod
