@@ -180,6 +180,7 @@ class ForwardSolver:
         self.step_counts: dict[tuple[int, int, int], int] = {}  # (prompt, layer, frame) -> n
         self.centre = np.mean(bounding_box(self.comm, problem.mesh), axis=0)
         self.stats = {"steps": 0, "velocity_evaluations": 0}
+        self.current_prompt = None   # the prompt being solved (it keys the laplace plans)
         for i, (name, prompt) in enumerate(problem.prompts):
             if prompt.kind == "points":
                 raise ConfigError(f"prompts[{i}].kind", f"{name!r} is a point cloud, which has no "
@@ -228,11 +229,13 @@ class ForwardSolver:
 
     def velocity(self, coeffs: np.ndarray, layer: int) -> np.ndarray:
         """Attention velocity of ``layer`` for density ``coeffs``; also set as the
-        transport velocity. Returns the owned node values; NaN or overflow is a breakdown."""
+        transport velocity. Returns the owned node values; NaN or overflow is a breakdown.
+        Laplace tables are planned per (prompt, layer): each keeps its own sizes."""
         tr = self.transport
         with self.timer.phase("velocity"):
             tr.set_state(coeffs)
-            vel = self.velocity_field(tr.sources.points, tr.source_weights(), layer)
+            vel = self.velocity_field(tr.sources.points, tr.source_weights(), layer,
+                                      key=(self.current_prompt, layer))
         self.stats["velocity_evaluations"] += 1
         if any_rank(self.comm, not np.all(np.isfinite(vel))):
             raise SolverBreakdown("the velocity is NaN or overflows")
@@ -259,6 +262,7 @@ class ForwardSolver:
         the (density, velocity) pairs at which the scheme evaluated its right-hand side:
         what the adjoint sweep needs."""
         name = self.problem.prompts[index][0]
+        self.current_prompt = index
         L, F = self.problem.heads.layers, self.frames_per_layer
         want_v = any(tr.needs_velocity for tr in trackers)
         state = [self.initial_coeffs[index].copy(), np.zeros(1)]

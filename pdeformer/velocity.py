@@ -49,7 +49,9 @@ class AttentionVelocity:
         self._gathered = None  # (points object, all points, slice of this rank)
         self._limits = {}      # key -> (A, points, targets, n_max): the auto cost model
         self.last_plan = None   # how the last velocity was summed: None (direct) or a TablePlan
-        self.stats = {"direct": 0, "laplace": 0, "largest_estimate": 0.0, "largest_grid": 0}
+        self.stats = {"direct": 0, "laplace": 0, "largest_estimate": 0.0, "largest_grid": 0,
+                      **self.planner.stats}
+        self.planner.stats = self.stats   # table searches, plans reused, plans grown
 
     @classmethod
     def on_space(cls, W, heads: HeadMeasure, attention: dict | None = None, comm=None):
