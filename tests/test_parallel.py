@@ -1,7 +1,7 @@
 """Prompt groups and the parallel accounting: 1, 2, 3 and 4 ranks (oversubscribed) with
 G = 1, 2, 3, 4 prompt groups give the same diagnostics, risks, gradient and training
-history; bad group counts and a breakdown in one group end every rank; summary.json's
-``parallel`` section."""
+history (and the same particle model); bad group counts and a breakdown in one group end
+every rank; summary.json's ``parallel`` section."""
 
 from __future__ import annotations
 
@@ -45,6 +45,11 @@ kind = "moments"
 [train]
 steps = 2
 lr = 0.05
+
+[particles]
+tokens = 200
+steps_per_layer = 4
+points = false
 
 [output]
 dir = "out"
@@ -94,7 +99,8 @@ setup_logging(comm, logging.WARNING)
 for G in groups:
     tag = f"P{comm.size}G{G}"
     for command, fn in (("forward", run.run_forward), ("gradient", run.run_gradient),
-                        ("train", run.run_train)):
+                        ("train", run.run_train),
+                        ("particles", lambda cfg, comm: run.run_particles(cfg, comm, gradient=True))):
         cfg = load_config(config, [f"output.dir={command}_{tag}", f"parallel.prompt_groups={G}"]
                           + (["output.fields=false"] if command == "train" else []))
         fn(cfg, comm)
@@ -137,16 +143,17 @@ def _close(a, b, tol=1e-10):
 
 @pytest.mark.mpi
 def test_ranks_and_prompt_groups_give_the_same_results(tmp_path):
-    """forward, gradient, train on P = 1..4 ranks with G | P groups: diagnostics, risks,
-    gradient and history agree with one rank to 1e-10; every output is one file per run;
-    the parallel section names the ranks, groups and their prompts."""
+    """forward, gradient, train, particles --gradient on P = 1..4 ranks with G | P groups:
+    diagnostics, risks, gradient and history agree with one rank to 1e-10; every output is
+    one file per run; the parallel section names the ranks, groups and their prompts."""
     cfg = write_config(tmp_path, CONFIG)
     for P, groups in LAUNCHES.items():
         _launch(tmp_path, cfg, P, groups)
-    ref = {c: _read(tmp_path / f"{c}_P1G1") for c in ("forward", "gradient", "train")}
+    ref = {c: _read(tmp_path / f"{c}_P1G1") for c in ("forward", "gradient", "train", "particles")}
     rows = ref["forward"]["diagnostics"]
     assert [r["prompt"] for r in rows] == [p for p in PROMPTS for _ in range(3)]
     assert abs(ref["gradient"]["gradient"]["dV"]).max() > 1e-4      # not trivially zero
+    assert abs(ref["particles"]["gradient"]["dV"]).max() > 1e-4
     risks = ref["train"]["history"]
     assert len(risks) == 3 and risks[2]["risk"] < risks[0]["risk"]
     for P, groups in LAUNCHES.items():
@@ -199,6 +206,16 @@ def test_ranks_and_prompt_groups_give_the_same_results(tmp_path):
                 for k in ("risk", "grad_norm", "displacement"):
                     assert _close(ra[k], rb[k]), (tag, k, ra, rb)
             assert tr["summary"]["status"] == "completed" and tr["summary"]["parallel"]["groups"] == G
+
+            pa, p1 = _read(tmp_path / f"particles_{tag}"), ref["particles"]
+            assert [r["prompt"] for r in pa["diagnostics"]] == [r["prompt"] for r in rows]
+            for ra, rb in zip(p1["diagnostics"], pa["diagnostics"]):
+                for k in ra:
+                    if k not in ("prompt", "min_rho"):
+                        assert _close(ra[k], rb[k]), (tag, k, ra, rb)
+            for k in ("dQ", "dK", "dV", "risk"):
+                assert np.abs(pa["gradient"][k] - p1["gradient"][k]).max() <= 1e-10, (tag, k)
+            assert [p["tokens"] for p in pa["summary"]["prompts"]] == [200] * 4
 
 
 @pytest.mark.mpi
