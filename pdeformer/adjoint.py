@@ -68,6 +68,7 @@ class AdjointSolver:
         self.rule = CellQuadrature(tr.mesh, degree, tr.u)
         if forward.disc["steps_per_layer"] is None:
             forward.freeze_steps = True
+        forward.velocity_field.freeze = True
 
     # ------------------------------------------------------------ risk
     def objective_at(self, index: int, coeffs: np.ndarray) -> tuple[float, np.ndarray]:
@@ -95,7 +96,9 @@ class AdjointSolver:
     def gradient(self, refreeze: bool = True) -> Gradient:
         """Risk and dR/dQ, dR/dK, dR/dV. Without steps_per_layer the step counts are
         frozen during this evaluation's forward passes (``refreeze``) and kept for
-        later :meth:`risk` calls, which then see the same discrete map.
+        later :meth:`risk` calls, which then see the same discrete map; so are the
+        attention's table plans (planned afresh here: the map depends on the heads alone,
+        so a restarted training repeats the uninterrupted one).
 
         With prompt groups every group sweeps its own prompts on its communicator; the
         groups then agree on failure, and one Allreduce over the world sums every rank's
@@ -103,6 +106,7 @@ class AdjointSolver:
         fw = self.forward
         if refreeze:
             fw.step_counts.clear()
+            fw.velocity_field.refreeze()
         heads = fw.problem.heads
         groups = fw.problem.groups
         S = len(fw.problem.prompts)

@@ -181,6 +181,7 @@ class ForwardSolver:
         self.centre = np.mean(bounding_box(self.comm, problem.mesh), axis=0)
         self.stats = {"steps": 0, "velocity_evaluations": 0}
         self.current_prompt = None   # the prompt being solved (it keys the laplace plans)
+        self.evaluations = 0         # velocity evaluations of it so far (frozen plans)
         for i, (name, prompt) in enumerate(problem.prompts):
             if prompt.kind == "points":
                 raise ConfigError(f"prompts[{i}].kind", f"{name!r} is a point cloud, which has no "
@@ -235,7 +236,9 @@ class ForwardSolver:
         with self.timer.phase("velocity"):
             tr.set_state(coeffs)
             vel = self.velocity_field(tr.sources.points, tr.source_weights(), layer,
-                                      key=(self.current_prompt, layer))
+                                      key=(self.current_prompt, layer),
+                                      step=(self.current_prompt, self.evaluations))
+            self.evaluations += 1
         self.stats["velocity_evaluations"] += 1
         if any_rank(self.comm, not np.all(np.isfinite(vel))):
             raise SolverBreakdown("the velocity is NaN or overflows")
@@ -262,7 +265,7 @@ class ForwardSolver:
         the (density, velocity) pairs at which the scheme evaluated its right-hand side:
         what the adjoint sweep needs."""
         name = self.problem.prompts[index][0]
-        self.current_prompt = index
+        self.current_prompt, self.evaluations = index, 0
         L, F = self.problem.heads.layers, self.frames_per_layer
         want_v = any(tr.needs_velocity for tr in trackers)
         state = [self.initial_coeffs[index].copy(), np.zeros(1)]

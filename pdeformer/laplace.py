@@ -179,7 +179,10 @@ def shell_maxima(block: np.ndarray, r0: int = 0) -> np.ndarray:
 def decay_fit(shells: np.ndarray) -> tuple[float, float, float]:
     """From the largest Chebyshev coefficient of each shell (relative to the table's
     size): (largest in the top eighth of shells, log-rate s and intercept c of the fit
-    log|coef_k| ~ c + s k over the top half)."""
+    log|coef_k| ~ c + s k over the top half). The fit is to the envelope max_{j >= k}:
+    coefficients that vanish by symmetry (every other one of an even function) sit at
+    round-off, which differs with the number of ranks and would move the fit."""
+    shells = np.maximum.accumulate(shells[::-1])[::-1]
     n = len(shells)
     top = float(shells[n - max(2, n // 8):].max())
     ks = np.arange(n // 2, n)
@@ -1167,6 +1170,12 @@ class TablePlanner:
         self._points = None
         self._lib = None
         self.stats = {"searches": 0, "reused": 0, "rebuilt": 0}
+
+    def reset(self) -> None:
+        """Forget the plans and targets (not the caches, which depend on their inputs
+        alone): the next evaluation of every key searches its table afresh."""
+        self.plans.clear()
+        self.targets.clear()
 
     # ------------------------------------------------------------------ caches
     def lib(self):

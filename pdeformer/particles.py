@@ -73,6 +73,7 @@ class ParticleSolver:
         attention = dict(cfg["attention"], **({"backend": backend} if backend else {}))
         self.velocity_field = AttentionVelocity(None, problem.heads, attention, self.comm)
         self.stats = {"steps": 0, "velocity_evaluations": 0}
+        self.current_prompt, self.evaluations = None, 0   # set per prompt (laplace plan keys)
         self.prompt_info = [{"name": n, "tokens": len(p.points) if p.kind == "points" else self.tokens}
                             for n, p in problem.prompts]
 
@@ -95,7 +96,9 @@ class ParticleSolver:
 
     def velocity(self, x: np.ndarray, w: np.ndarray, layer: int) -> np.ndarray:
         with self.timer.phase("velocity"):
-            v = self.velocity_field(x, w, layer, targets=x)
+            v = self.velocity_field(x, w, layer, targets=x, key=(self.current_prompt, layer),
+                                    step=(self.current_prompt, self.evaluations))
+            self.evaluations += 1
         self.stats["velocity_evaluations"] += 1
         if any_rank(self.comm, not np.all(np.isfinite(v))):
             raise SolverBreakdown("the velocity is NaN or overflows")
@@ -117,6 +120,7 @@ class ParticleSolver:
         """Move the tokens of prompt ``index`` from t = 0 to 1; returns (x, w) of this
         rank's tokens. ``tape`` collects (layer, dt, stage positions) for the adjoint."""
         name = self.problem.prompts[index][0]
+        self.current_prompt, self.evaluations = index, 0   # keys of the laplace plans
         L, F = self.problem.heads.layers, self.frames_per_layer
         x, w = self.initial_tokens(index)
         n = self.steps_per_layer // F
@@ -214,6 +218,7 @@ class ParticleAdjoint:
         self.solver = solver
         self.objective = objective
         self.targets = [self._prepare(t, i) for i, t in enumerate(targets)]
+        solver.velocity_field.freeze = True     # one discrete map per gradient evaluation
 
     def _prepare(self, target, index):
         """Density targets of mmd become tokens sampled like the prompts' (seeded)."""
@@ -243,6 +248,7 @@ class ParticleAdjoint:
         dA = np.zeros((heads.layers, heads.heads, heads.dim, heads.dim))
         dV = np.zeros_like(heads.V)
         local = {}
+        sv.velocity_field.refreeze()
         with groups.combined():
             for s in groups.owned:
                 tape = []

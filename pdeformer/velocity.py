@@ -49,6 +49,11 @@ class AttentionVelocity:
         self._gathered = None  # (points object, all points, slice of this rank)
         self._limits = {}      # key -> (A, points, targets, n_max): the auto cost model
         self.last_plan = None   # how the last velocity was summed: None (direct) or a TablePlan
+        # frozen plans (gradients): each evaluation's plan kept by its step and replayed
+        # when that step comes again, so forward passes of a gradient evaluation and its
+        # risks see one discrete map, a function of the heads alone (:meth:`refreeze`)
+        self.freeze = False
+        self.frozen: dict = {}
         self.stats = {"direct": 0, "laplace": 0, "largest_estimate": 0.0, "largest_grid": 0,
                       **self.planner.stats}
         self.planner.stats = self.stats   # table searches, plans reused, plans grown
@@ -120,15 +125,26 @@ class AttentionVelocity:
         self.stats["largest_grid"] = max(self.stats["largest_grid"], plan.n)
         return v, plan
 
+    def refreeze(self) -> None:
+        """Forget frozen plans and the planner's history: the next evaluations plan anew."""
+        self.frozen.clear()
+        self.planner.reset()
+
     # ------------------------------------------------------------------ velocity
     def __call__(self, points: np.ndarray, weights: np.ndarray, layer: int,
-                 targets: np.ndarray | None = None, key=None) -> np.ndarray:
+                 targets: np.ndarray | None = None, key=None, step=None) -> np.ndarray:
         """Velocity of ``layer`` at this rank's targets, (n, d), for the density given by
         this rank's source points and weights. :attr:`last_plan` records how. ``key``
-        names whose table plan to reuse (default: the layer)."""
+        names whose table plan to reuse (default: the layer); with :attr:`freeze`,
+        ``step`` names the evaluation whose plan is kept and replayed."""
         x = self.targets if targets is None else targets
         A, V = self.heads.attention_matrices(layer), self.heads.values(layer)
-        found = self._laplace(points, weights, x, A, V, layer if key is None else key)
+        if self.freeze and step is not None and step in self.frozen:
+            found = self._replayed(points, weights, x, A, V, self.frozen[step])
+        else:
+            found = self._laplace(points, weights, x, A, V, layer if key is None else key)
+            if self.freeze and step is not None:
+                self.frozen[step] = None if found is None else found[1]
         if found is None:
             self.last_plan = None
             self.stats["direct"] += 1
@@ -138,6 +154,13 @@ class AttentionVelocity:
         self.stats["laplace"] += 1
         v, self.last_plan = found
         return v
+
+    def _replayed(self, points, weights, x, A, V, plan):
+        """(v, plan) of exactly this plan (None: direct summation)."""
+        if plan is None:
+            return None
+        _, interp = self.planner.replay(points, weights, plan)
+        return interp.velocity(x, A, V), plan
 
     def vjp(self, points: np.ndarray, weights: np.ndarray, layer: int, g: np.ndarray,
             plan=None, targets: np.ndarray | None = None, positions: bool = False) -> VelocityCotangent:

@@ -1,0 +1,113 @@
+"""Parallel scaling of pdeformer: wall time, compute efficiency and communication per rank.
+
+    .venv/bin/python benchmarks/scaling.py                     # all cases, P = 1, 2, 4, 8
+    .venv/bin/python benchmarks/scaling.py --ranks 1 2 --cases forward128 train
+
+For P ranks (oversubscribed where P exceeds the cores) it runs, with `runs/default.toml`:
+
+* ``forward128``, ``forward256``: the forward pass on 128^2 and 256^2 cells (fields off);
+* ``train``: one training step (`pdeformer gradient`: forward and adjoint of both prompts,
+  what each step of `train` computes) on the default 64^2 mesh;
+* ``prompts16``: one training step with 16 prompts (Gaussian mixtures) and G = P prompt
+  groups.
+
+and prints the wall time of the command, the speedup against one rank, the compute
+efficiency E(P) = C(1) / (P max_r C_r(P)) with C_r the compute CPU seconds of rank r
+(``parallel.compute_cpu_s`` in summary.json: CPU time outside MPI communication), and
+the bytes communicated per rank (largest over ranks). On a machine with fewer cores than
+ranks the wall time says little; E(P) says how the run would scale with one core per rank.
+"""
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from pdeformer.parallel import mpirun_command  # noqa: E402
+
+DEFAULT = os.path.join(ROOT, "runs", "default.toml")
+
+
+def prompts16_config(folder: str) -> str:
+    """runs/default.toml with 16 prompts: Gaussian mixtures of one or two components on a
+    ring of centres, each with a moments target."""
+    with open(DEFAULT) as f:
+        text = f.read().split("[[prompts]]")[0]
+    for i in range(16):
+        a = 2 * math.pi * i / 16
+        c, s = 1.2 * math.cos(a), 1.2 * math.sin(a)
+        two = i % 2
+        text += (f"\n[[prompts]]\nname = \"p{i:02d}\"\nkind = \"gaussian_mixture\"\n"
+                 + (f"weights = [0.6, 0.4]\nmeans = [[{c:.4f}, {s:.4f}], [{-s / 2:.4f}, {c / 2:.4f}]]\n"
+                    f"covs = [0.12, 0.2]\n" if two else
+                    f"means = [[{c:.4f}, {s:.4f}]]\ncovs = [[[0.15, 0.03], [0.03, 0.1]]]\n")
+                 + f"target = {{ mean = [{-c / 3:.4f}, {s / 3:.4f}], cov = [[0.8, 0.1], [0.1, 0.4]] }}\n")
+    path = os.path.join(folder, "prompts16.toml")
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def case_command(case: str, ranks: int, folder: str) -> tuple[str, list[str], list[str]]:
+    """(command, config and flags, --set overrides) of a case."""
+    if case in ("forward128", "forward256"):
+        n = case[-3:]
+        return "forward", [DEFAULT], [f"mesh.cells=[{n},{n}]", "output.fields=false"]
+    if case == "train":
+        return "gradient", [DEFAULT], []
+    if case == "prompts16":
+        return "gradient", [prompts16_config(folder), "--prompt-groups", str(ranks)], []
+    raise ValueError(case)
+
+
+def run(case: str, ranks: int, folder: str) -> dict:
+    command, args, sets = case_command(case, ranks, folder)
+    out = os.path.join(folder, f"{case}-{ranks}")
+    cmd = mpirun_command(ranks) + [sys.executable, "-m", "pdeformer", command, *args, "-q",
+                                   "--set", f"output.dir={out}", *sets]
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr}")
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    par = summary["parallel"]
+    return {"wall": wall, "compute": par["compute_cpu_s"], "bytes": par["comm_bytes"],
+            "comm": par["comm_s"]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--cases", nargs="+", default=["forward128", "forward256", "train", "prompts16"])
+    args = ap.parse_args()
+    print(f"pdeformer scaling on {os.cpu_count()} core(s); E(P) = C(1) / (P max_r C_r(P)) "
+          "from compute_cpu_s")
+    print(f"{'case':>11} {'P':>3} {'wall [s]':>9} {'speedup':>8} {'C max [s]':>10} "
+          f"{'C sum [s]':>10} {'E(P)':>6} {'MB/rank':>8} {'comm [s]':>9}")
+    with tempfile.TemporaryDirectory() as folder:
+        for case in args.cases:
+            base = None
+            for P in args.ranks:
+                r = run(case, P, folder)
+                cmax, csum = max(r["compute"]), sum(r["compute"])
+                if base is None:
+                    base = (r["wall"], csum, P)
+                speedup = base[0] / r["wall"]
+                E = base[1] / (P * cmax) if base[2] == 1 else float("nan")   # needs P = 1 first
+                print(f"{case:>11} {P:>3} {r['wall']:>9.1f} {speedup:>8.2f} {cmax:>10.2f} "
+                      f"{csum:>10.2f} {E:>6.2f} {max(r['bytes']) / 1e6:>8.1f} {max(r['comm']):>9.2f}",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
