@@ -312,18 +312,26 @@ def table_flops(n: int, d: int, ncols: int, sources: int, nodes: list | None) ->
 
 class Tile:
     """Sources of one tile: this rank's (``index`` into its points, ``pts``), the tile's
-    coordinate range and count over all ranks, its panels (None without sources) and
-    this rank's window of them (``local_panels``: the panels its own sources touch)."""
+    coordinate range and count over all ranks, its panels (None without sources), this
+    rank's window of them (``local_panels``: the panels its own sources touch, from
+    panel ``first`` on) and, in 2-D, per panel row of the window the range of panel
+    columns its sources touch (``row_cols``: (row, first column, last column), relative to
+    the window): the blocks of the spread that are not zero."""
 
     def __init__(self, index, pts, lo, hi, count, panels):
         self.index, self.pts, self.lo, self.hi, self.count = index, pts, lo, hi, count
         self.panels = panels
-        self.first = self.local_panels = None
+        self.first = self.local_panels = self.row_cols = None
         if panels is not None and len(pts):
-            first = [int(pa.index(pts[:, a]).min()) for a, pa in enumerate(panels)]
-            last = [int(pa.index(pts[:, a]).max()) for a, pa in enumerate(panels)]
-            self.first = first
-            self.local_panels = [pa.window(f, l) for pa, f, l in zip(panels, first, last)]
+            p = [pa.index(pts[:, a]) for a, pa in enumerate(panels)]
+            self.first = [int(pa.min()) for pa in p]
+            self.local_panels = [pa.window(f, int(pi.max())) for pa, f, pi in zip(panels, self.first, p)]
+            if len(panels) == 2:
+                r, c = p[0] - self.first[0], p[1] - self.first[1]
+                lo, hi = np.full(self.local_panels[0].count, c.max() + 1), np.full(self.local_panels[0].count, -1)
+                np.minimum.at(lo, r, c)
+                np.maximum.at(hi, r, c)
+                self.row_cols = [(i, int(lo[i]), int(hi[i])) for i in np.flatnonzero(hi >= 0)]
 
 
 class SourceLayout:
@@ -373,9 +381,11 @@ class SourceLayout:
         self._factors: dict = {}
 
     def factors(self, axes: list) -> list:
-        """Per tile, for the grid ``axes``: (shifts, E) with shifts_a[g] = max over the tile
-        of b_g y_a (so every e^{b_g y_a - shift} <= 1) and E_a = e^{b_g yhat_k - shift_a[g]}
-        at this rank's panel nodes yhat (n x window), or None where it has no sources there."""
+        """Per tile, for the grid ``axes``: (shifts, E, E0) with shifts_a[g] = max over the
+        tile of b_g y_a (so every e^{b_g y_a - shift} <= 1), E_a = e^{b_g yhat_k - shift_a[g]}
+        at this rank's panel nodes yhat (n x window; None where it has no sources there)
+        and E0 the axis-0 factor at this rank's share (:func:`share`) of the tile's axis-0
+        panel nodes (2-D; the rows of the table products it multiplies)."""
         key = (len(axes[0][0]), axes[0][0][0], axes[0][0][-1])
         if key not in self._factors:
             if len(self._factors) >= self.FACTOR_SIZES:
@@ -383,20 +393,28 @@ class SourceLayout:
             out = []
             for tile in self.tiles:
                 if tile.count == 0:
-                    out.append(([np.zeros(len(nodes)) for nodes, _ in axes], None))
+                    out.append(([np.zeros(len(nodes)) for nodes, _ in axes], None, None))
                     continue
                 shifts = [np.maximum(nodes * tile.lo[a], nodes * tile.hi[a])
                           for a, (nodes, _) in enumerate(axes)]
                 E = None
                 if tile.local_panels is not None:
-                    E = []
-                    for (nodes, _), pa, sh in zip(axes, tile.local_panels, shifts):
-                        r = np.multiply.outer(nodes, pa.nodes)
-                        r -= sh[:, None]
-                        E.append(np.exp(r, out=r))
-                out.append((shifts, E))
+                    E = [_factor(nodes, pa.nodes, sh) for (nodes, _), pa, sh in
+                         zip(axes, tile.local_panels, shifts)]
+                E0 = None
+                if self.d == 2:
+                    nodes0 = tile.panels[0].nodes
+                    E0 = _factor(axes[0][0], nodes0[share(len(nodes0), self.comm)], shifts[0])
+                out.append((shifts, E, E0))
             self._factors[key] = out
         return self._factors[key]
+
+
+def _factor(nodes: np.ndarray, points: np.ndarray, shift: np.ndarray) -> np.ndarray:
+    """e^{b_g y_k - shift_g} (len(nodes) x len(points)) for grid nodes b and points y."""
+    r = np.multiply.outer(nodes, points)
+    r -= shift[:, None]
+    return np.exp(r, out=r)
 
 
 # ------------------------------------------------------------------ interpolants
@@ -560,15 +578,26 @@ class LaplaceTable(HeadSums):
             W[:, p0 * q:(p0 + 1) * q, p1 * q:(p1 + 1) * q] += blk.transpose(1, 0, 2)
         return W
 
-    @staticmethod
-    def _through(E, W) -> np.ndarray:
-        """E_1 W E_2^T (d = 2; W (ncols, K1, K2)) or W E_1^T (d = 1), associated so that
-        the n^2 product runs over the shorter side of W."""
-        if len(E) == 1:
-            return W @ E[0].T
-        if W.shape[2] <= W.shape[1]:
-            return np.matmul(E[0], W) @ E[1].T
-        return E[0] @ np.matmul(W, E[1].T)
+    def _through(self, tile, E, E0, W) -> np.ndarray:
+        """This rank's part of the table from its spread W (ncols, window): W E_1^T in
+        1-D; in 2-D E_0 (W E_1^T) in two steps that divide over ranks however the mesh is
+        partitioned: Y = W E_1^T over the blocks of W that are not zero (rows of panel
+        nodes by columns its sources touch, ``tile.row_cols``), the Y of all ranks summed
+        onto each rank's share of the rows (one Reduce_scatter), then its rows' part
+        E_0[:, share] Y[share] of the table. Collective: every rank calls it for a tile
+        built through panels, with W None where it has no sources there."""
+        n, ncols = self.n, self.ncols
+        if self.d == 1:
+            return np.zeros((ncols, n)) if W is None else W @ E[0].T
+        q = tile.panels[0].q
+        Y = np.zeros((len(tile.panels[0].nodes), ncols, n))
+        if W is not None:
+            r0 = tile.first[0] * q
+            for r, c0, c1 in tile.row_cols:
+                rows, cols = slice(r * q, (r + 1) * q), slice(c0 * q, (c1 + 1) * q)
+                Y[r0 + r * q:r0 + (r + 1) * q] = np.matmul(W[:, rows, cols], E[1][:, cols].T).transpose(1, 0, 2)
+        mine = reduce_shares(self.comm, Y)                          # (share rows, ncols, n)
+        return (E0 @ mine.reshape(len(mine), -1)).reshape(n, ncols, n).transpose(1, 0, 2)
 
     def _chunks(self, pts, shifts):
         """(slice, per-axis shifted factors e^{b_g y_j - shift_g} (n, chunk)) by source block."""
@@ -594,14 +623,13 @@ class LaplaceTable(HeadSums):
         factors = lay.factors(self.axes)
         local = np.zeros((len(lay.tiles), self.ncols) + (n,) * d)
         self.tile_data = []   # per tile: (shifts, panels or None), for the reverse sums
-        for t, (tile, (shifts, E)) in enumerate(zip(lay.tiles, factors)):
+        for t, (tile, (shifts, E, E0)) in enumerate(zip(lay.tiles, factors)):
             panels = self._panels(tile)
             self.tile_data.append((shifts, panels))
-            if len(tile.index) == 0:
-                continue
             c = cols[tile.index]
-            if panels is not None:          # E_1 W E_2^T through this rank's panel nodes
-                local[t] = self._through(E, self._spread(tile.local_panels, tile.pts, c))
+            if panels is not None:          # E_1 W E_2^T through the panel nodes
+                W = self._spread(tile.local_panels, tile.pts, c) if len(c) else None
+                local[t] = self._through(tile, E, E0, W)
                 continue
             for blk, Eb in self._chunks(tile.pts, shifts):
                 if d == 1:
@@ -701,7 +729,7 @@ class LaplaceTable(HeadSums):
         d = self.d
         lay = self.layout
         out = np.zeros((len(lay.points), len(grids)))
-        for tile, (shifts, panels), (_, E) in zip(lay.tiles, self.tile_data, lay.factors(self.axes)):
+        for tile, (shifts, panels), (_, E, _) in zip(lay.tiles, self.tile_data, lay.factors(self.axes)):
             pts = tile.pts
             if len(pts) == 0:
                 continue
@@ -836,10 +864,11 @@ class FineGrid(HeadSums):
         """The values on the fine grid, (nf * nf, width): this rank's rows, then all."""
         nf, comm = self.nf, self.table.comm
         rows = share(nf, comm)
-        local = np.zeros((rows.stop - rows.start, nf, self.width))
         values = np.matmul(np.matmul(self.sample[0][rows], self.table.values), self.sample[1].T)
-        local[:, :, :len(values)] = values.transpose(1, 2, 0)
-        return allgather_shares(comm, local, nf).reshape(nf * nf, self.width)
+        values = allgather_shares(comm, np.ascontiguousarray(values.transpose(1, 2, 0)), nf)
+        flat = np.zeros((nf * nf, self.width))
+        flat[:, :len(self.table.values)] = values.reshape(nf * nf, -1)
+        return flat
 
     def _locate(self, b: np.ndarray):
         """Stencil start, local Lagrange weights and their t-derivatives per axis:

@@ -100,7 +100,8 @@ def test_reverse_mode_is_the_derivative_of_the_table_map():
     u = np.einsum("nk,hkj->hnj", g, V) / 3
     m, J, mbar = t.reverse(b, u.reshape(-1, 2))
     m, J = m.reshape(3, -1, 2), J.reshape(3, -1, 2, 2)
-    np.testing.assert_allclose(m, t.means(b).reshape(3, -1, 2), rtol=1e-14)
+    # the same interpolant, through products of other shapes: round-off of the largest value
+    np.testing.assert_allclose(m, t.means(b).reshape(3, -1, 2), rtol=0, atol=1e-14 * np.abs(m).max())
     np.testing.assert_allclose(J, t.jacobians(b).reshape(3, -1, 2, 2), rtol=1e-12, atol=1e-14)
     cot = {"w": t.weights_cotangent(mbar),
            "A": np.einsum("hnka,hnk,nc->hac", J, u, x), "V": np.einsum("nk,hnj->hkj", g, m) / 3}
