@@ -235,7 +235,8 @@ class ForwardSolver:
         tr = self.transport
         with self.timer.phase("velocity"):
             tr.set_state(coeffs)
-            vel = self.velocity_field(tr.sources.points, tr.source_weights(), layer,
+            weights, signed = tr.source_weights()
+            vel = self.velocity_field(tr.sources.points, weights, layer, signed=signed,
                                       key=(self.current_prompt, layer),
                                       step=(self.current_prompt, self.evaluations))
             self.evaluations += 1

@@ -185,9 +185,12 @@ def decay_fit(shells: np.ndarray) -> tuple[float, float, float]:
     shells = np.maximum.accumulate(shells[::-1])[::-1]
     n = len(shells)
     top = float(shells[n - max(2, n // 8):].max())
-    ks = np.arange(n // 2, n)
-    slope, icpt = np.polyfit(ks, np.log(np.maximum(shells[ks], 1e-300)), 1)
-    return top, min(float(slope), -1e-3), float(icpt)
+    ks = np.arange(n // 2, n, dtype=float)
+    logs = np.log(np.maximum(shells[n // 2:], 1e-300))
+    kc = ks - ks.mean()                                     # least squares line
+    slope = float(kc @ (logs - logs.mean()) / (kc @ kc))
+    icpt = float(logs.mean() - slope * ks.mean())
+    return top, min(slope, -1e-3), icpt
 
 
 def tail_estimate(top: float, slope: float, n: int) -> float:
@@ -521,6 +524,10 @@ class LaplaceTable(HeadSums):
         (the same array), mu / zeta for signed ones."""
         return self.values if not self.signed else self.values[:self.d] / self.values[self.d]
 
+    def group_scales(self) -> list:
+        """The largest |value| of each group (the size errors are relative to)."""
+        return [max(float(np.abs(self.values[g]).max()), 1e-300) for g in self.groups]
+
     @property
     def groups(self) -> list:
         """Index ranges of the values whose errors are judged together: m; or mu, zeta."""
@@ -640,22 +647,46 @@ class LaplaceTable(HeadSums):
         self.comm.Allreduce(MPI.IN_PLACE, local, op=MPI.SUM)
         # combine tiles by log-sum-exp per node on the positive column (Z, or N if signed)
         norm = self.ncols - 1 if self.signed else 0
-        scales = [sh[0] if d == 1 else sh[0][:, None] + sh[1][None, :] for sh, _ in self.tile_data]
-        with np.errstate(divide="ignore"):
-            logs = [ls + np.log(np.maximum(sm[norm], 0.0)) for ls, sm in zip(scales, local)]
-        ref = np.max(logs, axis=0)
-        ref = np.where(np.isfinite(ref), ref, 0.0)
-        S = sum(np.exp(ls - ref) * sm for ls, sm in zip(scales, local))
+        self._sums = local
+        if len(local) == 1:                 # one tile: the shift cancels in every ratio
+            S = local[0]
+        else:
+            scales = self._scales()
+            with np.errstate(divide="ignore"):
+                logs = [ls + np.log(np.maximum(sm[norm], 0.0)) for ls, sm in zip(scales, local)]
+            ref = np.max(logs, axis=0)
+            ref = np.where(np.isfinite(ref), ref, 0.0)
+            S = sum(np.exp(ls - ref) * sm for ls, sm in zip(scales, local))
         N = S[norm]
         if np.any(~(N > 0)):
             raise FloatingPointError("laplace table: the partition function vanishes ("
                                      + ("underflowing weights)" if self.signed else
                                         "negative or underflowing weights)"))
-        self.log_z = np.log(N) + ref
-        self.Zhat = N
-        self.ref = ref
-        values = list(S[1:1 + d] / N) + ([S[0] / N] if self.signed else [])
-        self.values = np.array(values)                         # (ncomp, grid)
+        self.values = np.empty((self.ncomp,) + N.shape)     # (ncomp, grid)
+        np.divide(S[1:1 + d], N, out=self.values[:d])
+        if self.signed:
+            np.divide(S[0], N, out=self.values[d])
+
+    def _scales(self) -> list:
+        """Per tile, log of its factors' shift on the grid: shift_1 (+ shift_2)."""
+        d = self.d
+        return [sh[0] if d == 1 else sh[0][:, None] + sh[1][None, :] for sh, _ in self.tile_data]
+
+    def _tile_factors(self) -> list:
+        """Per tile: e^{shift}/N on the grid, the factor of its shifted sums in the values."""
+        norm = self.ncols - 1 if self.signed else 0
+        scales, sums = self._scales(), self._sums
+        with np.errstate(divide="ignore"):
+            logs = [ls + np.log(np.maximum(sm[norm], 0.0)) for ls, sm in zip(scales, sums)]
+        total = np.logaddexp.reduce(logs, axis=0)                 # log N
+        return [np.exp(ls - total) for ls in scales]
+
+    @property
+    def log_z(self) -> np.ndarray:
+        """log N on the grid (Lambda(b) for nonnegative weights)."""
+        norm = self.ncols - 1 if self.signed else 0
+        logs = [ls + np.log(sm[norm]) for ls, sm in zip(self._scales(), self._sums)]
+        return np.logaddexp.reduce(logs, axis=0)
 
     # ------------------------------------------------------------------ evaluation
     CHUNK = 2048  # points per block: the (chunk x n) weights stay in cache
@@ -667,23 +698,17 @@ class LaplaceTable(HeadSums):
     def _weights(self, b: np.ndarray) -> list:
         return [barycentric_weights(b[:, a], nodes, lam) for a, (nodes, lam) in enumerate(self.axes)]
 
-    def _stack(self, tables: list) -> np.ndarray:
-        """Tables side by side so that one matrix product interpolates them all."""
-        return np.stack(tables, axis=-1) if self.d == 1 else np.concatenate(tables, axis=1)
-
-    def _apply(self, W: list, stacked: np.ndarray, count: int) -> np.ndarray:
-        """Values (chunk, count) of ``count`` stacked tables at the points of W."""
-        if self.d == 1:
-            return W[0] @ stacked
-        R = (W[0] @ stacked).reshape(W[0].shape[0], count, self.n)
-        return np.einsum("pkg,pg->pk", R, W[1])
-
-    def evaluate(self, b: np.ndarray, tables: list) -> np.ndarray:
-        """Interpolated values of tabulated functions at points b (P, d) -> (P, len(tables))."""
-        stacked = self._stack(tables)
+    def evaluate(self, b: np.ndarray, tables) -> np.ndarray:
+        """Interpolated values of tabulated functions (count, *grid) at points b (P, d) ->
+        (P, count): W_1 T_k (W_2 row-wise), the tables read in place."""
+        tables = np.asarray(tables)
         out = np.empty((b.shape[0], len(tables)))
         for blk in self._blocks(b.shape[0]):
-            out[blk] = self._apply(self._weights(b[blk]), stacked, len(tables))
+            W = self._weights(b[blk])
+            if self.d == 1:
+                out[blk] = W[0] @ tables.T
+            else:
+                out[blk] = np.einsum("kpg,pg->pk", np.matmul(W[0], tables), W[1])
         return out
 
     def derivative_tables(self) -> list:
@@ -698,12 +723,10 @@ class LaplaceTable(HeadSums):
         """The table values at points b (P, d) -> (P, ncomp); with ``jacobian`` also their
         derivatives (P, ncomp, d) [k, a]."""
         nc, d, P = self.ncomp, self.d, b.shape[0]
-        tables = list(self.values)
-        if jacobian:
-            tables += [t for per_axis in self.derivative_tables() for t in per_axis]
-        vals = self.evaluate(b, tables)
         if not jacobian:
-            return vals
+            return self.evaluate(b, self.values)
+        tables = list(self.values) + [t for per_axis in self.derivative_tables() for t in per_axis]
+        vals = self.evaluate(b, tables)
         return vals[:, :nc], vals[:, nc:].reshape(P, d, nc).transpose(0, 2, 1)
 
     def transpose(self, b: np.ndarray, cbar: np.ndarray) -> np.ndarray:
@@ -729,12 +752,12 @@ class LaplaceTable(HeadSums):
         d = self.d
         lay = self.layout
         out = np.zeros((len(lay.points), len(grids)))
-        for tile, (shifts, panels), (_, E, _) in zip(lay.tiles, self.tile_data, lay.factors(self.axes)):
+        factors = self._tile_factors()
+        for tile, (shifts, panels), (_, E, _), factor in zip(lay.tiles, self.tile_data,
+                                                             lay.factors(self.axes), factors):
             pts = tile.pts
             if len(pts) == 0:
                 continue
-            scale = shifts[0] if d == 1 else shifts[0][:, None] + shifts[1][None, :]
-            factor = np.exp(scale - self.ref) / self.Zhat     # e^{shift}/N on the grid
             acc = np.empty((len(pts), len(grids)))
             if panels is not None:
                 local = tile.local_panels
@@ -805,21 +828,16 @@ class LaplaceTable(HeadSums):
         """Per group (:attr:`groups`): the largest Chebyshev coefficient of each shell,
         relative to the group's largest value, over this rank's share of coefficient
         rows (d = 2; max over ranks gives all of them). In 1-D every rank does it all."""
-        n = self.n
-        out = np.zeros((len(self.groups), n))
+        n, D = self.n, dct_matrix(self.n)
         if self.d == 1:
-            rows, D = slice(0, n), dct_matrix(n)
+            coef = np.abs(self.values @ D.T)                          # (ncomp, n)
         else:
-            rows, D = share(n, self.comm), dct_matrix(n)
-        for i, grp in enumerate(self.groups):
-            tables = self.values[grp]
-            scale = max(float(np.abs(tables).max()), 1e-300)
-            for t in tables:
-                if self.d == 1:
-                    shell = np.abs(D @ t)
-                else:
-                    shell = shell_maxima(np.abs((D[rows] @ t) @ D.T), rows.start)
-                np.maximum(out[i], shell / scale, out=out[i])
+            rows = share(n, self.comm)
+            coef = np.abs(np.matmul(np.matmul(D[rows], self.values), D.T))   # (ncomp, rows, n)
+        out = np.zeros((len(self.groups), n))
+        for i, (grp, scale) in enumerate(zip(self.groups, self.group_scales())):
+            c = coef[grp].max(axis=0)
+            out[i] = (c if self.d == 1 else shell_maxima(c, rows.start)) / scale
         return out
 
 
@@ -866,8 +884,11 @@ class FineGrid(HeadSums):
         rows = share(nf, comm)
         values = np.matmul(np.matmul(self.sample[0][rows], self.table.values), self.sample[1].T)
         values = allgather_shares(comm, np.ascontiguousarray(values.transpose(1, 2, 0)), nf)
+        values = values.reshape(nf * nf, -1)
+        if values.shape[1] == self.width:
+            return values
         flat = np.zeros((nf * nf, self.width))
-        flat[:, :len(self.table.values)] = values.reshape(nf * nf, -1)
+        flat[:, :values.shape[1]] = values
         return flat
 
     def _locate(self, b: np.ndarray):
@@ -957,11 +978,12 @@ class FineGrid(HeadSums):
         """Per group (LaplaceTable.groups): the largest difference to the Chebyshev
         interpolant at the points b, relative to the group's largest table value."""
         t = self.table
-        mine, ref = self.interpolate(b), t.interpolate(b)
         out = np.zeros(len(t.groups))
-        for i, grp in enumerate(t.groups):
-            scale = max(float(np.abs(t.values[grp]).max()), 1e-300)
-            out[i] = np.max(np.abs(mine[:, grp] - ref[:, grp]), initial=0.0) / scale
+        if len(b) == 0:
+            return out
+        diff = np.abs(self.interpolate(b) - t.interpolate(b))
+        for i, (grp, scale) in enumerate(zip(t.groups, t.group_scales())):
+            out[i] = diff[:, grp].max() / scale
         return out
 
     def error(self, check: np.ndarray | None = None) -> float:
@@ -1248,7 +1270,7 @@ class TablePlanner:
                              self.layout(points, lo, hi, plan.eps), lib)
         return table, (table if plan.nf is None else FineGrid(table, plan.nf, lib))
 
-    def table(self, points, weights, x, A, key, n_max: int):
+    def table(self, points, weights, x, A, key, n_max: int, signed: bool | None = None):
         """(table, interpolant, assessment, plan) for this evaluation, or None where no
         size up to n_max meets the key's target (see :attr:`last`: that assessment);
         FloatingPointError where no table can be built (too sharp, not finite)."""
@@ -1256,7 +1278,8 @@ class TablePlanner:
         if not (np.all(np.isfinite(lo_b)) and np.all(np.isfinite(hi_b))):
             raise FloatingPointError("attention matrices are not finite")
         lo, hi = grid_box(lo_b, hi_b)
-        signed = any_negative(weights, self.comm)
+        if signed is None:
+            signed = any_negative(weights, self.comm)
         target = self.targets.get(key, self.tol / SIGNED_MARGIN if signed else self.tol)
         plan = self.plans.get(key)
         lib = self.lib() if points.shape[1] == 2 else None
@@ -1307,7 +1330,7 @@ class TablePlanner:
             return self._with_fine_grid(table, target, lib, check)
         return table, interp, a
 
-    def velocity(self, points, weights, x, A, V, key, n_max: int):
+    def velocity(self, points, weights, x, A, V, key, n_max: int, signed: bool | None = None):
         """(v, plan, estimate) at this rank's targets x for heads A, V, or None where no
         table up to n_max meets tol (the estimate then in :attr:`last_estimate`). Signed
         weights: the conditioned bound (:meth:`conditioned`) must meet tol; if it does not,
@@ -1315,7 +1338,7 @@ class TablePlanner:
         est = math.inf
         initial = self.tol / SIGNED_MARGIN
         for _ in range(3):
-            found = self.table(points, weights, x, A, key, n_max)
+            found = self.table(points, weights, x, A, key, n_max, signed)
             if found is None:
                 est = self.last.estimate
                 break
@@ -1342,7 +1365,7 @@ class TablePlanner:
         self.comm.Allreduce(MPI.IN_PLACE, stats, op=MPI.MAX)
         kappa, M = stats
         e = [est + 2 * (a.fine[i] if a.fine is not None else 0.0) for i, est in enumerate(a.estimates)]
-        s = [float(np.abs(table.values[g]).max()) for g in table.groups]
+        s = table.group_scales()
         return float(kappa * (e[0] * s[0] + M * e[1] * s[1]) / max(M, s[0], 1e-300))
 
 

@@ -54,7 +54,10 @@ def on_root(comm, fn, *args, **kwargs):
 
 
 def any_rank(comm, flag: bool) -> bool:
-    return bool(comm.allreduce(bool(flag), op=MPI.LOR))
+    """Whether ``flag`` holds on some rank (one small buffer Allreduce)."""
+    buf = np.array([1.0 if flag else 0.0])
+    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+    return bool(buf[0])
 
 
 def allgather_rows(comm, a: np.ndarray) -> np.ndarray:

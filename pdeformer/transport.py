@@ -246,13 +246,16 @@ class DGTransport:
         self.v.x.array[:owned_values.size] = owned_values.ravel()
         scatter_forward(self.v, self.comm)
 
-    def source_weights(self) -> np.ndarray:
-        """rho omega at this rank's attention quadrature points (zeros included); a
+    def source_weights(self) -> tuple[np.ndarray, bool]:
+        """rho omega at this rank's attention quadrature points (zeros included), and
+        whether any rank has a negative one (a signed density; one Allreduce for both); a
         density that is zero everywhere (all mass gone) stops the run."""
         w = self.sources.weights()
-        if not any_rank(self.comm, np.any(w != 0)):
+        flags = np.array([float(np.any(w != 0)), float(np.any(w < 0))])
+        self.comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
+        if not flags[0]:
             raise SolverBreakdown("the density is zero everywhere: all mass has left the mesh")
-        return w
+        return w, bool(flags[1])
 
     # ---------------------------------------------------------------- operator
     def rate(self) -> tuple[np.ndarray, float]:
@@ -353,9 +356,10 @@ class DGTransport:
         """dt = cfl * min_K l_K / ((2k+1) max_{v-nodes of K} |v|) and max |v|, for the v set now."""
         speed = np.linalg.norm(self.v.x.array.reshape(-1, self.d), axis=1)
         cell_speed = speed[self.velocity_cell_nodes].max(axis=1)
-        local = np.max(cell_speed / self.cell_length) if cell_speed.size else 0.0
-        rate = self.comm.allreduce(float(local), op=MPI.MAX)
-        vmax = self.comm.allreduce(float(speed.max()) if speed.size else 0.0, op=MPI.MAX)
+        top = np.array([np.max(cell_speed / self.cell_length) if cell_speed.size else 0.0,
+                        speed.max() if speed.size else 0.0])
+        self.comm.Allreduce(MPI.IN_PLACE, top, op=MPI.MAX)
+        rate, vmax = float(top[0]), float(top[1])
         dt = np.inf if rate == 0 else cfl / ((2 * self.degree + 1) * rate)
         return dt, vmax
 

@@ -95,7 +95,7 @@ class AttentionVelocity:
         self._limits[key] = (A.copy(), points, x, n_max)
         return n_max
 
-    def _laplace(self, points, weights, x, A, V, key):
+    def _laplace(self, points, weights, x, A, V, key, signed=None):
         """(v, plan) through a laplace table, or None where direct must (or should) do."""
         d = points.shape[1]
         if self.backend == "direct" or (d > 2 and self.backend == "auto"):
@@ -105,7 +105,7 @@ class AttentionVelocity:
         try:
             n_max = self._n_max(points, A, x, key)
             found = None if n_max is None else \
-                self.planner.velocity(points, weights, x, A, V, key, n_max)
+                self.planner.velocity(points, weights, x, A, V, key, n_max, signed)
         except FloatingPointError as e:
             if self.backend == "laplace":
                 raise SolverBreakdown(f"attention backend 'laplace': {e}; use 'auto' or 'direct'") from None
@@ -132,17 +132,19 @@ class AttentionVelocity:
 
     # ------------------------------------------------------------------ velocity
     def __call__(self, points: np.ndarray, weights: np.ndarray, layer: int,
-                 targets: np.ndarray | None = None, key=None, step=None) -> np.ndarray:
+                 targets: np.ndarray | None = None, key=None, step=None,
+                 signed: bool | None = None) -> np.ndarray:
         """Velocity of ``layer`` at this rank's targets, (n, d), for the density given by
         this rank's source points and weights. :attr:`last_plan` records how. ``key``
         names whose table plan to reuse (default: the layer); with :attr:`freeze`,
-        ``step`` names the evaluation whose plan is kept and replayed."""
+        ``step`` names the evaluation whose plan is kept and replayed. ``signed``: whether
+        any rank has a negative weight, where the caller knows (else found out here)."""
         x = self.targets if targets is None else targets
         A, V = self.heads.attention_matrices(layer), self.heads.values(layer)
         if self.freeze and step is not None and step in self.frozen:
             found = self._replayed(points, weights, x, A, V, self.frozen[step])
         else:
-            found = self._laplace(points, weights, x, A, V, layer if key is None else key)
+            found = self._laplace(points, weights, x, A, V, layer if key is None else key, signed)
             if self.freeze and step is not None:
                 self.frozen[step] = None if found is None else found[1]
         if found is None:
