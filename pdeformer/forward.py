@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import ufl
+from mpi4py import MPI
 
 from .errors import ConfigError, InputError, SolverBreakdown
 from .heads import HeadMeasure
@@ -241,7 +242,10 @@ class ForwardSolver:
                                       step=(self.current_prompt, self.evaluations))
             self.evaluations += 1
         self.stats["velocity_evaluations"] += 1
-        if any_rank(self.comm, not np.all(np.isfinite(vel))):
+        finite = self.velocity_field.last_finite       # agreed already, or None: not yet known
+        if finite is None:
+            finite = not any_rank(self.comm, not np.all(np.isfinite(vel)))
+        if not finite:
             raise SolverBreakdown("the velocity is NaN or overflows")
         tr.set_velocity(vel)
         return vel
@@ -285,7 +289,7 @@ class ForwardSolver:
                 except SolverBreakdown as e:  # still record the density, then stop
                     failure = e
             frame = Frame(name, index, t, layer, boundary, march["steps"], march["dt"],
-                          state[0], float(state[1][0]), vel)
+                          state[0], self._outflow(state), vel)
             with self.timer.phase("output"):
                 for tr in trackers:
                     if failure is None or not tr.needs_velocity:
@@ -334,7 +338,11 @@ class ForwardSolver:
                 emit(t, layer, f == F)
         self.prompt_info[index]["steps"] = march["steps"]
         self.stats["steps"] += march["steps"]
-        return state[0], float(state[1][0])
+        return state[0], self._outflow(state)
+
+    def _outflow(self, state) -> float:
+        """The mass that has left the mesh: each rank integrates its own boundary's part."""
+        return float(self.comm.allreduce(float(state[1][0]), op=MPI.SUM))
 
     def _fixed_frame_steps(self, index: int, layer: int, frame: int) -> int | None:
         """Steps of a frame when they are fixed: steps_per_layer, or a frozen plan."""

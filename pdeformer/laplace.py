@@ -1010,6 +1010,7 @@ class Assessment:
     estimates: list
     fits: list            # (top, slope, intercept) per group
     fine: list | None
+    extra: list = None    # numbers reduced along (assess's ``extra``)
 
     @property
     def estimate(self) -> float:
@@ -1030,21 +1031,25 @@ def own_samples(table: "LaplaceTable") -> np.ndarray:
     return b[share(len(b), table.comm)]
 
 
-def assess(table: "LaplaceTable", fine: FineGrid | None = None, check: np.ndarray | None = None
-           ) -> Assessment:
+def assess(table: "LaplaceTable", fine: FineGrid | None = None, check: np.ndarray | None = None,
+           extra: list | None = None) -> Assessment:
     """The table's error estimate and, with ``fine``, the fine grid's sampled error at
     ``check``, this rank's check points (default :func:`own_samples`): each rank computes
-    its share of coefficient rows and its check points, one Allreduce."""
+    its share of coefficient rows and its check points, one Allreduce (MAX), which also
+    carries the numbers ``extra`` (their maxima over ranks in ``Assessment.extra``)."""
     groups = len(table.groups)
     parts = [table.local_shells().ravel()]
     if fine is not None:
         parts.append(fine.local_errors(own_samples(table) if check is None else check))
+    parts.append(np.asarray(extra or [], float))
     buf = np.concatenate(parts)
     table.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
     shells = buf[:groups * table.n].reshape(groups, table.n)
     fits = [decay_fit(s) for s in shells]
     estimates = [tail_estimate(top, slope, table.n) for top, slope, _ in fits]
-    return Assessment(estimates, fits, list(buf[groups * table.n:]) if fine is not None else None)
+    end = groups * table.n + (groups if fine is not None else 0)
+    return Assessment(estimates, fits, list(buf[groups * table.n:end]) if fine is not None else None,
+                      list(buf[end:]))
 
 
 def fine_from(lib) -> int:
@@ -1220,6 +1225,7 @@ class TablePlanner:
         self._layouts: dict = {}
         self._points = None
         self._lib = None
+        self.finite = None           # whether the last velocity is finite on every rank, if known
         self.stats = {"searches": 0, "reused": 0, "rebuilt": 0}
 
     def reset(self) -> None:
@@ -1270,21 +1276,111 @@ class TablePlanner:
                              self.layout(points, lo, hi, plan.eps), lib)
         return table, (table if plan.nf is None else FineGrid(table, plan.nf, lib))
 
-    def table(self, points, weights, x, A, key, n_max: int, signed: bool | None = None):
-        """(table, interpolant, assessment, plan) for this evaluation, or None where no
-        size up to n_max meets the key's target (see :attr:`last`: that assessment);
-        FloatingPointError where no table can be built (too sharp, not finite)."""
+    def velocity(self, points, weights, x, A, V, key, n_max: int, signed: bool | None = None):
+        """(v, plan, estimate) at this rank's targets x for heads A, V, or None where no
+        table up to n_max meets tol (the estimate then in :attr:`last_estimate`);
+        FloatingPointError where no table can be built (too sharp, not finite). Signed
+        weights: the conditioned bound (:meth:`conditioned`) must meet tol; if it does not,
+        the key's sizes aim lower by its excess and the table is searched again.
+        :attr:`finite` says, where known, whether v is finite on every rank."""
         _, _, lo_b, hi_b, check = self._attained(key, x, A)
         if not (np.all(np.isfinite(lo_b)) and np.all(np.isfinite(hi_b))):
             raise FloatingPointError("attention matrices are not finite")
-        lo, hi = grid_box(lo_b, hi_b)
         if signed is None:
             signed = any_negative(weights, self.comm)
-        target = self.targets.get(key, self.tol / SIGNED_MARGIN if signed else self.tol)
+        initial = self.tol / SIGNED_MARGIN if signed else self.tol
+        self.finite = None
+        plan = self.reusable(key, lo_b, hi_b, signed, n_max)
+        if plan is not None:
+            found = self._reused_velocity(points, weights, x, A, V, key, plan, initial, check)
+            if found is not None:
+                return found
+            self.finite = None
+        est = math.inf
+        for _ in range(3):
+            found = self.table(points, weights, x, A, key, n_max, signed)
+            if found is None:
+                est = self.last.estimate
+                break
+            table, interp, a, plan = found
+            v = interp.velocity(x, A, V)
+            if table.signed:
+                stats = np.array(interp.conditioning if interp.conditioning is not None else [0.0, 0.0])
+                self.comm.Allreduce(MPI.IN_PLACE, stats, op=MPI.MAX)
+                est = self.conditioned(table, a, *stats)
+            else:
+                est = a.estimate
+            target = self.targets.get(key, initial)
+            if est <= self.tol:
+                self._relax(key, table, est, target, initial)
+                return v, plan, est
+            if not np.isfinite(est):
+                break
+            self.targets[key] = target * self.tol / est / 2
+            self.plans.pop(key, None)
+        self.last_estimate = est
+        return None
+
+    def reusable(self, key, lo_b, hi_b, signed: bool, n_max: int):
+        """The key's plan if the evaluation can take it: same kind of weights, size within
+        n_max, the rounded b-range inside its box, panels accurate enough for its target."""
         plan = self.plans.get(key)
+        if plan is None:
+            return None
+        lo, hi = grid_box(lo_b, hi_b)
+        target = self.targets.get(key, self.tol / SIGNED_MARGIN if signed else self.tol)
+        ok = plan.signed == signed and plan.n <= n_max and plan.fits(lo, hi) \
+            and plan.eps <= panel_eps(target)
+        return plan if ok else None
+
+    def _reused_velocity(self, points, weights, x, A, V, key, plan, initial, check):
+        """The velocity through the key's plan, judged after the interpolation: the
+        table's estimate, its fine grid's error (at a quarter of the check points), the
+        conditioning of signed weights and whether v is finite, all in one Allreduce.
+        None where any misses (the caller grows or searches)."""
+        target = self.targets.get(key, initial)
+        table, interp = self.replay(points, weights, plan)
+        fine = None if interp is table else interp
+        v = interp.velocity(x, A, V)
+        extra = [0.0 if np.all(np.isfinite(v)) else 1.0]
+        if plan.signed:
+            extra += list(interp.conditioning if interp.conditioning is not None else [0.0, 0.0])
+        a = table.assessment = assess(table, fine, check[:(len(check) + 3) // 4], extra)
+        self.finite = not a.extra[0]
+        if a.estimate > target or a.fine_error > target / 4:
+            return None
+        est = self.conditioned(table, a, *a.extra[1:]) if plan.signed else a.estimate
+        if not est <= self.tol:
+            return None
+        self.stats["reused"] += 1
+        self._relax(key, table, est, target, initial)
+        return v, self._keep(key, table, interp, a, target), est
+
+    def _relax(self, key, table, est, target, initial) -> None:
+        """A lowered target (signed weights) rises again where the bound is far below tol."""
+        if table.signed and est * RELAX < self.tol and target < initial:
+            self.targets[key] = min(initial, 2 * target)
+
+    def _keep(self, key, table, interp, a: Assessment, target: float) -> TablePlan:
+        """The plan of this evaluation's table; the key keeps it for the next, a size
+        SHRINK_STEPS smaller if the decay says that would do."""
+        used = TablePlan(tuple(table.lo), tuple(table.hi), table.n,
+                         None if interp is table else interp.nf, table.signed, table.layout.eps)
+        j = size_index(PREDICTION_MARGIN * a.predicted(target), SIZES)
+        shrink = table.n in SIZES and SIZES.index(table.n) - j >= SHRINK_STEPS
+        self.plans[key] = TablePlan(used.lo, used.hi, SIZES[j], used.nf, used.signed, used.eps) \
+            if shrink else used
+        return used
+
+    def table(self, points, weights, x, A, key, n_max: int, signed: bool):
+        """(table, interpolant, assessment, plan) for this evaluation, or None where no
+        size up to n_max meets the key's target (see :attr:`last`: that assessment)."""
+        _, _, lo_b, hi_b, check = self._attained(key, x, A)
+        lo, hi = grid_box(lo_b, hi_b)
+        target = self.targets.get(key, self.tol / SIGNED_MARGIN if signed else self.tol)
+        plan = self.reusable(key, lo_b, hi_b, signed, n_max)
         lib = self.lib() if points.shape[1] == 2 else None
-        if plan is not None and plan.signed == signed and plan.n <= n_max and plan.fits(lo, hi) \
-                and plan.eps <= panel_eps(target):
+        if plan is not None:
             table, interp, a = self._reuse(points, weights, plan, target, n_max, lib, check)
         else:
             self.stats["searches"] += 1
@@ -1294,13 +1390,7 @@ class TablePlanner:
         self.last = a
         if a.estimate > target or a.fine_error > target / 4:
             return None
-        used = TablePlan(tuple(table.lo), tuple(table.hi), table.n,
-                         None if interp is table else interp.nf, signed, table.layout.eps)
-        # the next evaluation: a size SHRINK_STEPS smaller if the decay says it does
-        j = size_index(PREDICTION_MARGIN * a.predicted(target), SIZES)
-        shrink = table.n in SIZES and SIZES.index(table.n) - j >= SHRINK_STEPS
-        self.plans[key] = TablePlan(used.lo, used.hi, SIZES[j], used.nf, signed, used.eps) if shrink else used
-        return table, interp, a, used
+        return table, interp, a, self._keep(key, table, interp, a, target)
 
     @staticmethod
     def _with_fine_grid(table, target, lib, check):
@@ -1325,45 +1415,15 @@ class TablePlanner:
             table, _ = choose_table(points, weights, table.lo, table.hi, self.comm, target,
                                     n_max, plan.signed, table.layout, lib, start=i)
             return self._with_fine_grid(table, target, lib, check)
-        self.stats["reused"] += 1
         if interp is not table and a.fine_error > target / 4:
             return self._with_fine_grid(table, target, lib, check)
         return table, interp, a
 
-    def velocity(self, points, weights, x, A, V, key, n_max: int, signed: bool | None = None):
-        """(v, plan, estimate) at this rank's targets x for heads A, V, or None where no
-        table up to n_max meets tol (the estimate then in :attr:`last_estimate`). Signed
-        weights: the conditioned bound (:meth:`conditioned`) must meet tol; if it does not,
-        the key's sizes aim lower by its excess and the table is searched once more."""
-        est = math.inf
-        initial = self.tol / SIGNED_MARGIN
-        for _ in range(3):
-            found = self.table(points, weights, x, A, key, n_max, signed)
-            if found is None:
-                est = self.last.estimate
-                break
-            table, interp, a, plan = found
-            v = interp.velocity(x, A, V)
-            est = self.conditioned(table, interp, a) if table.signed else a.estimate
-            target = self.targets.get(key, initial)
-            if est <= self.tol:
-                if table.signed and est * RELAX < self.tol and target < initial:
-                    self.targets[key] = min(initial, 2 * target)
-                return v, plan, est
-            if not np.isfinite(est):
-                break
-            self.targets[key] = target * self.tol / est / 2
-            self.plans.pop(key, None)
-        self.last_estimate = est
-        return None
-
-    def conditioned(self, table, interp, a: Assessment) -> float:
-        """The error bound of m = mu / zeta at this evaluation's targets, relative to the
-        larger of max |m| there and max |mu| (the table's scale, as for nonnegative
-        weights); signed weights, one Allreduce of kappa and M."""
-        stats = np.array(interp.conditioning if interp.conditioning is not None else [0.0, 0.0])
-        self.comm.Allreduce(MPI.IN_PLACE, stats, op=MPI.MAX)
-        kappa, M = stats
+    @staticmethod
+    def conditioned(table, a: Assessment, kappa: float, M: float) -> float:
+        """The error bound of m = mu / zeta at this evaluation's targets, with kappa the
+        largest 1/|zeta| and M the largest |m| there (over all ranks), relative to the
+        larger of M and max |mu| (the table's scale, as for nonnegative weights)."""
         e = [est + 2 * (a.fine[i] if a.fine is not None else 0.0) for i, est in enumerate(a.estimates)]
         s = table.group_scales()
         return float(kappa * (e[0] * s[0] + M * e[1] * s[1]) / max(M, s[0], 1e-300))

@@ -259,16 +259,17 @@ class DGTransport:
 
     # ---------------------------------------------------------------- operator
     def rate(self) -> tuple[np.ndarray, float]:
-        """M^{-1} R(u; v) (owned coefficients) and the outflow rate int (v.n)^+ u ds,
-        for the u and v set now."""
+        """M^{-1} R(u; v) (owned coefficients) and this rank's part of the outflow rate
+        int (v.n)^+ u ds (its boundary facets; the sum over ranks is the outflow: the
+        time integral is linear, so it is summed where it is reported), for the u and v
+        set now."""
         b = self.load_vector
         with b.localForm() as loc:
             loc.set(0.0)
         dolfinx.fem.petsc.assemble_vector(b, self.residual_form)
         add_ghost_contributions(b)
         self._solve_mass(b, self.solution)
-        outflow = self.comm.allreduce(dolfinx.fem.assemble_scalar(self.outflow_form), op=MPI.SUM)
-        return self.solution.array_r.copy(), float(outflow)
+        return self.solution.array_r.copy(), float(dolfinx.fem.assemble_scalar(self.outflow_form))
 
     def rate_vjp(self, rate_bar: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Reverse mode of rate(): for the cotangent of M^{-1} R(u; v) (owned DG

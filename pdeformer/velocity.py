@@ -49,6 +49,7 @@ class AttentionVelocity:
         self._gathered = None  # (points object, all points, slice of this rank)
         self._limits = {}      # key -> (A, points, targets, n_max): the auto cost model
         self.last_plan = None   # how the last velocity was summed: None (direct) or a TablePlan
+        self.last_finite = None  # whether it is finite on every rank, where already agreed
         # frozen plans (gradients): each evaluation's plan kept by its step and replayed
         # when that step comes again, so forward passes of a gradient evaluation and its
         # risks see one discrete map, a function of the heads alone (:meth:`refreeze`)
@@ -141,12 +142,14 @@ class AttentionVelocity:
         any rank has a negative weight, where the caller knows (else found out here)."""
         x = self.targets if targets is None else targets
         A, V = self.heads.attention_matrices(layer), self.heads.values(layer)
-        if self.freeze and step is not None and step in self.frozen:
+        replayed = self.freeze and step is not None and step in self.frozen
+        if replayed:
             found = self._replayed(points, weights, x, A, V, self.frozen[step])
         else:
             found = self._laplace(points, weights, x, A, V, layer if key is None else key, signed)
             if self.freeze and step is not None:
                 self.frozen[step] = None if found is None else found[1]
+        self.last_finite = self.planner.finite if found is not None and not replayed else None
         if found is None:
             self.last_plan = None
             self.stats["direct"] += 1
