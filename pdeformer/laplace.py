@@ -1195,6 +1195,7 @@ class TablePlan:
 SIGNED_MARGIN = 2.0   # signed weights: the sizes aim below tol by this first (m = mu/zeta
                       # amplifies the values' errors by the conditioning, checked after)
 CHECK_POINTS = 400    # attained b where a fine grid is checked (a quarter when reused)
+FINE_CHECK_EVERY = 4  # a reused plan's fine grid is checked at every 4th use
 RELAX = 8.0           # signed weights: a lowered target rises again (x2) when the bound is
                       # this far below tol
 SHRINK_STEPS = 2      # a plan's size shrinks when its decay predicts a size this many
@@ -1226,6 +1227,8 @@ class TablePlanner:
         self._points = None
         self._lib = None
         self.finite = None           # whether the last velocity is finite on every rank, if known
+        self._uses: dict = {}        # key -> evaluations through its plan so far
+        self._fine: dict = {}        # key -> the last measured fine-grid errors
         self.stats = {"searches": 0, "reused": 0, "rebuilt": 0}
 
     def reset(self) -> None:
@@ -1233,6 +1236,8 @@ class TablePlanner:
         alone): the next evaluation of every key searches its table afresh."""
         self.plans.clear()
         self.targets.clear()
+        self._uses.clear()
+        self._fine.clear()
 
     # ------------------------------------------------------------------ caches
     def lib(self):
@@ -1335,17 +1340,25 @@ class TablePlanner:
 
     def _reused_velocity(self, points, weights, x, A, V, key, plan, initial, check):
         """The velocity through the key's plan, judged after the interpolation: the
-        table's estimate, its fine grid's error (at a quarter of the check points), the
-        conditioning of signed weights and whether v is finite, all in one Allreduce.
-        None where any misses (the caller grows or searches)."""
+        table's estimate, its fine grid's error (at a quarter of the check points, every
+        FINE_CHECK_EVERY uses of the plan; the last measured in between), the conditioning
+        of signed weights and whether v is finite, all in one Allreduce. None where any
+        misses (the caller grows or searches)."""
         target = self.targets.get(key, initial)
         table, interp = self.replay(points, weights, plan)
         fine = None if interp is table else interp
+        uses = self._uses[key] = self._uses.get(key, 0) + 1
+        checked = fine is not None and (uses % FINE_CHECK_EVERY == 0 or key not in self._fine)
         v = interp.velocity(x, A, V)
         extra = [0.0 if np.all(np.isfinite(v)) else 1.0]
         if plan.signed:
             extra += list(interp.conditioning if interp.conditioning is not None else [0.0, 0.0])
-        a = table.assessment = assess(table, fine, check[:(len(check) + 3) // 4], extra)
+        a = table.assessment = assess(table, fine if checked else None,
+                                      check[:(len(check) + 3) // 4], extra)
+        if fine is not None:
+            if checked:
+                self._fine[key] = a.fine
+            a.fine = self._fine[key]
         self.finite = not a.extra[0]
         if a.estimate > target or a.fine_error > target / 4:
             return None
@@ -1388,6 +1401,8 @@ class TablePlanner:
                                     self.layout(points, lo, hi, panel_eps(target)), lib)
             table, interp, a = self._with_fine_grid(table, target, lib, check)
         self.last = a
+        if a.fine is not None:
+            self._fine[key] = a.fine
         if a.estimate > target or a.fine_error > target / 4:
             return None
         return table, interp, a, self._keep(key, table, interp, a, target)
