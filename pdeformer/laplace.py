@@ -179,10 +179,12 @@ def shell_maxima(block: np.ndarray, r0: int = 0) -> np.ndarray:
 def decay_fit(shells: np.ndarray) -> tuple[float, float, float]:
     """From the largest Chebyshev coefficient of each shell (relative to the table's
     size): (largest in the top eighth of shells, log-rate s and intercept c of the fit
-    log|coef_k| ~ c + s k over the top half). The fit is to the envelope max_{j >= k}:
-    coefficients that vanish by symmetry (every other one of an even function) sit at
-    round-off, which differs with the number of ranks and would move the fit."""
-    shells = np.maximum.accumulate(shells[::-1])[::-1]
+    log|coef_k| ~ c + s k over the top half). The fit is to the envelope max_{j >= k-1}:
+    coefficients that vanish by symmetry (every other one of an even or odd function, the
+    last one included) sit at round-off, which differs with the number of ranks and would
+    move the fit."""
+    env = np.maximum.accumulate(shells[::-1])[::-1]
+    shells = np.maximum(env, np.concatenate([env[:1], env[:-1]]))
     n = len(shells)
     top = float(shells[n - max(2, n // 8):].max())
     ks = np.arange(n // 2, n, dtype=float)
@@ -1293,6 +1295,8 @@ class TablePlanner:
             raise FloatingPointError("attention matrices are not finite")
         if signed is None:
             signed = any_negative(weights, self.comm)
+        last = self.plans.get(key)
+        signed = signed or (last is not None and last.signed)  # once signed, a key stays so
         initial = self.tol / SIGNED_MARGIN if signed else self.tol
         self.finite = None
         plan = self.reusable(key, lo_b, hi_b, signed, n_max)
@@ -1327,14 +1331,16 @@ class TablePlanner:
         return None
 
     def reusable(self, key, lo_b, hi_b, signed: bool, n_max: int):
-        """The key's plan if the evaluation can take it: same kind of weights, size within
-        n_max, the rounded b-range inside its box, panels accurate enough for its target."""
+        """The key's plan if the evaluation can take it: a table for signed weights where
+        they are signed (one for signed weights serves nonnegative ones too: zeta = 1),
+        size within n_max, the rounded b-range inside its box, panels accurate enough for
+        its target."""
         plan = self.plans.get(key)
         if plan is None:
             return None
         lo, hi = grid_box(lo_b, hi_b)
         target = self.targets.get(key, self.tol / SIGNED_MARGIN if signed else self.tol)
-        ok = plan.signed == signed and plan.n <= n_max and plan.fits(lo, hi) \
+        ok = (plan.signed or not signed) and plan.n <= n_max and plan.fits(lo, hi) \
             and plan.eps <= panel_eps(target)
         return plan if ok else None
 
