@@ -611,3 +611,137 @@ def test_compiled_panel_loops_match_numpy_on_edges_nodes_and_repeats():
             spread_i = _kernels.panel_spread(_kernels.kernels(), panels, y, cols[:, i:i + 1])[0]
             assert abs(np.sum(G[i] * spread_i) - np.sum(cols[:, i] * gathered[:, i])) \
                 < 1e-12 * np.abs(G[i]).sum() * np.abs(cols).max()
+
+
+# ---------------------------------------------------------------- signed weights
+def signed_case(delta=1e-7, scale=0.8, n=40, seed=0):
+    """Cell-centre sources of two Gaussian blobs plus a checkerboard of +-delta, as a DG
+    density without the limiter has in its tails: where the tilt e^{<b, y>} reaches the
+    corners of the source box, the negative cells outweigh the blobs and Z(b) < 0 there
+    (corners of the b-box no target reaches), while at the targets' b it stays positive."""
+    g = np.linspace(-4, 4, n + 1)[:-1] + 4 / n
+    y = np.stack(np.meshgrid(g, g, indexing="ij"), -1).reshape(-1, 2)
+    i, j = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
+    w = (DENSITIES["two_blobs"](y) + delta * np.where((i + j).ravel() % 2, 1.0, -1.0)) * (8 / n) ** 2
+    from pdeformer.heads import HeadMeasure
+    heads = HeadMeasure.random(1, 6, 2, 2, seed=seed, scale=scale)
+    x = np.random.default_rng(seed).uniform(-3, 3, (600, 2))
+    return x, y, w, heads
+
+
+@pytest.mark.parametrize("loops", ["compiled", "numpy"])
+@pytest.mark.parametrize("tol", [1e-5, 1e-8])
+def test_signed_weights_meet_tol_against_direct(loops, tol, monkeypatch):
+    """Negative weights: a table of m itself is refused (Z <= 0 at some grid nodes); the
+    table of mu = S_y/N and zeta = Z/N (N = sum |w| e^{<b,y>}) with m = mu/zeta taken at
+    each point meets tol against direct summation, with the compiled loops and numpy."""
+    import pdeformer.laplace as laplace
+    from pdeformer.velocity import AttentionVelocity
+    if loops == "numpy":
+        monkeypatch.setattr(laplace, "kernels_on", lambda comm: None)
+    elif NO_COMPILED:
+        pytest.skip("no C compiler, or PDEFORMER_NO_KERNEL set")
+    x, y, w, heads = signed_case()
+    A, V = heads.attention_matrices(0), heads.values(0)
+    assert np.any(w < 0)
+    with pytest.raises(FloatingPointError, match="partition function vanishes"):
+        LaplaceTable(y, w, *grid_box(*b_range(x, A, COMM)), 65, COMM, signed=False)
+    b = np.einsum("hij,nj->hni", A, x).reshape(-1, 2)
+    s = b @ y.T
+    e = np.exp(s - s.max(axis=1, keepdims=True))
+    zeta = (e @ w) / (e @ np.abs(w))
+    assert 0.2 < zeta.min() < 0.5            # well away from zero where it is needed
+    field = AttentionVelocity(x, heads, {"backend": "laplace", "tol": tol}, COMM)
+    v = field(y, w, 0)
+    assert field.last_plan.signed and field.stats["laplace"] == 1
+    ref = attention_velocity_direct(x, y, w, heads)
+    assert np.abs(v - ref).max() <= tol * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("loops", ["compiled", "numpy"])
+def test_signed_reverse_mode_is_the_derivative_and_near_direct(loops, monkeypatch):
+    """For signed weights the cotangents of <g, v> through the table -- weights (the
+    nonlocal source term), A and V -- are the derivative of the table's map (central
+    differences, plan fixed) and agree with those of direct summation to about tol."""
+    import pdeformer.laplace as laplace
+    from pdeformer.attention import attention_velocity_vjp
+    from pdeformer.velocity import AttentionVelocity
+    if loops == "numpy":
+        monkeypatch.setattr(laplace, "kernels_on", lambda comm: None)
+    elif NO_COMPILED:
+        pytest.skip("no C compiler, or PDEFORMER_NO_KERNEL set")
+    x, y, w, heads = signed_case()
+    tol = 1e-9
+    field = AttentionVelocity(x, heads, {"backend": "laplace", "tol": tol}, COMM)
+    field(y, w, 0)
+    plan = field.last_plan
+    assert plan.signed
+    g = np.random.default_rng(7).normal(size=x.shape)
+    ct = field.vjp(y, w, 0, g, plan)
+    A, V = heads.attention_matrices(0), heads.values(0)
+    exact = attention_velocity_vjp(x, y, w, A, V, g)
+    # the values' cotangents are as accurate as the values (tol; 5e-2 tol measured), the
+    # heads' through dm/db, the interpolant's derivative (6.5 tol measured): 10 and 100 tol
+    for got, want, k in ((ct.weights, exact.weights, 10), (ct.A, exact.A, 100), (ct.V, exact.V, 10)):
+        assert np.abs(got - want).max() <= k * tol * np.abs(want).max()
+
+    def f(w_, A_, V_):
+        _, interp = field.planner.replay(y, w_, plan)
+        return np.sum(g * interp.velocity(x, A_, V_))
+
+    rng = np.random.default_rng(8)
+    for name, arr, got in (("w", w, ct.weights), ("A", A, ct.A), ("V", V, ct.V)):
+        d = rng.normal(size=arr.shape) * (np.abs(w) if name == "w" else 1)
+        moved = lambda e: {"w": w, "A": A, "V": V} | {name: arr + e * d}
+        fd = (f(*moved(1e-6).values()) - f(*moved(-1e-6).values())) / 2e-6
+        assert abs(fd - np.sum(got * d)) < 1e-7 * max(1.0, abs(fd)), (name, fd, np.sum(got * d))
+
+
+@needs_compiled
+def test_compiled_signed_loop_is_the_numpy_map(kernel_build):
+    """The 4-wide compiled loops (mu_0, mu_1, zeta, 0 per node; m = mu/zeta per point)
+    give the numpy two-level map and its reverse mode to round-off, and report the
+    conditioning (largest 1/|zeta| and |m|) the numpy map sees."""
+    from pdeformer._kernels import kernels
+    from pdeformer.laplace import FineGrid, HeadSums
+    assert kernels() is not None
+    x, y, w, heads = signed_case()
+    A, V = heads.attention_matrices(0), heads.values(0)
+    table = LaplaceTable(y, w, *grid_box(*b_range(x, A, COMM)), 97, COMM)
+    assert table.signed
+    fg = FineGrid(table, 300)
+    v = fg.velocity(x, A, V)
+    compiled_stats = fg.conditioning.copy()
+    np.testing.assert_allclose(v, HeadSums.velocity(fg, x, A, V), rtol=0, atol=1e-13 * np.abs(v).max())
+    np.testing.assert_allclose(compiled_stats, fg.conditioning, rtol=1e-12)
+    g = np.random.default_rng(3).normal(size=x.shape)
+    got, want = fg.velocity_vjp(x, A, V, g, positions=True), HeadSums.velocity_vjp(fg, x, A, V, g, True)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-12 * np.abs(b).max())
+
+
+def test_plans_are_reused_grown_and_frozen():
+    """Evaluations of one key reuse the table plan while the box fits (one search for a
+    slowly changing density), a rougher density grows it, a frozen step replays exactly
+    the plan (and velocity) it recorded, and refreeze plans anew."""
+    y, w = grid_sources(lambda p: np.exp(-np.sum((p - [0.5, 0.5]) ** 2, 1) / 0.05), n=60)
+    field, hm = _field("laplace", 1e-8, heads=6, scale=1.2)
+    vs = [field(y, w * (1 + 0.01 * k * y[:, 0]), 0, key="k") for k in range(4)]
+    assert field.stats["searches"] == 1 and field.stats["reused"] == 3, field.stats
+    n0 = field.last_plan.n
+    rough = grid_sources(DENSITIES["box_edge"], n=60)[1]
+    v = field(y, rough, 0, key="k")
+    assert field.last_plan.n > n0 and field.stats["searches"] + field.stats["rebuilt"] == 2, field.stats
+    ref = attention_velocity_direct(field.targets, y, rough, hm)
+    assert np.abs(v - ref).max() <= 1e-8 * np.abs(ref).max()
+    field.freeze = True
+    first = field(y, w, 0, key="k", step=("k", 0))
+    plan = field.last_plan
+    again = field(y, w, 0, key="k", step=("k", 0))
+    assert field.last_plan == plan and np.array_equal(first, again)
+    searches = field.stats["searches"]
+    field.refreeze()
+    field(y, w, 0, key="k", step=("k", 0))
+    assert field.stats["searches"] == searches + 1
+    np.testing.assert_allclose(vs[0], attention_velocity_direct(field.targets, y, w, hm),
+                               rtol=0, atol=1e-8 * np.abs(vs[0]).max())

@@ -104,6 +104,13 @@ for G in groups:
         cfg = load_config(config, [f"output.dir={command}_{tag}", f"parallel.prompt_groups={G}"]
                           + (["output.fields=false"] if command == "train" else []))
         fn(cfg, comm)
+    # the laplace tables (plans, panel windows, row shares, signed weights) likewise
+    for command, fn in (("forward", run.run_forward), ("gradient", run.run_gradient),
+                        ("train", run.run_train)):
+        cfg = load_config(config, [f"output.dir=laplace_{command}_{tag}", f"parallel.prompt_groups={G}",
+                                   'attention.backend="laplace"', "attention.tol=1e-9",
+                                   "output.fields=false"])
+        fn(cfg, comm)
 '''
 
 LAUNCHES = {1: [1], 2: [1, 2], 3: [1, 3], 4: [1, 2, 4]}
@@ -216,6 +223,26 @@ def test_ranks_and_prompt_groups_give_the_same_results(tmp_path):
             for k in ("dQ", "dK", "dV", "risk"):
                 assert np.abs(pa["gradient"][k] - p1["gradient"][k]).max() <= 1e-10, (tag, k)
             assert [p["tokens"] for p in pa["summary"]["prompts"]] == [200] * 4
+
+            # laplace: the same to 1e-10 (round-off of rank-dependent sums, the same sizes)
+            lf, lf1 = _read(tmp_path / f"laplace_forward_{tag}"), _read(tmp_path / "laplace_forward_P1G1")
+            att = lf["summary"]["attention"]
+            assert att["direct"] == 0 and att["laplace"] == lf1["summary"]["attention"]["laplace"] > 0, (tag, att)
+            assert att["largest_grid"] == lf1["summary"]["attention"]["largest_grid"], (tag, att)
+            for ra, rb in zip(lf1["diagnostics"], lf["diagnostics"]):
+                for k in ra:
+                    if k != "prompt":
+                        assert _close(ra[k], rb[k]), (tag, "laplace", k, ra, rb)
+            for ra, rb in zip(rows, lf["diagnostics"]):    # and direct summation to its tol
+                for k in ("mean_0", "mean_1", "cov_00", "cov_11"):
+                    assert abs(ra[k] - rb[k]) < 1e-7, (tag, k, ra, rb)
+            lg, lg1 = _read(tmp_path / f"laplace_gradient_{tag}"), _read(tmp_path / "laplace_gradient_P1G1")
+            for k in ("dQ", "dK", "dV", "risk"):
+                assert np.abs(lg["gradient"][k] - lg1["gradient"][k]).max() <= 1e-10, (tag, k)
+            lt, lt1 = _read(tmp_path / f"laplace_train_{tag}"), _read(tmp_path / "laplace_train_P1G1")
+            for ra, rb in zip(lt1["history"], lt["history"]):
+                for k in ("risk", "grad_norm", "displacement"):
+                    assert _close(ra[k], rb[k]), (tag, "laplace", k, ra, rb)
 
 
 @pytest.mark.mpi
