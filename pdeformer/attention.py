@@ -84,7 +84,7 @@ class _Workspace:
     Both sums are matrix products (BLAS): the shifted scores
     [b, 1] @ [y; log|w|] and the moments exp(scores) @ [1, y_c, y_c y_c^T]."""
 
-    def __init__(self, sources: Sources, order: int, chunk_mb: float):
+    def __init__(self, sources: Sources, order: int, chunk_mb: float, centre=None):
         y = sources.points
         M, d = y.shape
         self.d = d
@@ -94,7 +94,10 @@ class _Workspace:
         self.scores_rhs = np.ascontiguousarray(np.vstack([y.T, logw]))  # (d+1, M)
         sign = np.sign(w)
         # Moment columns are taken about a centre c to limit cancellation in C.
-        self.centre = 0.5 * (y.min(axis=0) + y.max(axis=0)) if M else np.zeros(d)
+        if centre is not None:
+            self.centre = np.asarray(centre, float)
+        else:
+            self.centre = 0.5 * (y.min(axis=0) + y.max(axis=0)) if M else np.zeros(d)
         yc = y - self.centre
         cols = [sign, *(sign * yc[:, a] for a in range(d))]
         if order >= 2:
@@ -133,13 +136,33 @@ class _Workspace:
         return shift, sums
 
 
-def _moments_from_sums(ws: _Workspace, shift, sums, order):
-    d = ws.d
+def partial_sums(b: np.ndarray, sources: Sources, centre, order: int = 1,
+                 chunk_mb: float = 2.0) -> tuple[np.ndarray, np.ndarray]:
+    """The log-domain sums of these sources at points b (P, d): per point the shift
+    s = max_j <b, y_j> + log|w_j| (-inf without sources) and
+    sum_j sign_j e^{<b, y_j> + log|w_j| - s} [1, y - c, (y - c)(y - c)^T] with the centre c
+    given (the same wherever partial sums of a density's parts are combined: shifts by
+    their maximum, sums rescaled, then :func:`moments_from_sums`)."""
+    ws = _Workspace(sources, order, chunk_mb, centre)
+    P = b.shape[0]
+    shift = np.full(P, -np.inf)
+    sums = np.zeros((P, ws.moment_cols.shape[1]))
+    if ws.M:
+        for i0 in range(0, P, ws.rows):
+            i1 = min(P, i0 + ws.rows)
+            shift[i0:i1], sums[i0:i1] = ws.chunk_sums(b[i0:i1])
+    return shift, sums
+
+
+def moments_from_sums(shift, sums, centre, order: int = 1):
+    """(log Z, m, C or None) from the shifted sums of :func:`partial_sums` (whole, or
+    combined over the parts of a density), taken about ``centre``."""
+    d = len(centre)
     z = sums[:, 0]
     with np.errstate(divide="ignore", invalid="ignore"):
         log_z = shift + np.log(z)
         first = sums[:, 1:1 + d] / z[:, None]
-        mean = ws.centre + first
+        mean = centre + first
         cov = None
         if order >= 2:
             cov = np.empty((len(z), d, d))
@@ -163,7 +186,7 @@ def _chunk_moments(x: np.ndarray, sources: Sources, A: np.ndarray, order: int, c
         for i0 in range(0, N, rows):
             i1 = min(N, i0 + rows)
             shift, sums = ws.chunk_sums(x[i0:i1] @ A[h].T)
-            yield (h, i0, i1, *_moments_from_sums(ws, shift, sums, order))
+            yield (h, i0, i1, *moments_from_sums(shift, sums, ws.centre, order))
 
 
 def tilted_moments(targets: np.ndarray, sources: Sources, A: np.ndarray, *,

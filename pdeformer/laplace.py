@@ -53,6 +53,8 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
+from .attention import Sources, moments_from_sums, partial_sums
+from .parallel import allgather_rows, any_rank
 from ._kernels import (KERNEL_DEGREE, PANEL_QMAX, fine_velocity, fine_velocity_vjp, kernels_on,
                        panel_gather, panel_spread)
 
@@ -60,6 +62,8 @@ N_MIN, N_MAX = 17, 257
 SIZES = (17, 25, 33, 49, 65, 81, 97, 129, 161, 193, 225, 257, 321, 385, 449, 513, 641,
          769, 897, 1025)  # steps of about 1.25x
 N_MAX_FORCED = 1025     # backend "laplace" (not auto) may refine this far before giving up
+ZETA_MIN = 0.5          # signed weights: pairs (head, target) with |zeta| < ZETA_MIN are summed
+                        # exactly (m = mu / zeta would amplify the table's error by 1/|zeta|)
 UNDERFLOW_GAP = 600.0   # keep every shifted exponent above e^-600 (float64 ~ e^-708)
 MAX_TILES = 4096
 EVERY_RANK = "every rank"   # lib argument: the compiled loops where every rank has them
@@ -448,6 +452,8 @@ class HeadSums:
     d: int
     signed: bool
     conditioning = None   # after a velocity of signed weights: (max 1/|zeta|, max |m|), this rank
+    skipped = None        # after a velocity of signed weights: its pairs h N + i with
+                          # |zeta| < ZETA_MIN, left out (summed exactly by the caller)
 
     def means(self, b: np.ndarray) -> np.ndarray:
         """m at points b (P, d)."""
@@ -463,14 +469,22 @@ class HeadSums:
         m, J, cbar = _ratio(*self.interpolate(b, jacobian=True), u, self.d, self.signed)
         return m, J, self.transpose(b, cbar)
 
+    def _left_out(self, c: np.ndarray) -> np.ndarray | None:
+        """Signed weights: the pairs whose |zeta| < ZETA_MIN (the table leaves them out)."""
+        return np.abs(c[:, self.d]) < ZETA_MIN if self.signed else None
+
     def velocity(self, x: np.ndarray, A: np.ndarray, V: np.ndarray) -> np.ndarray:
-        """v at this rank's targets x (N, d) for heads A, V (H, d, d)."""
+        """v at this rank's targets x (N, d) for heads A, V (H, d, d); signed weights:
+        without the pairs of :attr:`skipped`."""
         H, N, d = A.shape[0], x.shape[0], A.shape[1]
         b = np.einsum("hij,nj->hni", A, x).reshape(-1, d)
         c = self.interpolate(b)
         m = _ratio(c, None, None, d, self.signed)[0]
-        if self.signed:
-            self.conditioning = np.array([np.max(1 / np.abs(c[:, d]), initial=0.0),
+        out = self._left_out(c)
+        if out is not None:
+            m[out] = 0.0
+            self.skipped = np.flatnonzero(out)
+            self.conditioning = np.array([np.max(1 / np.abs(c[~out, d]), initial=0.0),
                                           np.max(np.abs(m), initial=0.0)])
         return np.einsum("hij,hnj->ni", V, m.reshape(H, N, d)) / H
 
@@ -483,7 +497,12 @@ class HeadSums:
         H, N, d = A.shape[0], x.shape[0], A.shape[1]
         b = np.einsum("hij,nj->hni", A, x).reshape(-1, d)
         u = np.einsum("nk,hkj->hnj", g, V) / H
-        m, J, mbar = self.reverse(b, u.reshape(-1, d))       # J: dm_k/db_a
+        c, Jc = self.interpolate(b, jacobian=True)
+        m, J, cbar = _ratio(c, Jc, u.reshape(-1, d), d, self.signed)   # J: dm_k/db_a
+        out = self._left_out(c)
+        if out is not None:                   # the pairs left out of the velocity
+            m[out], J[out], cbar[out] = 0.0, 0.0, 0.0
+        mbar = self.transpose(b, cbar)
         m, J = m.reshape(H, N, d), J.reshape(H, N, d, d)
         dV = np.einsum("nk,hnj->hkj", g, m) / H
         dA = np.einsum("hnka,hnk,nc->hac", J, u, x)
@@ -951,9 +970,11 @@ class FineGrid(HeadSums):
         lib = self.lib
         if lib is None:
             return super().velocity(x, A, V)
-        stats = np.zeros(2) if self.signed else None
-        v = fine_velocity(lib, self.flat, self.nf, self.table.lo, self.h, self.P_LOCAL, x, A, V, stats)
-        self.conditioning = stats
+        if not self.signed:
+            return fine_velocity(lib, self.flat, self.nf, self.table.lo, self.h, self.P_LOCAL, x, A, V)
+        self.conditioning = np.zeros(2)
+        v, self.skipped = fine_velocity(lib, self.flat, self.nf, self.table.lo, self.h, self.P_LOCAL,
+                                        x, A, V, self.conditioning, ZETA_MIN)
         return v
 
     def velocity_vjp(self, x, A, V, g, positions: bool = False):
@@ -961,7 +982,7 @@ class FineGrid(HeadSums):
         if lib is None:
             return super().velocity_vjp(x, A, V, g, positions)
         acc, dA, dV, xbar = fine_velocity_vjp(lib, self.flat, self.nf, self.table.lo, self.h,
-                                              self.P_LOCAL, x, A, V, g, positions)
+                                              self.P_LOCAL, x, A, V, g, positions, ZETA_MIN)
         return self._table_cotangent(acc), dA, dV, xbar
 
     def _table_cotangent(self, acc: np.ndarray) -> np.ndarray:
@@ -1173,6 +1194,74 @@ def choose_table(points, weights, b_lo, b_hi, comm, tol: float, n_max: int = N_M
     return table, est
 
 
+# ------------------------------------------------------------------ pairs summed exactly
+def exact_sums(points, weights, b, comm, order: int = 1):
+    """Exact log-domain sums at this rank's points b (P, d) for the density whose sources
+    are spread over the ranks (each rank's own points and weights), without gathering the
+    sources: the ranks' b are gathered (they are few), each rank sums its own sources
+    (:func:`pdeformer.attention.partial_sums`) about a centre common to all, the shifts
+    are agreed (Allreduce MAX) and the rescaled sums added (Allreduce SUM). Returns
+    (all ranks' b, shift, sums, centre, this rank's slice of them)."""
+    lo, hi = coordinate_range(points, comm)
+    centre = np.where(np.isfinite(lo) & np.isfinite(hi), (lo + hi) / 2, 0.0)
+    start = comm.exscan(len(b)) or 0
+    all_b = allgather_rows(comm, b)
+    shift, sums = partial_sums(all_b, Sources.from_arrays(points, weights), centre, order)
+    top = shift.copy()
+    comm.Allreduce(MPI.IN_PLACE, top, op=MPI.MAX)
+    ok = np.isfinite(shift)
+    sums[~ok] = 0.0
+    sums[ok] *= np.exp(shift[ok] - top[ok])[:, None]
+    comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+    return all_b, top, sums, centre, slice(start, start + len(b))
+
+
+def _pairs(x, A, pairs):
+    """Head and target of the pairs h N + i, and b = A_h x_i."""
+    h, i = np.divmod(np.asarray(pairs, dtype=np.int64), len(x))
+    return h, i, np.einsum("pab,pb->pa", A[h], x[i])
+
+
+def exact_pair_velocity(points, weights, x, A, V, pairs, comm) -> np.ndarray:
+    """(1/H) sum over this rank's pairs (h N + i) of V_h m(A_h x_i), with m summed exactly
+    (:func:`exact_sums`): what to add to the velocity for the pairs a table leaves out.
+    Collective."""
+    h, i, b = _pairs(x, A, pairs)
+    _, top, sums, centre, mine = exact_sums(points, weights, b, comm)
+    _, m, _ = moments_from_sums(top[mine], sums[mine], centre)
+    out = np.zeros_like(x, dtype=float)
+    np.add.at(out, i, np.einsum("pab,pb->pa", V[h], m) / len(A))
+    return out
+
+
+PAIR_CHUNK = 1 << 18      # pair x source exponentials per block in exact_pair_vjp
+
+
+def exact_pair_vjp(points, weights, x, A, V, g, pairs, comm):
+    """Cotangents of <g, exact_pair_velocity>: (this rank's source weights (M,), dA, dV of
+    this rank's pairs), with u = V_h^T g_i / H: dV_h = (1/H) g_i m^T, dA_h = C u x_i^T
+    and wbar_j = sum_p e^{<b_p, y_j>} (u_p . (y_j - m_p)) / Z_p over every rank's pairs p.
+    Collective."""
+    H, d = len(A), x.shape[1] if x.ndim == 2 else 1
+    h, i, b = _pairs(x, A, pairs)
+    u = np.einsum("pka,pk->pa", V[h], g[i]) / H
+    all_b, top, sums, centre, mine = exact_sums(points, weights, b, comm, order=2)
+    _, m_all, C_all = moments_from_sums(top, sums, centre, order=2)
+    dV, dA = np.zeros_like(V, dtype=float), np.zeros_like(A, dtype=float)
+    np.add.at(dV, h, g[i][:, :, None] * m_all[mine][:, None, :] / H)
+    np.add.at(dA, h, np.einsum("pab,pb,pc->pac", C_all[mine], u, x[i]))
+    all_u = allgather_rows(comm, u)
+    coef = np.column_stack([all_u, -np.einsum("pa,pa->p", all_u, m_all)])
+    wbar = np.zeros(len(points))
+    rows = max(1, PAIR_CHUNK // max(1, len(points)))
+    for p0 in range(0, len(all_b), rows):
+        c = slice(p0, p0 + rows)
+        E = np.exp(all_b[c] @ points.T - top[c, None]) / sums[c, 0][:, None]
+        T = E.T @ coef[c]
+        wbar += np.einsum("ja,ja->j", points, T[:, :d]) + T[:, d]
+    return wbar, dA, dV
+
+
 @dataclass(frozen=True)
 class TablePlan:
     """How one velocity was summed through a laplace table: its box, its size n, its fine
@@ -1314,14 +1403,16 @@ class TablePlanner:
             table, interp, a, plan = found
             v = interp.velocity(x, A, V)
             if table.signed:
-                stats = np.array(interp.conditioning if interp.conditioning is not None else [0.0, 0.0])
+                stats = np.array([*interp.conditioning, float(len(interp.skipped) > 0)])
                 self.comm.Allreduce(MPI.IN_PLACE, stats, op=MPI.MAX)
-                est = self.conditioned(table, a, *stats)
+                est = self.conditioned(table, a, *stats[:2])
             else:
                 est = a.estimate
             target = self.targets.get(key, initial)
             if est <= self.tol:
                 self._relax(key, table, est, target, initial)
+                if table.signed and stats[2]:     # pairs left out: summed exactly
+                    v = v + exact_pair_velocity(points, weights, x, A, V, interp.skipped, self.comm)
                 return v, plan, est
             if not np.isfinite(est):
                 break
@@ -1358,7 +1449,7 @@ class TablePlanner:
         v = interp.velocity(x, A, V)
         extra = [0.0 if np.all(np.isfinite(v)) else 1.0]
         if plan.signed:
-            extra += list(interp.conditioning if interp.conditioning is not None else [0.0, 0.0])
+            extra += [*interp.conditioning, float(len(interp.skipped) > 0)]
         a = table.assessment = assess(table, fine if checked else None,
                                       check[:(len(check) + 3) // 4], extra)
         if fine is not None:
@@ -1368,9 +1459,12 @@ class TablePlanner:
         self.finite = not a.extra[0]
         if a.estimate > target or a.fine_error > target / 4:
             return None
-        est = self.conditioned(table, a, *a.extra[1:]) if plan.signed else a.estimate
+        est = self.conditioned(table, a, *a.extra[1:3]) if plan.signed else a.estimate
         if not est <= self.tol:
             return None
+        if plan.signed and a.extra[3]:          # pairs left out: summed exactly
+            v = v + exact_pair_velocity(points, weights, x, A, V, interp.skipped, self.comm)
+            self.finite = None
         self.stats["reused"] += 1
         self._relax(key, table, est, target, initial)
         return v, self._keep(key, table, interp, a, target), est
@@ -1390,6 +1484,15 @@ class TablePlanner:
         self.plans[key] = TablePlan(used.lo, used.hi, SIZES[j], used.nf, used.signed, used.eps) \
             if shrink else used
         return used
+
+    def velocity_of(self, points, weights, x, A, V, plan: TablePlan) -> np.ndarray:
+        """The velocity exactly as ``plan`` sums it (pairs its table leaves out summed
+        exactly), unchecked: what a frozen evaluation replays."""
+        _, interp = self.replay(points, weights, plan)
+        v = interp.velocity(x, A, V)
+        if plan.signed and any_rank(self.comm, len(interp.skipped)):
+            v = v + exact_pair_velocity(points, weights, x, A, V, interp.skipped, self.comm)
+        return v
 
     def table(self, points, weights, x, A, key, n_max: int, signed: bool):
         """(table, interpolant, assessment, plan) for this evaluation, or None where no

@@ -26,9 +26,9 @@ from ._dolfinx import owned_node_coordinates
 from .attention import Sources, VelocityCotangent, attention_velocity, attention_velocity_vjp
 from .errors import SolverBreakdown
 from .heads import HeadMeasure
-from .laplace import (N_MAX, N_MAX_FORCED, SIZES, TablePlanner, direct_estimate, flops_estimate,
-                      panel_nodes, source_extent)
-from .parallel import allgather_rows
+from .laplace import (N_MAX, N_MAX_FORCED, SIZES, TablePlanner, direct_estimate,
+                      exact_pair_vjp, flops_estimate, panel_nodes, source_extent)
+from .parallel import allgather_rows, any_rank
 
 log = logging.getLogger("pdeformer")
 
@@ -164,8 +164,7 @@ class AttentionVelocity:
         """(v, plan) of exactly this plan (None: direct summation)."""
         if plan is None:
             return None
-        _, interp = self.planner.replay(points, weights, plan)
-        return interp.velocity(x, A, V), plan
+        return self.planner.velocity_of(points, weights, x, A, V, plan), plan
 
     def vjp(self, points: np.ndarray, weights: np.ndarray, layer: int, g: np.ndarray,
             plan=None, targets: np.ndarray | None = None, positions: bool = False) -> VelocityCotangent:
@@ -189,4 +188,9 @@ class AttentionVelocity:
         table, interp = self.planner.replay(points, weights, plan)
         mbar, dA, dV, xbar = interp.velocity_vjp(x, A, V, g, positions)
         wbar, ybar = table.source_cotangents(mbar, positions)
+        if plan.signed:                 # the pairs the table leaves out, summed exactly
+            interp.velocity(x, A, V)
+            if any_rank(self.comm, len(interp.skipped)):
+                exact = exact_pair_vjp(points, weights, x, A, V, g, interp.skipped, self.comm)
+                wbar, dA, dV = wbar + exact[0], dA + exact[1], dV + exact[2]
         return VelocityCotangent(wbar, dA, dV, xbar, ybar)

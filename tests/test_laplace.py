@@ -656,6 +656,25 @@ def test_signed_weights_meet_tol_against_direct(loops, tol, monkeypatch):
     assert field.last_plan.signed and field.stats["laplace"] == 1
     ref = attention_velocity_direct(x, y, w, heads)
     assert np.abs(v - ref).max() <= tol * np.abs(ref).max()
+    # the pairs with |zeta| < ZETA_MIN were left to exact sums
+    _, interp = field.planner.replay(y, w, field.last_plan)
+    interp.velocity(x, A, V)
+    assert 0 < len(interp.skipped) < 0.1 * len(A) * len(x)
+
+
+def test_signed_weights_with_zeta_through_zero_at_targets():
+    """Larger negative parts: Z(b) changes sign at some targets (m has poles there). The
+    pairs near them are summed exactly, so the velocity is still direct summation's."""
+    from pdeformer.velocity import AttentionVelocity
+    x, y, w, heads = signed_case(delta=1e-6)
+    b = np.einsum("hij,nj->hni", heads.attention_matrices(0), x).reshape(-1, 2)
+    s = b @ y.T
+    e = np.exp(s - s.max(axis=1, keepdims=True))
+    assert (e @ w).min() < 0 < (e @ w).max()
+    field = AttentionVelocity(x, heads, {"backend": "laplace", "tol": 1e-8}, COMM)
+    v = field(y, w, 0)
+    ref = attention_velocity_direct(x, y, w, heads)
+    assert field.stats["laplace"] == 1 and np.abs(v - ref).max() <= 1e-8 * np.abs(ref).max()
 
 
 @pytest.mark.parametrize("loops", ["compiled", "numpy"])
@@ -686,8 +705,7 @@ def test_signed_reverse_mode_is_the_derivative_and_near_direct(loops, monkeypatc
         assert np.abs(got - want).max() <= k * tol * np.abs(want).max()
 
     def f(w_, A_, V_):
-        _, interp = field.planner.replay(y, w_, plan)
-        return np.sum(g * interp.velocity(x, A_, V_))
+        return np.sum(g * field.planner.velocity_of(y, w_, x, A_, V_, plan))
 
     rng = np.random.default_rng(8)
     for name, arr, got in (("w", w, ct.weights), ("A", A, ct.A), ("V", V, ct.V)):
