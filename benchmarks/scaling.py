@@ -89,24 +89,30 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--cases", nargs="+", default=["forward128", "forward256", "train", "prompts16"])
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of every case and P, interleaved; the one with the least wall "
+                         "time is reported (a shared machine's noise only ever adds)")
     args = ap.parse_args()
     print(f"pdeformer scaling on {os.cpu_count()} core(s); E(P) = C(1) / (P max_r C_r(P)) "
-          "from compute_cpu_s")
+          f"from compute_cpu_s; best of {args.repeat}", flush=True)
+    best = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for _ in range(args.repeat):
+            for case in args.cases:
+                for P in args.ranks:
+                    r = run(case, P, folder)
+                    if (case, P) not in best or r["wall"] < best[case, P]["wall"]:
+                        best[case, P] = r
     print(f"{'case':>11} {'P':>3} {'wall [s]':>9} {'speedup':>8} {'C max [s]':>10} "
           f"{'C sum [s]':>10} {'E(P)':>6} {'MB/rank':>8} {'comm [s]':>9}")
-    with tempfile.TemporaryDirectory() as folder:
-        for case in args.cases:
-            base = None
-            for P in args.ranks:
-                r = run(case, P, folder)
-                cmax, csum = max(r["compute"]), sum(r["compute"])
-                if base is None:
-                    base = (r["wall"], csum, P)
-                speedup = base[0] / r["wall"]
-                E = base[1] / (P * cmax) if base[2] == 1 else float("nan")   # needs P = 1 first
-                print(f"{case:>11} {P:>3} {r['wall']:>9.1f} {speedup:>8.2f} {cmax:>10.2f} "
-                      f"{csum:>10.2f} {E:>6.2f} {max(r['bytes']) / 1e6:>8.1f} {max(r['comm']):>9.2f}",
-                      flush=True)
+    for case in args.cases:
+        base = best[case, args.ranks[0]]
+        for P in args.ranks:
+            r = best[case, P]
+            cmax, csum = max(r["compute"]), sum(r["compute"])
+            E = sum(base["compute"]) / (P * cmax) if args.ranks[0] == 1 else float("nan")
+            print(f"{case:>11} {P:>3} {r['wall']:>9.1f} {base['wall'] / r['wall']:>8.2f} {cmax:>10.2f} "
+                  f"{csum:>10.2f} {E:>6.2f} {max(r['bytes']) / 1e6:>8.1f} {max(r['comm']):>9.2f}")
 
 
 if __name__ == "__main__":

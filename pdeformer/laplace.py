@@ -627,6 +627,25 @@ class LaplaceTable(HeadSums):
         mine = reduce_shares(self.comm, Y)                          # (share rows, ncols, n)
         return (E0 @ mine.reshape(len(mine), -1)).reshape(n, ncols, n).transpose(1, 0, 2)
 
+    def _gathered(self, tile, E, E0, grids: list):
+        """G_i = E_1^T X_i E_2 on this rank's panel nodes (ngrids, window), the transpose
+        of :meth:`_through` and divided the same way: Z_i = E_1^T X_i on each rank's share
+        of the tile's axis-0 nodes, all of them gathered (one Allgatherv), then Z E_2 on
+        the blocks this rank's sources touch (the rest of G stays zero: no source reads
+        it). Collective; None where this rank has no sources in the tile."""
+        n, ni = self.n, len(grids)
+        mine = np.matmul(E0.T, np.asarray(grids)).transpose(1, 0, 2)        # (share rows, ni, n)
+        Z = allgather_shares(self.comm, np.ascontiguousarray(mine), len(tile.panels[0].nodes))
+        if tile.local_panels is None:
+            return None
+        q = tile.panels[0].q
+        r0 = tile.first[0] * q
+        G = np.zeros((ni, len(tile.local_panels[0].nodes), len(tile.local_panels[1].nodes)))
+        for r, c0, c1 in tile.row_cols:
+            rows, cols = slice(r * q, (r + 1) * q), slice(c0 * q, (c1 + 1) * q)
+            G[:, rows, cols] = np.matmul(Z[r0 + r * q:r0 + (r + 1) * q].transpose(1, 0, 2), E[1][:, cols])
+        return G
+
     def _chunks(self, pts, shifts):
         """(slice, per-axis shifted factors e^{b_g y_j - shift_g} (n, chunk)) by source block."""
         for j0 in range(0, len(pts), self.SOURCE_CHUNK):
@@ -767,16 +786,18 @@ class LaplaceTable(HeadSums):
     def _source_sums(self, grids: list) -> np.ndarray:
         """S[j, i] = sum_g e^{<b_g, y_j>} / N_g X_i[g] for this rank's sources (their
         order) and grid arrays X_i: transposed factorised sums, diag(E_1^T X E_2) per
-        source block, in the tiles' shifted scales (through this rank's panel nodes where
-        the table was built on them: G = E_1^T X E_2 there, then each source's Lagrange
-        weights)."""
+        source block, in the tiles' shifted scales (through the panel nodes where the
+        table was built on them: G = E_1^T X E_2 on this rank's blocks, :meth:`_gathered`,
+        then each source's Lagrange weights). Collective where tables use panels."""
         d = self.d
         lay = self.layout
         out = np.zeros((len(lay.points), len(grids)))
         factors = self._tile_factors()
-        for tile, (shifts, panels), (_, E, _), factor in zip(lay.tiles, self.tile_data,
-                                                             lay.factors(self.axes), factors):
+        for tile, (shifts, panels), (_, E, E0), factor in zip(lay.tiles, self.tile_data,
+                                                              lay.factors(self.axes), factors):
             pts = tile.pts
+            if panels is not None and d == 2:      # collective: every rank takes part
+                G = self._gathered(tile, E, E0, [X * factor for X in grids])
             if len(pts) == 0:
                 continue
             acc = np.empty((len(pts), len(grids)))
@@ -788,17 +809,15 @@ class LaplaceTable(HeadSums):
                     G = np.stack([E[0].T @ (X * factor) for X in grids], axis=1)     # (K, i)
                     for p0, j in blocks_by_key(loc[0]):
                         acc[j] = loc[1][j] @ G[p0 * q:(p0 + 1) * q]
+                elif self.lib is not None:
+                    acc = panel_gather(self.lib, local, pts, G)
                 else:
-                    G = np.stack([E[0].T @ (X * factor) @ E[1] for X in grids])      # (i, K0, K1)
-                    if self.lib is not None:
-                        acc = panel_gather(self.lib, local, pts, G)
-                    else:
-                        loc = [pa.locate(pts[:, a]) for a, pa in enumerate(local)]
-                        P1 = local[1].count
-                        for key, j in blocks_by_key(loc[0][0] * P1 + loc[1][0]):
-                            p0, p1 = divmod(key, P1)
-                            g = G[:, p0 * q:(p0 + 1) * q, p1 * q:(p1 + 1) * q]
-                            acc[j] = np.einsum("mk,ikl,ml->mi", loc[0][1][j], g, loc[1][1][j])
+                    loc = [pa.locate(pts[:, a]) for a, pa in enumerate(local)]
+                    P1 = local[1].count
+                    for key, j in blocks_by_key(loc[0][0] * P1 + loc[1][0]):
+                        p0, p1 = divmod(key, P1)
+                        g = G[:, p0 * q:(p0 + 1) * q, p1 * q:(p1 + 1) * q]
+                        acc[j] = np.einsum("mk,ikl,ml->mi", loc[0][1][j], g, loc[1][1][j])
             else:
                 for blk, Eb in self._chunks(pts, shifts):
                     for i, X in enumerate(grids):
@@ -992,8 +1011,9 @@ class FineGrid(HeadSums):
         Allreduce of the tables."""
         nf, nc, comm = self.nf, self.table.ncomp, self.table.comm
         X = reduce_shares(comm, acc[:nc].reshape(nc, nf, nf).transpose(1, 0, 2))  # (rows, nc, nf)
+        X = np.ascontiguousarray(X.transpose(1, 0, 2))                             # (nc, rows, nf)
         S0 = self.sample[0][share(nf, comm)]
-        local = np.stack([S0.T @ X[:, k, :] @ self.sample[1] for k in range(nc)])
+        local = np.matmul(np.matmul(S0.T, X), self.sample[1])
         comm.Allreduce(MPI.IN_PLACE, local, op=MPI.SUM)
         return local
 
