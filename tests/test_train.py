@@ -80,7 +80,8 @@ def test_gradient_serial_and_two_ranks_agree(tmp_path):
         assert np.abs(a[n] - b[n]).max() < 1e-10, n
         assert np.abs(a[n]).max() > 1e-4           # not trivially zero
     sa, sb = summary(tmp_path / "s"), summary(tmp_path / "p")
-    assert abs(sa["risk"] - sb["risk"]) < 1e-12 and sb["ranks"] == 2
+    # rank-dependent summation order in the tables, amplified by the panels' e^(2 beta)
+    assert abs(sa["risk"] - sb["risk"]) < 1e-10 and sb["ranks"] == 2
     assert sa["risk"] == pytest.approx(float(a["risk"]), rel=1e-15)
     assert sa["tape_bytes_per_rank"] > 0
     # forward with the same [objective] and step plan reports the same risk
