@@ -11,7 +11,9 @@ For P ranks (oversubscribed where P exceeds the cores) it runs, with `runs/defau
 * ``prompts16``: one training step with 16 prompts (Gaussian mixtures) and G = P prompt
   groups.
 
-and prints the wall time of the command, the speedup against one rank, the compute
+and prints the wall time of the command (start-up included: about 2 s here), the time
+of its solve (the `forward` or `gradient` phase of summary.json, the largest over ranks:
+what a longer job repeats), each with its speedup against one rank, the compute
 efficiency E(P) = C(1) / (P max_r C_r(P)) with C_r the compute CPU seconds of rank r
 (``parallel.compute_cpu_s`` in summary.json: CPU time outside MPI communication), and
 the bytes communicated per rank (largest over ranks). On a machine with fewer cores than
@@ -81,7 +83,8 @@ def run(case: str, ranks: int, folder: str) -> dict:
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     par = summary["parallel"]
-    return {"wall": wall, "compute": par["compute_cpu_s"], "bytes": par["comm_bytes"],
+    phase = summary["timings"].get(command, summary["timings"]["total"])
+    return {"wall": wall, "phase": phase, "compute": par["compute_cpu_s"], "bytes": par["comm_bytes"],
             "comm": par["comm_s"]}
 
 
@@ -103,15 +106,16 @@ def main():
                     r = run(case, P, folder)
                     if (case, P) not in best or r["wall"] < best[case, P]["wall"]:
                         best[case, P] = r
-    print(f"{'case':>11} {'P':>3} {'wall [s]':>9} {'speedup':>8} {'C max [s]':>10} "
-          f"{'C sum [s]':>10} {'E(P)':>6} {'MB/rank':>8} {'comm [s]':>9}")
+    print(f"{'case':>11} {'P':>3} {'wall [s]':>9} {'speedup':>8} {'solve [s]':>9} {'speedup':>8} "
+          f"{'C max [s]':>10} {'C sum [s]':>10} {'E(P)':>6} {'MB/rank':>8} {'comm [s]':>9}")
     for case in args.cases:
         base = best[case, args.ranks[0]]
         for P in args.ranks:
             r = best[case, P]
             cmax, csum = max(r["compute"]), sum(r["compute"])
             E = sum(base["compute"]) / (P * cmax) if args.ranks[0] == 1 else float("nan")
-            print(f"{case:>11} {P:>3} {r['wall']:>9.1f} {base['wall'] / r['wall']:>8.2f} {cmax:>10.2f} "
+            print(f"{case:>11} {P:>3} {r['wall']:>9.1f} {base['wall'] / r['wall']:>8.2f} "
+                  f"{r['phase']:>9.1f} {base['phase'] / r['phase']:>8.2f} {cmax:>10.2f} "
                   f"{csum:>10.2f} {E:>6.2f} {max(r['bytes']) / 1e6:>8.1f} {max(r['comm']):>9.2f}")
 
 
