@@ -117,7 +117,8 @@ class AdjointSolver:
             for s in groups.owned:
                 tape = []
                 coeffs, _ = fw.solve_prompt(s, tape=tape)
-                tape_bytes = max(tape_bytes, sum(Y.nbytes + v.nbytes for _, _, st in tape for Y, v, _ in st))
+                tape_bytes = max(tape_bytes, sum(Y.nbytes + v.nbytes + getattr(p, "nbytes", 0)
+                                                 for _, _, st in tape for Y, v, p in st))
                 F, lam = self.objective_at(s, coeffs)
                 local[s] = F
                 name = fw.problem.prompts[s][0]

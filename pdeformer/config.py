@@ -203,6 +203,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
                        "direct summation, a log-Laplace table (d <= 2), or auto"),
         "tol": Key(number(positive=True, hi=1e-1), 1e-8, "accuracy of the laplace table (relative)"),
         "chunk_mb": Key(number(positive=True, hi=4096), 2.0, "working memory of one kernel chunk (MB)"),
+        "tape_mb": Key(number(nonnegative=True, hi=1e7), 256.0,
+                       "laplace tables a gradient keeps per rank and prompt for its adjoint (MB); "
+                       "past it the adjoint builds them again"),
     },
     "output": {
         "dir": Key(path, None, "output folder (default: output/<config name> beside the config)"),

@@ -34,7 +34,7 @@ from .objectives import make_objective, make_target
 from .prompts import make_prompt
 from .timestepping import SCHEMES, ssp_step
 from .transport import DGTransport
-from .velocity import AttentionVelocity
+from .velocity import AttentionVelocity, TableSum
 
 log = logging.getLogger("pdeformer")
 
@@ -183,6 +183,8 @@ class ForwardSolver:
         self.stats = {"steps": 0, "velocity_evaluations": 0}
         self.current_prompt = None   # the prompt being solved (it keys the laplace plans)
         self.evaluations = 0         # velocity evaluations of it so far (frozen plans)
+        self.last_sum = None         # how the last velocity was summed (TableSum or plan)
+        self._tape_room = 0          # bytes of tables the current tape may still keep
         for i, (name, prompt) in enumerate(problem.prompts):
             if prompt.kind == "points":
                 raise ConfigError(f"prompts[{i}].kind", f"{name!r} is a point cloud, which has no "
@@ -241,6 +243,8 @@ class ForwardSolver:
                                       key=(self.current_prompt, layer),
                                       step=(self.current_prompt, self.evaluations))
             self.evaluations += 1
+        vf = self.velocity_field
+        self.last_sum = vf.last_sum if vf.last_sum is not None else vf.last_plan
         self.stats["velocity_evaluations"] += 1
         finite = self.velocity_field.last_finite       # agreed already, or None: not yet known
         if finite is None:
@@ -271,6 +275,7 @@ class ForwardSolver:
         what the adjoint sweep needs."""
         name = self.problem.prompts[index][0]
         self.current_prompt, self.evaluations = index, 0
+        self._tape_room = self.velocity_field.tape_mb * 2 ** 20 if tape is not None else 0
         L, F = self.problem.heads.layers, self.frames_per_layer
         want_v = any(tr.needs_velocity for tr in trackers)
         state = [self.initial_coeffs[index].copy(), np.zeros(1)]
@@ -285,7 +290,7 @@ class ForwardSolver:
                 try:
                     with located(f"prompt {name!r}, layer {at}, t = {t:.6g}"):
                         vel = self.velocity(state[0], at)
-                    cache = (state, at, vel, self.velocity_field.last_plan)
+                    cache = (state, at, vel, self.last_sum)
                 except SolverBreakdown as e:  # still record the density, then stop
                     failure = e
             frame = Frame(name, index, t, layer, boundary, march["steps"], march["dt"],
@@ -312,7 +317,7 @@ class ForwardSolver:
                             self.transport.set_velocity(vel0)
                         else:
                             vel0 = self.velocity(state[0], layer)
-                            plan0 = self.velocity_field.last_plan
+                            plan0 = self.last_sum
                         dt_cfl, vmax = self.transport.cfl_step(self.disc["cfl"] * self.scheme.cfl_factor)
                         if n_frame is None and self.freeze_steps:  # uniform steps, count frozen now
                             n_frame = self._cfl_steps(t_end - t, dt_cfl, vmax, layer_steps)
@@ -362,6 +367,17 @@ class ForwardSolver:
                                   "steps in this layer")
         return max(1, math.ceil(n - 1e-9))
 
+    def _taped(self, summed):
+        """What the tape keeps of an evaluation: its TableSum while the prompt's tape has
+        room (``[attention] tape_mb``; the sizes agree on every rank, so do the choices), else
+        its plan."""
+        if not isinstance(summed, TableSum):
+            return summed
+        if summed.nbytes > self._tape_room:
+            return summed.plan
+        self._tape_room -= summed.nbytes
+        return summed
+
     def _step(self, state, dt, layer, first, tape=None):
         """One SSP step; ``first`` = (velocity, kernel plan) of the first stage, already
         computed for the step size."""
@@ -371,12 +387,12 @@ class ForwardSolver:
 
         def rhs(Y, j):
             if j > 0:
-                vel, plan = self.velocity(Y[0], layer), self.velocity_field.last_plan
+                vel, plan = self.velocity(Y[0], layer), self.last_sum
             else:
                 vel, plan = first
                 tr.set_velocity(vel)
             if tape is not None:
-                stages.append((Y[0], vel, plan))
+                stages.append((Y[0], vel, self._taped(plan)))
             with self.timer.phase("transport"):
                 tr.set_state(Y[0])
                 du, rate = tr.rate()

@@ -540,6 +540,11 @@ class LaplaceTable(HeadSums):
         self._build()
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of its own arrays (the layout, shared between tables, not counted)."""
+        return self.values.nbytes + self._sums.nbytes
+
+    @property
     def m(self) -> np.ndarray:
         """m on the grid nodes (d, grid): the values themselves for nonnegative weights
         (the same array), mu / zeta for signed ones."""
@@ -917,6 +922,11 @@ class FineGrid(HeadSums):
         self.lib = kernels_on(table.comm) if lib is EVERY_RANK else lib
         if p != KERNEL_DEGREE:
             self.lib = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its values (its table's not counted)."""
+        return self.flat.nbytes
 
     def _sampled(self) -> np.ndarray:
         """The values on the fine grid, (nf * nf, width): this rank's rows, then all."""
@@ -1338,6 +1348,7 @@ class TablePlanner:
         self._points = None
         self._lib = None
         self.finite = None           # whether the last velocity is finite on every rank, if known
+        self.built = None            # (table, interpolant) of the last velocity
         self._uses: dict = {}        # key -> evaluations through its plan so far
         self._fine: dict = {}        # key -> the last measured fine-grid errors
         self.stats = {"searches": 0, "reused": 0, "rebuilt": 0}
@@ -1433,6 +1444,7 @@ class TablePlanner:
                 self._relax(key, table, est, target, initial)
                 if table.signed and stats[2]:     # pairs left out: summed exactly
                     v = v + exact_pair_velocity(points, weights, x, A, V, interp.skipped, self.comm)
+                self.built = (table, interp)
                 return v, plan, est
             if not np.isfinite(est):
                 break
@@ -1487,6 +1499,7 @@ class TablePlanner:
             self.finite = None
         self.stats["reused"] += 1
         self._relax(key, table, est, target, initial)
+        self.built = (table, interp)
         return v, self._keep(key, table, interp, a, target), est
 
     def _relax(self, key, table, est, target, initial) -> None:
@@ -1508,10 +1521,11 @@ class TablePlanner:
     def velocity_of(self, points, weights, x, A, V, plan: TablePlan) -> np.ndarray:
         """The velocity exactly as ``plan`` sums it (pairs its table leaves out summed
         exactly), unchecked: what a frozen evaluation replays."""
-        _, interp = self.replay(points, weights, plan)
+        table, interp = self.replay(points, weights, plan)
         v = interp.velocity(x, A, V)
         if plan.signed and any_rank(self.comm, len(interp.skipped)):
             v = v + exact_pair_velocity(points, weights, x, A, V, interp.skipped, self.comm)
+        self.built = (table, interp)
         return v
 
     def table(self, points, weights, x, A, key, n_max: int, signed: bool):

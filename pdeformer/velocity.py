@@ -18,6 +18,7 @@ Either way the result depends on the partition only through summation order.
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import numpy as np
 from mpi4py import MPI
@@ -26,11 +27,24 @@ from ._dolfinx import owned_node_coordinates
 from .attention import Sources, VelocityCotangent, attention_velocity, attention_velocity_vjp
 from .errors import SolverBreakdown
 from .heads import HeadMeasure
-from .laplace import (N_MAX, N_MAX_FORCED, SIZES, TablePlanner, direct_estimate,
-                      exact_pair_vjp, flops_estimate, panel_nodes, source_extent)
+from .laplace import (N_MAX, N_MAX_FORCED, SIZES, LaplaceTable, TablePlan, TablePlanner,
+                      direct_estimate, exact_pair_vjp, flops_estimate, panel_nodes, source_extent)
 from .parallel import allgather_rows, any_rank
 
 log = logging.getLogger("pdeformer")
+
+
+class TableSum(NamedTuple):
+    """One laplace evaluation kept whole for its adjoint: its plan, its table and its
+    interpolant (the table itself, or its fine grid). The reverse sweep then differentiates
+    these objects instead of building them again from the plan."""
+    plan: TablePlan
+    table: LaplaceTable
+    interp: object
+
+    @property
+    def nbytes(self) -> int:
+        return self.table.nbytes + (0 if self.interp is self.table else self.interp.nbytes)
 
 
 class AttentionVelocity:
@@ -44,11 +58,13 @@ class AttentionVelocity:
         self.backend = attention.get("backend", "direct")
         self.tol = attention.get("tol", 1e-8)
         self.chunk_mb = attention.get("chunk_mb", 2.0)
+        self.tape_mb = attention.get("tape_mb", 256.0)   # tables kept for an adjoint (forward.py)
         self.comm = comm
         self.planner = TablePlanner(comm, self.tol)
         self._gathered = None  # (points object, all points, slice of this rank)
         self._limits = {}      # key -> (A, points, targets, n_max): the auto cost model
         self.last_plan = None   # how the last velocity was summed: None (direct) or a TablePlan
+        self.last_sum = None    # its TableSum (None: direct summation)
         self.last_finite = None  # whether it is finite on every rank, where already agreed
         # frozen plans (gradients): each evaluation's plan kept by its step and replayed
         # when that step comes again, so forward passes of a gradient evaluation and its
@@ -151,13 +167,14 @@ class AttentionVelocity:
                 self.frozen[step] = None if found is None else found[1]
         self.last_finite = self.planner.finite if found is not None and not replayed else None
         if found is None:
-            self.last_plan = None
+            self.last_plan = self.last_sum = None
             self.stats["direct"] += 1
             all_points, _ = self._all_points(points)
             sources = Sources.from_arrays(all_points, allgather_rows(self.comm, weights))
             return attention_velocity(x, sources, A, V, chunk_mb=self.chunk_mb)
         self.stats["laplace"] += 1
         v, self.last_plan = found
+        self.last_sum = TableSum(self.last_plan, *self.planner.built)
         return v
 
     def _replayed(self, points, weights, x, A, V, plan):
@@ -172,7 +189,9 @@ class AttentionVelocity:
         and A, V of ``layer`` (this rank's share; the caller sums over ranks); with
         ``positions`` (particles) also the cotangents of this rank's targets and of its
         source points. ``plan`` is the forward evaluation's :attr:`last_plan`: the same sum
-        is differentiated."""
+        is differentiated; its :attr:`last_sum` (a :class:`TableSum`) differentiates the
+        forward evaluation's own table and interpolant, built for the same sources,
+        targets and heads, without building them again."""
         x = self.targets if targets is None else targets
         A, V = self.heads.attention_matrices(layer), self.heads.values(layer)
         if plan is None:
@@ -185,11 +204,16 @@ class AttentionVelocity:
                 self.comm.Allreduce(MPI.IN_PLACE, ct.points, op=MPI.SUM)
                 ct.points = ct.points[mine].copy()
             return ct
-        table, interp = self.planner.replay(points, weights, plan)
+        kept = isinstance(plan, TableSum)
+        if kept:
+            plan, table, interp = plan
+        else:
+            table, interp = self.planner.replay(points, weights, plan)
         mbar, dA, dV, xbar = interp.velocity_vjp(x, A, V, g, positions)
         wbar, ybar = table.source_cotangents(mbar, positions)
         if plan.signed:                 # the pairs the table leaves out, summed exactly
-            interp.velocity(x, A, V)
+            if not kept:                # (a kept interpolant has them from its velocity)
+                interp.velocity(x, A, V)
             if any_rank(self.comm, len(interp.skipped)):
                 exact = exact_pair_vjp(points, weights, x, A, V, g, interp.skipped, self.comm)
                 wbar, dA, dV = wbar + exact[0], dA + exact[1], dV + exact[2]

@@ -151,6 +151,41 @@ def test_gradient_through_the_laplace_table(tmp_path):
 
 
 @requires_dolfinx
+@pytest.mark.parametrize("tape_mb", [0.0, 5.0])
+def test_tables_kept_on_the_tape_give_the_rebuilt_gradient(tmp_path, tape_mb, monkeypatch):
+    """The tape keeps laplace tables up to [attention] tape_mb and their plans beyond:
+    with the default budget the adjoint builds no table, with 0 it rebuilds each one,
+    with 5 MB some of each; the gradient is the same to the last bit (one rank: the
+    rebuilt tables are the same arithmetic)."""
+    from pdeformer import laplace
+    from pdeformer.velocity import TableSum
+    att = {"backend": "laplace", "tol": 1e-9}
+    built = []
+    monkeypatch.setattr(laplace.LaplaceTable, "_build", lambda self, f=laplace.LaplaceTable._build:
+                        (built.append(1), f(self))[1])
+
+    def gradient_and_builds(adj):
+        adj.gradient()                   # plans frozen: later passes replay them
+        del built[:]
+        tape = []
+        adj.forward.solve_prompt(0, tape=tape)
+        entries, forward_builds = [p for _, _, st in tape for _, _, p in st], len(built)
+        del built[:]
+        g = adj.gradient(refreeze=False)
+        return g, entries, len(built) - forward_builds     # the adjoint sweep's builds
+
+    g, entries, rebuilt = gradient_and_builds(gradient_problem(tmp_path, "moments", attention=att))
+    assert entries and all(isinstance(p, TableSum) for p in entries) and rebuilt == 0
+    other, entries, rebuilt = gradient_and_builds(
+        gradient_problem(tmp_path, "moments", attention={**att, "tape_mb": tape_mb}))
+    kept = sum(isinstance(p, TableSum) for p in entries)
+    assert rebuilt == len(entries) - kept
+    assert (kept == 0) if tape_mb == 0 else (0 < kept < len(entries)), kept
+    for n in "QKV":
+        assert np.array_equal(getattr(g, "d" + n), getattr(other, "d" + n)), n
+
+
+@requires_dolfinx
 def test_frozen_step_plan_without_steps_per_layer(tmp_path):
     """CFL-chosen step counts are frozen per evaluation, so the risk is smooth and the
     gradient exact for that plan."""
