@@ -325,22 +325,34 @@ class Tile:
     rank's window of them (``local_panels``: the panels its own sources touch, from
     panel ``first`` on) and, in 2-D, per panel row of the window the range of panel
     columns its sources touch (``row_cols``: (row, first column, last column), relative to
-    the window): the blocks of the spread that are not zero."""
+    the window): the blocks of the spread that are not zero. In 2-D the table
+    products keep the axis with fewer panel nodes (``lead``, the same on every rank)
+    between their two steps, so the sums the ranks exchange are (its nodes) x n; rows of
+    ``row_cols`` run along ``lead`` (for ``lead`` = 1 the tile is seen transposed,
+    :meth:`oriented`)."""
 
     def __init__(self, index, pts, lo, hi, count, panels):
         self.index, self.pts, self.lo, self.hi, self.count = index, pts, lo, hi, count
         self.panels = panels
         self.first = self.local_panels = self.row_cols = None
+        self.lead = 0
+        if panels is not None and len(panels) == 2:
+            self.lead = int(len(panels[0].nodes) > len(panels[1].nodes))
         if panels is not None and len(pts):
             p = [pa.index(pts[:, a]) for a, pa in enumerate(panels)]
             self.first = [int(pa.min()) for pa in p]
             self.local_panels = [pa.window(f, int(pi.max())) for pa, f, pi in zip(panels, self.first, p)]
             if len(panels) == 2:
-                r, c = p[0] - self.first[0], p[1] - self.first[1]
-                lo, hi = np.full(self.local_panels[0].count, c.max() + 1), np.full(self.local_panels[0].count, -1)
+                a, b = self.lead, 1 - self.lead
+                r, c = p[a] - self.first[a], p[b] - self.first[b]
+                lo, hi = np.full(self.local_panels[a].count, c.max() + 1), np.full(self.local_panels[a].count, -1)
                 np.minimum.at(lo, r, c)
                 np.maximum.at(hi, r, c)
                 self.row_cols = [(i, int(lo[i]), int(hi[i])) for i in np.flatnonzero(hi >= 0)]
+
+    def oriented(self, pair):
+        """A pair over the axes (panels, windows, factors) in the order (lead, other)."""
+        return pair if pair is None or self.lead == 0 else [pair[1], pair[0]]
 
 
 class SourceLayout:
@@ -393,8 +405,8 @@ class SourceLayout:
         """Per tile, for the grid ``axes``: (shifts, E, E0) with shifts_a[g] = max over the
         tile of b_g y_a (so every e^{b_g y_a - shift} <= 1), E_a = e^{b_g yhat_k - shift_a[g]}
         at this rank's panel nodes yhat (n x window; None where it has no sources there)
-        and E0 the axis-0 factor at this rank's share (:func:`share`) of the tile's axis-0
-        panel nodes (2-D; the rows of the table products it multiplies)."""
+        and E0 the factor of the tile's ``lead`` axis at this rank's share (:func:`share`)
+        of its panel nodes (2-D; the rows of the table products it multiplies)."""
         key = (len(axes[0][0]), axes[0][0][0], axes[0][0][-1])
         if key not in self._factors:
             if len(self._factors) >= self.FACTOR_SIZES:
@@ -412,8 +424,9 @@ class SourceLayout:
                          zip(axes, tile.local_panels, shifts)]
                 E0 = None
                 if self.d == 2:
-                    nodes0 = tile.panels[0].nodes
-                    E0 = _factor(axes[0][0], nodes0[share(len(nodes0), self.comm)], shifts[0])
+                    a = tile.lead
+                    lead = tile.panels[a].nodes
+                    E0 = _factor(axes[a][0], lead[share(len(lead), self.comm)], shifts[a])
                 out.append((shifts, E, E0))
             self._factors[key] = out
         return self._factors[key]
@@ -622,15 +635,18 @@ class LaplaceTable(HeadSums):
         n, ncols = self.n, self.ncols
         if self.d == 1:
             return np.zeros((ncols, n)) if W is None else W @ E[0].T
-        q = tile.panels[0].q
-        Y = np.zeros((len(tile.panels[0].nodes), ncols, n))
+        q, lead = tile.panels[0].q, tile.lead
+        Y = np.zeros((len(tile.panels[lead].nodes), ncols, n))
         if W is not None:
-            r0 = tile.first[0] * q
+            if lead:
+                W = np.ascontiguousarray(W.transpose(0, 2, 1))
+            r0, E1 = tile.first[lead] * q, tile.oriented(E)[1]
             for r, c0, c1 in tile.row_cols:
                 rows, cols = slice(r * q, (r + 1) * q), slice(c0 * q, (c1 + 1) * q)
-                Y[r0 + r * q:r0 + (r + 1) * q] = np.matmul(W[:, rows, cols], E[1][:, cols].T).transpose(1, 0, 2)
+                Y[r0 + r * q:r0 + (r + 1) * q] = np.matmul(W[:, rows, cols], E1[:, cols].T).transpose(1, 0, 2)
         mine = reduce_shares(self.comm, Y)                          # (share rows, ncols, n)
-        return (E0 @ mine.reshape(len(mine), -1)).reshape(n, ncols, n).transpose(1, 0, 2)
+        T = (E0 @ mine.reshape(len(mine), -1)).reshape(n, ncols, n)   # (lead grid axis, ncols, other)
+        return T.transpose(1, 0, 2) if lead == 0 else T.transpose(1, 2, 0)
 
     def _gathered(self, tile, E, E0, grids: list):
         """G_i = E_1^T X_i E_2 on this rank's panel nodes (ngrids, window), the transpose
@@ -638,18 +654,22 @@ class LaplaceTable(HeadSums):
         of the tile's axis-0 nodes, all of them gathered (one Allgatherv), then Z E_2 on
         the blocks this rank's sources touch (the rest of G stays zero: no source reads
         it). Collective; None where this rank has no sources in the tile."""
-        n, ni = self.n, len(grids)
-        mine = np.matmul(E0.T, np.asarray(grids)).transpose(1, 0, 2)        # (share rows, ni, n)
-        Z = allgather_shares(self.comm, np.ascontiguousarray(mine), len(tile.panels[0].nodes))
+        n, ni, lead = self.n, len(grids), tile.lead
+        X = np.asarray(grids)
+        if lead:
+            X = X.transpose(0, 2, 1)
+        mine = np.matmul(E0.T, X).transpose(1, 0, 2)                     # (share rows, ni, n)
+        Z = allgather_shares(self.comm, np.ascontiguousarray(mine), len(tile.panels[lead].nodes))
         if tile.local_panels is None:
             return None
         q = tile.panels[0].q
-        r0 = tile.first[0] * q
-        G = np.zeros((ni, len(tile.local_panels[0].nodes), len(tile.local_panels[1].nodes)))
+        r0, E1 = tile.first[lead] * q, tile.oriented(E)[1]
+        rows_, cols_ = tile.oriented(tile.local_panels)
+        G = np.zeros((ni, len(rows_.nodes), len(cols_.nodes)))
         for r, c0, c1 in tile.row_cols:
             rows, cols = slice(r * q, (r + 1) * q), slice(c0 * q, (c1 + 1) * q)
-            G[:, rows, cols] = np.matmul(Z[r0 + r * q:r0 + (r + 1) * q].transpose(1, 0, 2), E[1][:, cols])
-        return G
+            G[:, rows, cols] = np.matmul(Z[r0 + r * q:r0 + (r + 1) * q].transpose(1, 0, 2), E1[:, cols])
+        return G if lead == 0 else np.ascontiguousarray(G.transpose(0, 2, 1))
 
     def _chunks(self, pts, shifts):
         """(slice, per-axis shifted factors e^{b_g y_j - shift_g} (n, chunk)) by source block."""

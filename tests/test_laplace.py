@@ -485,11 +485,15 @@ def test_position_cotangents_are_the_derivative_of_the_table_map(compiled):
         (fd, np.sum(xbar * dx), np.sum(ybar * dy))
 
 
-@pytest.mark.parametrize("d, loops", [(1, "numpy"), (2, "numpy"), (2, "compiled")])
-def test_panel_tables_are_the_direct_sums(d, loops, monkeypatch):
+@pytest.mark.parametrize("d, loops, extent", [(1, "numpy", [3]), (2, "numpy", [3, 3]),
+                                              (2, "compiled", [3, 3]), (2, "compiled", [3, 1.5]),
+                                              (2, "numpy", [1.5, 3])])
+def test_panel_tables_are_the_direct_sums(d, loops, extent, monkeypatch):
     """Sums through the panel nodes (sources spread onto narrow Chebyshev panels) give
     the tables and reverse-mode sums of the direct sums over the sources to 1e-12, with
-    the spread and gather done by numpy and (d = 2) by the compiled loops."""
+    the spread and gather done by numpy and (d = 2) by the compiled loops, the products
+    keeping either axis between their steps (the one with fewer panel nodes: axis 1 for
+    sources wider along axis 0)."""
     import pdeformer.laplace as laplace
     if loops == "numpy":
         monkeypatch.setattr(laplace, "kernels_on", lambda comm: None)
@@ -497,13 +501,14 @@ def test_panel_tables_are_the_direct_sums(d, loops, monkeypatch):
         pytest.skip("no C compiler, or PDEFORMER_NO_KERNEL set")
     rng = np.random.default_rng(31)
     M = 40000 if d == 2 else 200000
-    y = rng.uniform(-3, 3, (M, d))
+    y = rng.uniform(-1, 1, (M, d)) * extent
     w = np.exp(-np.sum((y - 0.5) ** 2, 1)) * (1 + 0.5 * np.sin(2 * y[:, 0])) / M
     lo, hi = np.full(d, -9.0), np.full(d, 11.0)
     n = 129 if d == 2 else 257
     panel = LaplaceTable(y, w, lo, hi, n, COMM)
     assert (panel.lib is not None) == (loops == "compiled")
     assert all(t[1] is not None for t in panel.tile_data), "the panel path was not taken"
+    assert {t.lead for t in panel.layout.tiles} == {int(extent[0] > extent[-1])}
     assert len(panel.tile_data[0][1][0].nodes) < M
     monkeypatch.setattr(LaplaceTable, "_panels", lambda self, *args: None)
     direct = LaplaceTable(y, w, lo, hi, n, COMM)
