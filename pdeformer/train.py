@@ -156,9 +156,14 @@ def write_checkpoint(filename: str, heads: HeadMeasure, optimizer, step: int, hi
     os.replace(tmp, filename)
 
 
-def read_checkpoint(filename: str, cfg: dict) -> dict:
-    """Arrays and metadata of a checkpoint; refused (InputError) when it was made for
-    another problem. Run on rank 0."""
+CHECKPOINT_META = {"step": int, "history": list, "optimizer": str, "rng": dict, "fingerprint": dict}
+
+
+def read_checkpoint(filename: str, cfg: dict, shapes: dict | None = None) -> dict:
+    """Arrays and metadata of a checkpoint; refused (InputError) when it is not one
+    pdeformer wrote (metadata missing or of the wrong type), was made for another
+    problem (fingerprint), or its arrays do not have this run's ``shapes`` (name ->
+    shape: the heads' Q, K, V and the optimizer's state). Run on rank 0."""
     if not os.path.isfile(filename):
         raise InputError(f"--restart: no checkpoint at {filename}")
     try:
@@ -167,11 +172,24 @@ def read_checkpoint(filename: str, cfg: dict) -> dict:
         meta = json.loads(str(data.pop("meta")))
     except Exception as e:  # damaged file
         raise InputError(f"--restart: {filename}: not a readable checkpoint ({type(e).__name__}: {e})") from None
+    for key, kind in CHECKPOINT_META.items():
+        if not isinstance(meta, dict) or not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
+            raise InputError(f"--restart: {filename}: not a pdeformer checkpoint "
+                             f"(its metadata has no {kind.__name__} {key!r})")
+    if meta["step"] < 0:
+        raise InputError(f"--restart: {filename}: not a pdeformer checkpoint (step {meta['step']})")
     mine = fingerprint(cfg)
     differ = [k for k in mine if meta["fingerprint"].get(k) != mine[k]]
     if differ:
         raise InputError(f"--restart: {filename} was made for another problem "
                          f"(different {', '.join(differ)}); use a fresh output.dir")
+    for name, shape in (shapes or {}).items():
+        if name not in data:
+            raise InputError(f"--restart: {filename}: no array {name!r}")
+        if data[name].shape != tuple(shape) or not np.all(np.isfinite(data[name])):
+            raise InputError(f"--restart: {filename}: array {name!r} has shape {data[name].shape}"
+                             + ("" if data[name].shape != tuple(shape) else " but is not finite")
+                             + f", this run's is {tuple(shape)}")
     data["meta"] = meta
     return data
 
@@ -199,7 +217,9 @@ class Trainer:
 
     def restart(self) -> None:
         from .parallel import on_root
-        data = on_root(self.comm, read_checkpoint, self.checkpoint_file, self.cfg)
+        shapes = {n: getattr(self.heads, n).shape for n in PARAMS}
+        shapes.update({k: np.shape(v) for k, v in self.optimizer.state().items()})
+        data = on_root(self.comm, read_checkpoint, self.checkpoint_file, self.cfg, shapes)
         meta = data.pop("meta")
         for n in PARAMS:
             getattr(self.heads, n)[:] = data.pop(n)

@@ -142,6 +142,73 @@ def test_restart_refusals(tmp_path):
     check_one_line_error(proc, "(different prompts)")
 
 
+def _altered_checkpoint(src: str, dst: str, arrays: dict | None = None, meta: dict | None = None,
+                        drop: tuple = ()) -> str:
+    """A copy of checkpoint ``src`` with arrays replaced, metadata entries replaced (None:
+    removed) and arrays dropped."""
+    import json
+    with np.load(src) as f:
+        data = {k: np.array(f[k]) for k in f.files}
+    m = json.loads(str(data["meta"]))
+    for k, v in (meta or {}).items():
+        if v is None:
+            m.pop(k)
+        else:
+            m[k] = v
+    data.update(arrays or {}, meta=np.array(json.dumps(m)))
+    for k in drop:
+        data.pop(k)
+    np.savez(dst, **data)
+    return dst
+
+
+def test_restart_refuses_checkpoints_of_another_shape_or_without_metadata(tmp_path):
+    """Wrong shapes (Q of one layer, Adam moments of another size), non-finite heads, no
+    fingerprint, a step that is not a count, a missing array: each an InputError naming
+    the file and what is wrong; the checkpoint as written is read back."""
+    from pdeformer.config import load_config
+    from pdeformer.errors import InputError
+    from pdeformer.heads import HeadMeasure
+    from pdeformer import train
+    cfg = load_config(write_config(tmp_path, CONFIG))
+    cfg["train"]["optimizer"] = "adam"
+    heads = HeadMeasure.random(2, 2, 2, 2, seed=0)
+    opt = train.make_optimizer(cfg["train"], heads)
+    shapes = {n: getattr(heads, n).shape for n in "QKV"}
+    shapes.update({k: np.shape(v) for k, v in opt.state().items()})
+    good = str(tmp_path / "checkpoint.npz")
+    train.write_checkpoint(good, heads, opt, 4, [{"step": 0}], np.random.default_rng(0), cfg)
+    assert train.read_checkpoint(good, cfg, shapes)["meta"]["step"] == 4
+    bad = str(tmp_path / "bad.npz")
+    cases = [
+        (dict(arrays={"Q": heads.Q[0]}), "array 'Q' has shape (2, 2, 2), this run's is (2, 2, 2, 2)"),
+        (dict(arrays={"adam_m_V": np.zeros((3, 2, 2, 2))}), "array 'adam_m_V' has shape (3, 2, 2, 2)"),
+        (dict(arrays={"K": np.full_like(heads.K, np.nan)}), "array 'K' has shape (2, 2, 2, 2) but is not finite"),
+        (dict(meta={"fingerprint": None}), "not a pdeformer checkpoint (its metadata has no dict 'fingerprint')"),
+        (dict(meta={"step": "4"}), "not a pdeformer checkpoint (its metadata has no int 'step')"),
+        (dict(meta={"step": -1}), "not a pdeformer checkpoint (step -1)"),
+        (dict(drop=("adam_t",)), "no array 'adam_t'"),
+    ]
+    for change, message in cases:
+        _altered_checkpoint(good, bad, **change)
+        with pytest.raises(InputError) as e:
+            train.read_checkpoint(bad, cfg, shapes)
+        assert str(e.value).startswith(f"--restart: {bad}: {message}"), (change, str(e.value))
+
+
+def test_restart_from_a_checkpoint_of_one_layer_ends_with_one_line(tmp_path):
+    """The hostile case: Q of one layer in the checkpoint is bad input (exit 2, one line),
+    not broadcast into every layer."""
+    cfg = write_config(tmp_path, CONFIG)
+    run_cli(["train", cfg, "--set", "train.steps=2"], cwd=str(tmp_path))
+    ckpt = next(tmp_path.glob("**/checkpoint.npz"))
+    with np.load(ckpt) as f:
+        q = np.array(f["Q"])
+    _altered_checkpoint(str(ckpt), str(ckpt), arrays={"Q": q[0]})
+    proc = run_cli(["train", cfg, "--restart"], cwd=str(tmp_path), check=False)
+    check_one_line_error(proc, "array 'Q' has shape")
+
+
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     """A failure (a kill) during the write leaves the previous checkpoint readable."""
     from pdeformer.config import load_config
