@@ -159,11 +159,12 @@ def write_checkpoint(filename: str, heads: HeadMeasure, optimizer, step: int, hi
 CHECKPOINT_META = {"step": int, "history": list, "optimizer": str, "rng": dict, "fingerprint": dict}
 
 
-def read_checkpoint(filename: str, cfg: dict, shapes: dict | None = None) -> dict:
+def read_checkpoint(filename: str, cfg: dict, like: dict | None = None) -> dict:
     """Arrays and metadata of a checkpoint; refused (InputError) when it is not one
     pdeformer wrote (metadata missing or of the wrong type), was made for another
-    problem (fingerprint), or its arrays do not have this run's ``shapes`` (name ->
-    shape: the heads' Q, K, V and the optimizer's state). Run on rank 0."""
+    problem (fingerprint), or its arrays differ from this run's (``like``: name -> array,
+    the heads' Q, K, V and the optimizer's state) in shape or kind (float, integer), or
+    are not finite. Run on rank 0."""
     if not os.path.isfile(filename):
         raise InputError(f"--restart: no checkpoint at {filename}")
     try:
@@ -183,13 +184,17 @@ def read_checkpoint(filename: str, cfg: dict, shapes: dict | None = None) -> dic
     if differ:
         raise InputError(f"--restart: {filename} was made for another problem "
                          f"(different {', '.join(differ)}); use a fresh output.dir")
-    for name, shape in (shapes or {}).items():
-        if name not in data:
+    for name, ref in (like or {}).items():
+        a, ref = data.get(name), np.asarray(ref)
+        if a is None:
             raise InputError(f"--restart: {filename}: no array {name!r}")
-        if data[name].shape != tuple(shape) or not np.all(np.isfinite(data[name])):
-            raise InputError(f"--restart: {filename}: array {name!r} has shape {data[name].shape}"
-                             + ("" if data[name].shape != tuple(shape) else " but is not finite")
-                             + f", this run's is {tuple(shape)}")
+        if a.shape != ref.shape:
+            raise InputError(f"--restart: {filename}: array {name!r} has shape {a.shape}, "
+                             f"this run's is {ref.shape}")
+        if a.dtype.kind != ref.dtype.kind:
+            raise InputError(f"--restart: {filename}: array {name!r} is {a.dtype}, this run's is {ref.dtype}")
+        if not np.all(np.isfinite(a)):
+            raise InputError(f"--restart: {filename}: array {name!r} is not finite")
     data["meta"] = meta
     return data
 
@@ -217,9 +222,8 @@ class Trainer:
 
     def restart(self) -> None:
         from .parallel import on_root
-        shapes = {n: getattr(self.heads, n).shape for n in PARAMS}
-        shapes.update({k: np.shape(v) for k, v in self.optimizer.state().items()})
-        data = on_root(self.comm, read_checkpoint, self.checkpoint_file, self.cfg, shapes)
+        like = {n: getattr(self.heads, n) for n in PARAMS} | self.optimizer.state()
+        data = on_root(self.comm, read_checkpoint, self.checkpoint_file, self.cfg, like)
         meta = data.pop("meta")
         for n in PARAMS:
             getattr(self.heads, n)[:] = data.pop(n)

@@ -25,7 +25,7 @@ from mpi4py import MPI
 
 from ._dolfinx import owned_node_coordinates
 from .attention import Sources, VelocityCotangent, attention_velocity, attention_velocity_vjp
-from .errors import SolverBreakdown
+from .errors import ConfigError, SolverBreakdown
 from .heads import HeadMeasure
 from .laplace import (N_MAX, N_MAX_FORCED, SIZES, LaplaceTable, TablePlan, TablePlanner,
                       direct_estimate, exact_pair_vjp, flops_estimate, panel_nodes, source_extent)
@@ -56,6 +56,9 @@ class AttentionVelocity:
         self.targets = targets
         self.heads = heads  # read at every call: training updates it in place
         self.backend = attention.get("backend", "direct")
+        if self.backend == "laplace" and heads.dim > 2:
+            raise ConfigError("attention.backend", f"'laplace' is implemented for d = 1 and 2, "
+                              f"these tokens have d = {heads.dim}: use 'auto' or 'direct'")
         self.tol = attention.get("tol", 1e-8)
         self.chunk_mb = attention.get("chunk_mb", 2.0)
         self.tape_mb = attention.get("tape_mb", 256.0)   # tables kept for an adjoint (forward.py)

@@ -346,9 +346,10 @@ def test_auto_uses_the_table_where_it_pays_and_meets_tol():
 def test_auto_falls_back_to_direct_and_laplace_refuses(why):
     """auto sums directly where the table cannot serve (d = 3; |b| x extent so large that
     the tiles would exceed MAX_TILES; tol below what the largest table reaches) and
-    gives the direct result; backend 'laplace' raises a SolverBreakdown (ValueError for
-    d = 3) that names the reason instead of returning a less accurate velocity."""
-    from pdeformer.errors import SolverBreakdown
+    gives the direct result; backend 'laplace' raises a SolverBreakdown (a ConfigError
+    for d = 3, at once) that names the reason instead of returning a less accurate
+    velocity."""
+    from pdeformer.errors import ConfigError, SolverBreakdown
     d = 3 if why == "d = 3" else 2
     rng = np.random.default_rng(5)
     y = rng.uniform(-3, 3, (2000, d))
@@ -362,8 +363,13 @@ def test_auto_falls_back_to_direct_and_laplace_refuses(why):
         assert field.stats == dict(field.stats, direct=1, laplace=0)
         np.testing.assert_allclose(v, attention_velocity_direct(field.targets, y, w, hm),
                                    rtol=1e-12, atol=1e-12)
+        if d == 3:                            # bad input, before anything runs
+            with pytest.raises(ConfigError, match="^attention.backend: 'laplace' is implemented "
+                               "for d = 1 and 2, these tokens have d = 3"):
+                _field("laplace", tol, d=d, scale=scale)
+            return
         strict, _ = _field("laplace", tol, d=d, scale=scale)
-        with pytest.raises(ValueError if d == 3 else SolverBreakdown):
+        with pytest.raises(SolverBreakdown):
             strict(y, w, 0)
 
 

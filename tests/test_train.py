@@ -163,8 +163,8 @@ def _altered_checkpoint(src: str, dst: str, arrays: dict | None = None, meta: di
 
 
 def test_restart_refuses_checkpoints_of_another_shape_or_without_metadata(tmp_path):
-    """Wrong shapes (Q of one layer, Adam moments of another size), non-finite heads, no
-    fingerprint, a step that is not a count, a missing array: each an InputError naming
+    """Wrong shapes (Q of one layer, Adam moments of another size), wrong kinds (a float
+    step count, integer heads), non-finite heads, no fingerprint, a step that is not a count, a missing array: each an InputError naming
     the file and what is wrong; the checkpoint as written is read back."""
     from pdeformer.config import load_config
     from pdeformer.errors import InputError
@@ -174,16 +174,17 @@ def test_restart_refuses_checkpoints_of_another_shape_or_without_metadata(tmp_pa
     cfg["train"]["optimizer"] = "adam"
     heads = HeadMeasure.random(2, 2, 2, 2, seed=0)
     opt = train.make_optimizer(cfg["train"], heads)
-    shapes = {n: getattr(heads, n).shape for n in "QKV"}
-    shapes.update({k: np.shape(v) for k, v in opt.state().items()})
+    like = {n: getattr(heads, n) for n in "QKV"} | opt.state()
     good = str(tmp_path / "checkpoint.npz")
     train.write_checkpoint(good, heads, opt, 4, [{"step": 0}], np.random.default_rng(0), cfg)
-    assert train.read_checkpoint(good, cfg, shapes)["meta"]["step"] == 4
+    assert train.read_checkpoint(good, cfg, like)["meta"]["step"] == 4
     bad = str(tmp_path / "bad.npz")
     cases = [
         (dict(arrays={"Q": heads.Q[0]}), "array 'Q' has shape (2, 2, 2), this run's is (2, 2, 2, 2)"),
         (dict(arrays={"adam_m_V": np.zeros((3, 2, 2, 2))}), "array 'adam_m_V' has shape (3, 2, 2, 2)"),
-        (dict(arrays={"K": np.full_like(heads.K, np.nan)}), "array 'K' has shape (2, 2, 2, 2) but is not finite"),
+        (dict(arrays={"K": np.full_like(heads.K, np.nan)}), "array 'K' is not finite"),
+        (dict(arrays={"adam_t": np.array(4.0)}), "array 'adam_t' is float64, this run's is int64"),
+        (dict(arrays={"V": heads.V.astype(int)}), "array 'V' is int64, this run's is float64"),
         (dict(meta={"fingerprint": None}), "not a pdeformer checkpoint (its metadata has no dict 'fingerprint')"),
         (dict(meta={"step": "4"}), "not a pdeformer checkpoint (its metadata has no int 'step')"),
         (dict(meta={"step": -1}), "not a pdeformer checkpoint (step -1)"),
@@ -192,7 +193,7 @@ def test_restart_refuses_checkpoints_of_another_shape_or_without_metadata(tmp_pa
     for change, message in cases:
         _altered_checkpoint(good, bad, **change)
         with pytest.raises(InputError) as e:
-            train.read_checkpoint(bad, cfg, shapes)
+            train.read_checkpoint(bad, cfg, like)
         assert str(e.value).startswith(f"--restart: {bad}: {message}"), (change, str(e.value))
 
 
