@@ -80,7 +80,7 @@ def string(choices: tuple[str, ...] | None = None, pattern: str | None = None) -
         if choices is not None and v not in choices:
             raise ConfigError(key, f"expected one of {', '.join(map(repr, choices))}, got {v!r}")
         if pattern is not None and not re.fullmatch(pattern, v):
-            raise ConfigError(key, f"{v!r} is not allowed (letters, digits, '_' and '-' only)")
+            raise ConfigError(key, f"{v!r} is not allowed (1 to 64 letters, digits, '_' or '-')")
         return v
     return check
 
@@ -160,7 +160,7 @@ CELLS = {1: ("interval",), 2: ("triangle", "quadrilateral"), 3: ("tetrahedron", 
 SCHEMES = ("auto", "euler", "ssprk2", "ssprk3", "ssprk104")
 OBJECTIVES = ("potential", "moments", "l2", "mmd")
 PROMPT_KINDS = ("gaussian_mixture", "uniform", "file", "points")
-NAME = r"[A-Za-z0-9_-]+"
+NAME = r"[A-Za-z0-9_-]{1,64}"   # prompt names go into file names: short and portable
 
 SCHEMA: dict[str, dict[str, Key]] = {
     "mesh": {
@@ -533,21 +533,27 @@ def apply_override(raw: dict, parts: list, value, cwd: str, base_dir: str) -> No
     node[last] = value
 
 
-def load_config(filename: str, overrides: list[str] = ()) -> dict:
-    """Read, override, check and resolve a run configuration."""
+def read_toml(filename: str, what: str = "config file") -> dict:
+    """The TOML table of ``filename``; ConfigError (one line naming the file) where it is
+    missing, a folder, unreadable, not text or not TOML."""
     try:
         with open(filename, "rb") as f:
-            raw = tomllib.load(f)
+            return tomllib.load(f)
     except FileNotFoundError:
-        raise ConfigError("", f"{filename}: no such config file") from None
+        raise ConfigError("", f"{filename}: no such {what}") from None
     except IsADirectoryError:
-        raise ConfigError("", f"{filename}: is a folder, not a config file") from None
+        raise ConfigError("", f"{filename}: is a folder, not a {what}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError("", f"{filename}: not valid TOML ({e})") from None
     except UnicodeDecodeError:
         raise ConfigError("", f"{filename}: not a text file") from None
     except OSError as e:
         raise ConfigError("", f"{filename}: cannot read ({e.strerror})") from None
+
+
+def load_config(filename: str, overrides: list[str] = ()) -> dict:
+    """Read, override, check and resolve a run configuration."""
+    raw = read_toml(filename)
     base_dir = os.path.dirname(os.path.abspath(filename))
     for text in overrides:
         parts, value = parse_override(text)

@@ -96,15 +96,8 @@ def _quantities(key, v):
 
 def load_study(filename: str, overrides=()) -> dict:
     """Read and check a study file (the [study] and an optional [output] table)."""
-    import tomllib
-    from .config import apply_override, parse_override
-    try:
-        with open(filename, "rb") as f:
-            raw = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError("", f"{filename}: no such study file") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError("", f"{filename}: not valid TOML ({e})") from None
+    from .config import apply_override, parse_override, read_toml
+    raw = read_toml(filename, "study file")
     base = os.path.dirname(os.path.abspath(filename))
     for text in overrides:
         apply_override(raw, *parse_override(text), os.getcwd(), base)

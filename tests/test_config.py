@@ -91,6 +91,9 @@ def test_overrides(tmp_path):
     ("ntk.tol=2", "ntk.tol", "<= 1"),
     ("prompts[0].target={kind='points',path='a.csv',points=[[0.0,0.0]]}", "prompts[0].target.path", "either path"),
     ("prompts[0].target={kind='points',weights=[1.0]}", "prompts[0].target.path", "either path"),
+    ("prompts[0].name='" + "a" * 65 + "'", "prompts[0].name", "1 to 64 letters, digits"),
+    ("prompts[0].name='a/b'", "prompts[0].name", "1 to 64 letters, digits"),
+    ("attention.tape_mb=-1", "attention.tape_mb", "non-negative"),
 ])
 def test_config_errors_name_the_key(tmp_path, override, key, words):
     with pytest.raises(ConfigError) as e:
@@ -106,8 +109,15 @@ def test_too_many_heads(tmp_path):
 
 
 def test_file_errors(tmp_path):
+    from pdeformer.converge import load_study
     with pytest.raises(ConfigError, match="no such config file"):
         load_config(str(tmp_path / "missing.toml"))
+    with pytest.raises(ConfigError, match="is a folder, not a config file"):
+        load_config(str(tmp_path))
+    with pytest.raises(ConfigError, match="is a folder, not a study file"):
+        load_study(str(tmp_path))
+    with pytest.raises(ConfigError, match="no such study file"):
+        load_study(str(tmp_path / "missing.toml"))
     bad = write_config(tmp_path, "[mesh\n", "bad.toml")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(bad)
