@@ -15,6 +15,7 @@ job ends. Anything unexpected prints its traceback and aborts the whole MPI job.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -97,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
             c.add_argument("--restart", action="store_true",
                            help="continue from the last checkpoint in output.dir (also after "
                                 "train.steps was raised)")
-            c.add_argument("--walltime", metavar="HH:MM:SS", type=_duration,
+            c.add_argument("--walltime", metavar="[D-]HH:MM:SS", type=_duration,
                            help="stop (with a checkpoint) before a step that would end past "
                                 "this time; continue later with --restart")
 
@@ -111,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--set", dest="overrides", metavar="study.KEY=VALUE", nargs="+",
                    action="extend", default=[], help="override study values")
     c.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
-    c.add_argument("--walltime", metavar="HH:MM:SS", type=_duration,
+    c.add_argument("--walltime", metavar="[D-]HH:MM:SS", type=_duration,
                    help="stop before a case that would end past this time (partial table)")
 
     sub.add_parser("info", help="versions of pdeformer and its numerical stack",
@@ -128,14 +129,18 @@ def _prompt_groups_option(parser) -> None:
 
 
 def _duration(text: str) -> float:
-    """'HH:MM:SS', 'MM:SS' or seconds -> seconds."""
+    """'D-HH:MM:SS' (SLURM's form for a day or more), 'HH:MM:SS', 'MM:SS' or seconds ->
+    seconds; finite, not negative."""
     try:
-        parts = [float(p) for p in text.split(":")]
-        if len(parts) > 3 or any(p < 0 for p in parts):
+        days, _, clock = text.rpartition("-") if "-" in text.lstrip("-") else ("", "", text)
+        parts = [float(p) for p in clock.split(":")]
+        day = float(days) if days else 0.0
+        if len(parts) > 3 or any(not (math.isfinite(p) and p >= 0) for p in parts + [day]) \
+                or (days and (len(parts) != 3 or not day.is_integer())):
             raise ValueError
-        return sum(p * 60**i for i, p in enumerate(reversed(parts)))
+        return day * 86400 + sum(p * 60**i for i, p in enumerate(reversed(parts)))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected HH:MM:SS or seconds, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected [D-]HH:MM:SS or seconds, got {text!r}") from None
 
 
 def _config_and_overrides(args) -> tuple[str, list[str]]:

@@ -24,10 +24,10 @@ out=${SCRATCH:-runs/output}/pdeformer/${SLURM_JOB_ID:-local}
 # the walltime guard stops 5 minutes before the job's limit (train and converge)
 guard=()
 if [[ "$command" == train || "$command" == converge ]]; then
-  limit=$(squeue -h -j "${SLURM_JOB_ID:-0}" -o %L 2>/dev/null || true)   # [D-]HH:MM:SS left
-  if [[ -n "$limit" && "$limit" != *-* ]]; then
-    IFS=: read -r h m s <<<"$(printf '%s' "$limit" | awk -F: '{ if (NF==2) print "0:"$0; else print $0 }')"
-    left=$(( 10#$h * 3600 + 10#$m * 60 + 10#$s - 300 ))
+  limit=$(squeue -h -j "${SLURM_JOB_ID:-0}" -o %L 2>/dev/null || true)   # [D-][HH:]MM:SS left
+  if [[ "$limit" =~ ^(([0-9]+)-)?(([0-9]+):)?([0-9]+):([0-9]+)$ ]]; then
+    d=${BASH_REMATCH[2]:-0} h=${BASH_REMATCH[4]:-0} m=${BASH_REMATCH[5]} s=${BASH_REMATCH[6]}
+    left=$(( 10#$d * 86400 + 10#$h * 3600 + 10#$m * 60 + 10#$s - 300 ))
     (( left > 0 )) && guard=(--walltime "$left")
   fi
 fi

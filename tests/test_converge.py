@@ -86,6 +86,35 @@ def test_study_errors(tmp_path, override, message):
     check_one_line_error(proc, message)
 
 
+def test_walltime_formats():
+    """--walltime takes seconds, MM:SS, HH:MM:SS and SLURM's D-HH:MM:SS; NaN, infinity,
+    negative values and malformed days are refused (NaN used to turn the guard off)."""
+    import argparse
+    from pdeformer.cli import _duration
+    assert [_duration(t) for t in ("90", "0.5", "03:04", "02:03:04", "1-02:03:04")] == \
+        [90.0, 0.5, 184.0, 7384.0, 93784.0]
+    for text in ("nan", "inf", "-5", "1:nan", "1-02:03", "1.5-00:00:00", "1:2:3:4", "a"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected \\[D-\\]HH:MM:SS"):
+            _duration(text)
+
+
+def test_slurm_template_reads_limits_of_a_day_or_more(tmp_path):
+    """runs/slurm.sh turns squeue's time left ([D-][HH:]MM:SS) into --walltime, 5 minutes
+    short (a fake squeue and srun on PATH)."""
+    import stat
+    import subprocess
+    for name, body in (("squeue", 'echo "$LIMIT"'), ("srun", 'echo "$@"')):
+        f = tmp_path / name
+        f.write_text("#!/bin/bash\n" + body + "\n")
+        f.chmod(f.stat().st_mode | stat.S_IEXEC)
+    for limit, expected in (("1-02:03:04", "--walltime 93484"), ("02:03:04", "--walltime 7084"),
+                            ("10:00", "--walltime 300"), ("UNLIMITED", None), ("04:00", None)):
+        env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}", LIMIT=limit, SLURM_JOB_ID="7")
+        out = subprocess.run(["bash", os.path.join(ROOT, "runs", "slurm.sh"), "train", "x.toml"],
+                             capture_output=True, text=True, env=env, cwd=ROOT, check=True).stdout
+        assert (expected in out) if expected else "--walltime" not in out, (limit, out)
+
+
 def test_walltime_guard_stops_training_with_a_checkpoint(tmp_path):
     from test_train import CONFIG, history
     cfg = write_config(tmp_path, CONFIG)
