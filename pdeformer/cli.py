@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 
 from . import __version__
@@ -132,13 +133,13 @@ def _duration(text: str) -> float:
     """'D-HH:MM:SS' (SLURM's form for a day or more), 'HH:MM:SS', 'MM:SS' or seconds ->
     seconds; finite, not negative."""
     try:
-        days, _, clock = text.rpartition("-") if "-" in text.lstrip("-") else ("", "", text)
+        days = re.fullmatch(r"(\d+)-(.*)", text)
+        clock = days[2] if days else text
         parts = [float(p) for p in clock.split(":")]
-        day = float(days) if days else 0.0
-        if len(parts) > 3 or any(not (math.isfinite(p) and p >= 0) for p in parts + [day]) \
-                or (days and (len(parts) != 3 or not day.is_integer())):
+        if len(parts) > 3 or (days and len(parts) != 3) \
+                or not all(math.isfinite(p) and p >= 0 for p in parts):
             raise ValueError
-        return day * 86400 + sum(p * 60**i for i, p in enumerate(reversed(parts)))
+        return (int(days[1]) * 86400 if days else 0) + sum(p * 60**i for i, p in enumerate(reversed(parts)))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected [D-]HH:MM:SS or seconds, got {text!r}") from None
 

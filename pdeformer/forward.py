@@ -183,7 +183,6 @@ class ForwardSolver:
         self.stats = {"steps": 0, "velocity_evaluations": 0}
         self.current_prompt = None   # the prompt being solved (it keys the laplace plans)
         self.evaluations = 0         # velocity evaluations of it so far (frozen plans)
-        self.last_sum = None         # how the last velocity was summed (TableSum or plan)
         self._tape_room = 0          # bytes of tables the current tape may still keep
         for i, (name, prompt) in enumerate(problem.prompts):
             if prompt.kind == "points":
@@ -243,8 +242,6 @@ class ForwardSolver:
                                       key=(self.current_prompt, layer),
                                       step=(self.current_prompt, self.evaluations))
             self.evaluations += 1
-        vf = self.velocity_field
-        self.last_sum = vf.last_sum if vf.last_sum is not None else vf.last_plan
         self.stats["velocity_evaluations"] += 1
         finite = self.velocity_field.last_finite       # agreed already, or None: not yet known
         if finite is None:
@@ -290,7 +287,7 @@ class ForwardSolver:
                 try:
                     with located(f"prompt {name!r}, layer {at}, t = {t:.6g}"):
                         vel = self.velocity(state[0], at)
-                    cache = (state, at, vel, self.last_sum)
+                    cache = (state, at, vel, self.velocity_field.last_sum)
                 except SolverBreakdown as e:  # still record the density, then stop
                     failure = e
             frame = Frame(name, index, t, layer, boundary, march["steps"], march["dt"],
@@ -317,7 +314,7 @@ class ForwardSolver:
                             self.transport.set_velocity(vel0)
                         else:
                             vel0 = self.velocity(state[0], layer)
-                            plan0 = self.last_sum
+                            plan0 = self.velocity_field.last_sum
                         dt_cfl, vmax = self.transport.cfl_step(self.disc["cfl"] * self.scheme.cfl_factor)
                         if n_frame is None and self.freeze_steps:  # uniform steps, count frozen now
                             n_frame = self._cfl_steps(t_end - t, dt_cfl, vmax, layer_steps)
@@ -387,7 +384,7 @@ class ForwardSolver:
 
         def rhs(Y, j):
             if j > 0:
-                vel, plan = self.velocity(Y[0], layer), self.last_sum
+                vel, plan = self.velocity(Y[0], layer), self.velocity_field.last_sum
             else:
                 vel, plan = first
                 tr.set_velocity(vel)

@@ -630,7 +630,8 @@ class LaplaceTable(HeadSums):
         partitioned: Y = W E_1^T over the blocks of W that are not zero (rows of panel
         nodes by columns its sources touch, ``tile.row_cols``), the Y of all ranks summed
         onto each rank's share of the rows (one Reduce_scatter), then its rows' part
-        E_0[:, share] Y[share] of the table. Collective: every rank calls it for a tile
+        E_0[:, share] Y[share] of the table (axes named for ``lead`` = 0; for 1 the
+        same on the transposed W). Collective: every rank calls it for a tile
         built through panels, with W None where it has no sources there."""
         n, ncols = self.n, self.ncols
         if self.d == 1:
@@ -650,8 +651,9 @@ class LaplaceTable(HeadSums):
 
     def _gathered(self, tile, E, E0, grids: list):
         """G_i = E_1^T X_i E_2 on this rank's panel nodes (ngrids, window), the transpose
-        of :meth:`_through` and divided the same way: Z_i = E_1^T X_i on each rank's share
-        of the tile's axis-0 nodes, all of them gathered (one Allgatherv), then Z E_2 on
+        of :meth:`_through` and divided the same way (in the tile's ``lead`` orientation):
+        Z_i = E_1^T X_i on each rank's share of the lead axis's nodes, all of them gathered
+        (one Allgatherv), then Z E_2 on
         the blocks this rank's sources touch (the rest of G stays zero: no source reads
         it). Collective; None where this rank has no sources in the tile."""
         n, ni, lead = self.n, len(grids), tile.lead

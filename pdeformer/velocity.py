@@ -66,8 +66,7 @@ class AttentionVelocity:
         self.planner = TablePlanner(comm, self.tol)
         self._gathered = None  # (points object, all points, slice of this rank)
         self._limits = {}      # key -> (A, points, targets, n_max): the auto cost model
-        self.last_plan = None   # how the last velocity was summed: None (direct) or a TablePlan
-        self.last_sum = None    # its TableSum (None: direct summation)
+        self.last_sum = None    # how the last velocity was summed: None (direct) or a TableSum
         self.last_finite = None  # whether it is finite on every rank, where already agreed
         # frozen plans (gradients): each evaluation's plan kept by its step and replayed
         # when that step comes again, so forward passes of a gradient evaluation and its
@@ -77,6 +76,11 @@ class AttentionVelocity:
         self.stats = {"direct": 0, "laplace": 0, "largest_estimate": 0.0, "largest_grid": 0,
                       **self.planner.stats}
         self.planner.stats = self.stats   # table searches, plans reused, plans grown
+
+    @property
+    def last_plan(self):
+        """The plan of the last velocity (None: direct summation)."""
+        return None if self.last_sum is None else self.last_sum.plan
 
     @classmethod
     def on_space(cls, W, heads: HeadMeasure, attention: dict | None = None, comm=None):
@@ -170,14 +174,14 @@ class AttentionVelocity:
                 self.frozen[step] = None if found is None else found[1]
         self.last_finite = self.planner.finite if found is not None and not replayed else None
         if found is None:
-            self.last_plan = self.last_sum = None
+            self.last_sum = None
             self.stats["direct"] += 1
             all_points, _ = self._all_points(points)
             sources = Sources.from_arrays(all_points, allgather_rows(self.comm, weights))
             return attention_velocity(x, sources, A, V, chunk_mb=self.chunk_mb)
         self.stats["laplace"] += 1
-        v, self.last_plan = found
-        self.last_sum = TableSum(self.last_plan, *self.planner.built)
+        v, plan = found
+        self.last_sum = TableSum(plan, *self.planner.built)
         return v
 
     def _replayed(self, points, weights, x, A, V, plan):
