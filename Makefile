@@ -10,7 +10,7 @@ MPIRUN = mpirun $(shell mpirun --version 2>/dev/null | grep -q "Open MPI" && ech
 
 STUDIES ?= mesh degree layers heads particles
 
-.PHONY: setup run forward test test-slow verification clean help
+.PHONY: setup run forward test test-slow test-slurm verification clean help
 
 help:
 	@echo "make setup      install what is missing (Debian packages, .venv, pdeformer)"
@@ -18,6 +18,7 @@ help:
 	@echo "make forward    the forward pass of $(CONFIG) under mpirun -n $(NP)"
 	@echo "make test       the test suite (serial and mpirun -n 2 cases)"
 	@echo "make test-slow  the slow convergence studies"
+	@echo "make test-slurm runs/slurm.sh under a one-node SLURM set up here (root; not in make test)"
 	@echo "make verification  run runs/studies/*.toml and refresh docs/verification/"
 
 setup:
@@ -34,6 +35,9 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+test-slurm: setup
+	@bash .ci/test-slurm.sh
 
 verification: setup
 	@mkdir -p docs/verification
