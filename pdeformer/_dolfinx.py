@@ -64,7 +64,8 @@ def cell_dofs(V) -> np.ndarray:
     dl = V.dofmap.list
     if isinstance(dl, np.ndarray):
         return dl
-    return dl.array.reshape(-1, V.dofmap.cell_dofs(0).size)
+    # the layout's count, not cell 0's: a rank may own no cell (and have no cell 0)
+    return dl.array.reshape(-1, V.dofmap.dof_layout.num_dofs)
 
 
 def owned_node_coordinates(W) -> np.ndarray:
@@ -75,6 +76,17 @@ def owned_node_coordinates(W) -> np.ndarray:
     f.interpolate(lambda x: x[0] if d == 1 else x[:d])
     n = W.dofmap.index_map.size_local * W.dofmap.index_map_bs
     return f.x.array[:n].reshape(-1, d).copy()
+
+
+def geometry_nodes(mesh) -> np.ndarray:
+    """Geometry node indices (rows of ``mesh.geometry.x``) of every local cell,
+    (num_cells, nodes_per_cell); (0, 1) on a rank with no cell."""
+    g = mesh.geometry.dofmap
+    if isinstance(g, np.ndarray):
+        return g.reshape(g.shape[0], -1)
+    if g.num_nodes == 0:
+        return np.zeros((0, 1), dtype=np.int32)
+    return g.array.reshape(g.num_nodes, -1)
 
 
 def cell_type_name(mesh) -> str:

@@ -45,7 +45,11 @@ class Gradient:
     tape_bytes: int = 0      # largest forward tape held (per rank)
 
     def norm(self) -> float:
-        return float(np.sqrt(sum(np.sum(a * a) for a in (self.dQ, self.dK, self.dV))))
+        """The Euclidean norm of (dQ, dK, dV), scaled so that huge entries do not overflow."""
+        scale = max(float(np.abs(a).max(initial=0.0)) for a in (self.dQ, self.dK, self.dV))
+        if not 0 < scale < np.inf:
+            return scale
+        return scale * float(np.sqrt(sum(np.sum((a / scale) ** 2) for a in (self.dQ, self.dK, self.dV))))
 
     @classmethod
     def of_heads(cls, heads, risks: list, dA: np.ndarray, dV: np.ndarray,
@@ -54,6 +58,32 @@ class Gradient:
         dQ = np.einsum("lhki,lhij->lhkj", heads.K, dA)
         dK = np.einsum("lhki,lhji->lhkj", heads.Q, dA)
         return cls(float(np.mean(risks)), risks, dQ, dK, dV, tape_bytes)
+
+
+HUGE_COSTATE = 1e150   # an adjoint starting this large overflows from its own size
+
+
+def adjoint_cause(start: float, objective) -> str:
+    """Why an adjoint sweep overflowed, from the size ``start`` of the costate it
+    started from (the largest |dF/drho| at t = 1, over all ranks)."""
+    if start > HUGE_COSTATE:
+        knob = {"potential": "objective.weight"}.get(objective.kind, "the objective's target")
+        return (f"it starts at t = 1 from dF/drho up to {start:.3g}, the objective's own scale, "
+                f"which the sweep multiplies further: lower {knob}")
+    return (f"it starts at t = 1 from dF/drho up to {start:.3g} and grows through the layers: the "
+            "attention is too sharp (lower model.init_scale) or the steps too long")
+
+
+def check_on_mesh(objective, comm, mesh) -> None:
+    """Bad input that needs the mesh: an mmd bandwidth degenerate on its scale
+    (:func:`pdeformer.objectives.check_bandwidth`; built-in boxes are checked with the
+    configuration already). Collective over ``comm``."""
+    if getattr(objective, "kind", None) != "mmd":
+        return
+    from .mesh import bounding_box, shortest_edge
+    from .objectives import check_bandwidth
+    lo, hi = bounding_box(comm, mesh)
+    check_bandwidth(objective.bandwidth, float(np.linalg.norm(hi - lo)), shortest_edge(comm, mesh))
 
 
 class AdjointSolver:
@@ -65,10 +95,12 @@ class AdjointSolver:
         self.targets = targets
         tr = forward.transport
         degree = quadrature_degree or default_quadrature_degree(objective.kind, tr.degree)
+        check_on_mesh(objective, forward.comm, tr.mesh)
         self.rule = CellQuadrature(tr.mesh, degree, tr.u)
         if forward.disc["steps_per_layer"] is None:
             forward.freeze_steps = True
         forward.velocity_field.freeze = True
+        self.start = 0.0   # the largest |dF/drho| at t = 1 of the prompt being swept (all ranks)
 
     # ------------------------------------------------------------ risk
     def objective_at(self, index: int, coeffs: np.ndarray) -> tuple[float, np.ndarray]:
@@ -78,6 +110,10 @@ class AdjointSolver:
         F, dF = self.objective.value_and_gradient(self.rule.points, self.rule.measure,
                                                   self.rule.values(), self.targets[index],
                                                   tr.comm)
+        if not np.isfinite(F):    # F is all-reduced: the same on every rank
+            raise SolverBreakdown(f"the objective {self.objective.kind!r} of prompt "
+                                  f"{self.forward.problem.prompts[index][0]!r} at t = 1 is {F}")
+        self._dF = dF / np.where(self.rule.measure > 0, self.rule.measure, 1.0)   # dF/drho
         return F, self.rule.transpose(dF, tr.cell_dofs, tr.n_owned)
 
     def risk(self) -> tuple[float, list[float]]:
@@ -121,6 +157,7 @@ class AdjointSolver:
                                                  for _, _, st in tape for Y, v, p in st))
                 F, lam = self.objective_at(s, coeffs)
                 local[s] = F
+                self.start = fw.comm.allreduce(float(np.abs(self._dF).max(initial=0.0)), op=MPI.MAX)
                 name = fw.problem.prompts[s][0]
                 for layer, dt, stages in reversed(tape):
                     with located(f"adjoint of prompt {name!r}, layer {layer}"):
@@ -140,13 +177,14 @@ class AdjointSolver:
         tr = fw.transport
         tr.set_state(Y)
         tr.set_velocity(vel)
-        with fw.timer.phase("adjoint transport"):
+        # an overflow is found and reported (one line) just below, without numpy's warnings
+        with fw.timer.phase("adjoint transport"), np.errstate(over="ignore", invalid="ignore"):
             Ybar, vbar = tr.rate_vjp(Lbar)
-        with fw.timer.phase("adjoint velocity"):
+        with fw.timer.phase("adjoint velocity"), np.errstate(over="ignore", invalid="ignore"):
             ct = fw.velocity_field.vjp(tr.sources.points, tr.sources.weights(), layer, vbar, plan)
         wbar = ct.weights
         if any_rank(tr.comm, not (np.all(np.isfinite(wbar)) and np.all(np.isfinite(Ybar)))):
-            raise SolverBreakdown("the adjoint is NaN or overflows (attention too sharp?)")
+            raise SolverBreakdown(f"the adjoint is NaN or overflows: {adjoint_cause(self.start, self.objective)}")
         dA[layer] += ct.A
         dV[layer] += ct.V
         return Ybar + tr.sources.transpose(wbar * tr.sources.measure, tr.cell_dofs, tr.n_owned)

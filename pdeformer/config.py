@@ -47,7 +47,10 @@ def integer(lo: int | None = None, hi: int | None = None) -> Callable:
     return check
 
 
-def number(positive: bool = False, nonnegative: bool = False, hi: float | None = None) -> Callable:
+def number(positive: bool = False, nonnegative: bool = False, hi: float | None = None,
+           lo: float | None = None, why: str = "") -> Callable:
+    """A finite number (optionally positive, nonnegative, in [lo, hi]); ``why`` is added
+    to a range error."""
     def check(key, v):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ConfigError(key, f"expected a number, got {_typename(v)} ({v!r})")
@@ -61,8 +64,9 @@ def number(positive: bool = False, nonnegative: bool = False, hi: float | None =
             raise ConfigError(key, f"expected a positive number, got {v}")
         if nonnegative and v < 0:
             raise ConfigError(key, f"expected a non-negative number, got {v}")
-        if hi is not None and v > hi:
-            raise ConfigError(key, f"expected a number <= {hi:g}, got {v:g}")
+        if lo is not None and v < lo or hi is not None and v > hi:
+            rng = f">= {lo:g}" if hi is None else f"<= {hi:g}" if lo is None else f"in [{lo:g}, {hi:g}]"
+            raise ConfigError(key, f"expected a number {rng}, got {v:g}{why}")
         return v
     return check
 
@@ -156,6 +160,17 @@ class Key:
     doc: str = ""
 
 
+# The smallest attention.tol: a laplace table's values carry the rounding of its panel
+# sums, amplified by the variation e^{2 beta} = e^6 of e^{b y} over a panel: up to
+# 400 x 2^-52 = 9e-14 of their size (pdeformer.laplace.PANEL_ROUNDING), which its error
+# estimate (the Chebyshev coefficients' tail) does not see. A smaller tol cannot be
+# certified; asked for one, 'laplace' stopped with status 3 after tables up to n = 1025
+# (estimates bottom out at 1e-14..5e-10 there: the tail of round-off coefficients) and
+# 'auto' searched in vain at every evaluation. Exact sums are attention.backend = "direct".
+TOL_MIN = 1e-13
+TOL_WHY = (" (a laplace table's values carry rounding of about 1e-13 of their size, so no "
+           "smaller error can be certified; for exact sums set attention.backend = 'direct')")
+
 CELLS = {1: ("interval",), 2: ("triangle", "quadrilateral"), 3: ("tetrahedron", "hexahedron")}
 SCHEMES = ("auto", "euler", "ssprk2", "ssprk3", "ssprk104")
 OBJECTIVES = ("potential", "moments", "l2", "mmd")
@@ -184,7 +199,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "prompt_quadrature_degree": Key(integer(1, 20), None,
                                         "quadrature projecting prompts (default: 2*degree + 4)"),
         "tail_tolerance": Key(number(nonnegative=True), 1e-6,
-                              "warn when more prompt mass than this lies outside the mesh"),
+                              "warn when more prompt mass than this lies outside the mesh "
+                              "(cut off at t = 0, or flowed out later)"),
     },
     "model": {
         "layers": Key(integer(1, 10**5), None, "number of layers L"),
@@ -201,7 +217,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
     "attention": {
         "backend": Key(string(("direct", "laplace", "auto")), "auto",
                        "direct summation, a log-Laplace table (d <= 2), or auto"),
-        "tol": Key(number(positive=True, hi=1e-1), 1e-8, "accuracy of the laplace table (relative)"),
+        "tol": Key(number(positive=True, lo=TOL_MIN, hi=1e-1, why=TOL_WHY), 1e-8,
+                   "accuracy of the laplace table (relative to its values' size)"),
         "chunk_mb": Key(number(positive=True, hi=4096), 2.0, "working memory of one kernel chunk (MB)"),
         "tape_mb": Key(number(nonnegative=True, hi=1e7), 256.0,
                        "laplace tables a gradient keeps per rank and prompt for its adjoint (MB); "
@@ -212,7 +229,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "fields": Key(boolean, True, "write density (and velocity) fields for ParaView"),
         "velocity": Key(boolean, True, "also write the velocity fields"),
         "format": Key(string(("vtk", "vtx")), "vtk", "field format: vtk (.pvd) or vtx (.bp, dolfinx with ADIOS2)"),
-        "frames_per_layer": Key(integer(1, 10**4), 1, "field frames per layer"),
+        "frames_per_layer": Key(integer(1, 10**4), 1, "field and diagnostics frames per layer"),
+        "max_memory_gb": Key(number(positive=True), None,
+                             "refuse runs whose memory estimate for the ranks of a node exceeds "
+                             "this (default: the node's available memory)"),
     },
     "objective": {
         "kind": Key(string(OBJECTIVES), None, "risk per prompt: potential, moments, l2 or mmd"),
@@ -389,7 +409,7 @@ def check_config(raw: dict, base_dir: str, stem: str = "run") -> dict:
 
     _check_mesh(cfg["mesh"])
     _check_model(cfg["model"])
-    _check_objective(cfg["objective"], cfg["prompts"])
+    _check_objective(cfg["objective"], cfg["prompts"], cfg["mesh"])
     disc = cfg["discretisation"]
     k = disc["degree"]
     if disc["velocity_degree"] is None:
@@ -442,7 +462,7 @@ NEEDS = {"moments": ("moments",), "l2": ("gaussian_mixture", "uniform", "file"),
          "mmd": ("gaussian_mixture", "uniform", "file", "points")}
 
 
-def _check_objective(obj: dict, prompts: list) -> None:
+def _check_objective(obj: dict, prompts: list, mesh: dict) -> None:
     kind = obj["kind"]
     if kind is None:
         extra = [k for k in obj if obj[k] != SCHEMA["objective"][k].default and k != "kind"]
@@ -451,6 +471,13 @@ def _check_objective(obj: dict, prompts: list) -> None:
         return
     if kind == "mmd" and obj["bandwidth"] is None:
         raise ConfigError("objective.bandwidth", "missing (needed by kind = 'mmd')")
+    if kind == "mmd":
+        from .objectives import check_bandwidth
+        check_bandwidth(obj["bandwidth"])
+        if mesh["file"] is None:      # a built-in box: its size and cells are known now
+            lo, hi = mesh["lower"], mesh["upper"]
+            check_bandwidth(obj["bandwidth"], math.dist(lo, hi),
+                            min((b - a) / n for a, b, n in zip(lo, hi, mesh["cells"])))
     if kind == "potential" and obj["potential"] == "linear" and obj["direction"] is None:
         raise ConfigError("objective.direction", "missing (needed by potential = 'linear')")
     if kind not in NEEDS:

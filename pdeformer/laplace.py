@@ -1345,6 +1345,59 @@ SHRINK_STEPS = 2      # a plan's size shrinks when its decay predicts a size thi
                       # steps of SIZES smaller (hysteresis against growing back)
 
 
+FINE_SAMPLE_FACTOR = 2.5   # a fine grid's sampled error saw 0.4-0.8 of its largest over the
+                           # b where it is used (fine_grid): 1/0.4 bounds the largest
+PANEL_ROUNDING = math.exp(2 * PANEL_BETA) * 2.0**-52   # rounding of the panel sums, amplified
+                           # by the variation e^{2 beta} of e^{b y} over a panel
+
+
+def velocity_bound(table: "LaplaceTable", a: Assessment, V: np.ndarray, vmax: float,
+                   kappa: float | None = None, M: float | None = None) -> float:
+    """A bound on max_i |v_i - v_exact_i| / max_i |v_exact_i| for a velocity through
+    ``table`` (its errors ``a``), heads' values V (H, d, d), vmax = max_i |v_i| over all
+    ranks' targets; for signed weights kappa = max 1/|zeta| and M = max |m| at the targets.
+
+    The error of m at any b of the box, absolutely: the table's coefficient-tail estimate
+    plus FINE_SAMPLE_FACTOR times the fine grid's sampled error (both relative to the
+    values' largest size s), plus the panel sums' error, relative per source term
+    (the panels' eps and PANEL_ROUNDING): for m = sum w e^{by} y / sum w e^{by} that is at most
+    (eps + rounding) x the sources' diameter. Signed weights: the errors of mu and zeta
+    (their panel parts relative to N, so eps x max|y| and eps) through m = mu / zeta,
+    (e_mu + M e_zeta) / (min |zeta| - e_zeta). Then |dv_i| <= (1/H) sum_h |V_h|_2 |dm| and
+    max |v_exact| >= vmax - that. Pairs summed exactly (signed) only lower the error."""
+    fine = a.fine if a.fine is not None else [0.0] * len(a.estimates)
+    rel = [est + FINE_SAMPLE_FACTOR * f for est, f in zip(a.estimates, fine)]
+    scales = table.group_scales()
+    tiles = [t for t in table.layout.tiles if t.count]
+    lo = np.min([t.lo for t in tiles], axis=0) if tiles else np.zeros(table.d)
+    hi = np.max([t.hi for t in tiles], axis=0) if tiles else np.zeros(table.d)
+    panel = table.layout.eps + PANEL_ROUNDING
+    if not table.signed:
+        err = rel[0] * scales[0] + panel * float(np.linalg.norm(hi - lo))
+    elif not kappa > 0:      # every pair left out of the table (summed exactly)
+        err = 0.0
+    else:
+        e_mu = rel[0] * scales[0] + panel * float(np.linalg.norm(np.maximum(np.abs(lo), np.abs(hi))))
+        e_zeta = rel[1] * scales[1] + panel
+        floor = 1.0 / kappa - e_zeta
+        err = (e_mu + M * e_zeta) / floor if floor > 0 else math.inf
+    dv = float(np.mean(np.linalg.norm(V, ord=2, axis=(1, 2)))) * err
+    if dv == 0.0:
+        return 0.0
+    if not vmax > dv:        # the velocity could be all error
+        return math.inf
+    return dv / (vmax - dv)
+
+
+def _vmax(v: np.ndarray) -> float:
+    """max_i |v_i| of this rank's targets (0 without any; infinite where v is not finite,
+    which the caller reports as a breakdown)."""
+    if len(v) == 0:
+        return 0.0
+    n = np.sqrt(np.einsum("ni,ni->n", v, v))
+    return float(n.max()) if np.all(np.isfinite(n)) else math.inf
+
+
 class TablePlanner:
     """The laplace tables of one velocity field. Per key (a prompt's layer) the last
     :class:`TablePlan` is kept; the next evaluation builds its table on the same box, at
@@ -1426,8 +1479,10 @@ class TablePlanner:
         return table, (table if plan.nf is None else FineGrid(table, plan.nf, lib))
 
     def velocity(self, points, weights, x, A, V, key, n_max: int, signed: bool | None = None):
-        """(v, plan, estimate) at this rank's targets x for heads A, V, or None where no
-        table up to n_max meets tol (the estimate then in :attr:`last_estimate`);
+        """(v, plan, bound) at this rank's targets x for heads A, V, with ``bound`` the
+        bound on v's error relative to its largest value (:func:`velocity_bound`), or None
+        where no table up to n_max meets tol (the table's estimate then in
+        :attr:`last_estimate`);
         FloatingPointError where no table can be built (too sharp, not finite). Signed
         weights: the conditioned bound (:meth:`conditioned`) must meet tol; if it does not,
         the key's sizes aim lower by its excess and the table is searched again.
@@ -1456,7 +1511,7 @@ class TablePlanner:
             table, interp, a, plan = found
             v = interp.velocity(x, A, V)
             if table.signed:
-                stats = np.array([*interp.conditioning, float(len(interp.skipped) > 0)])
+                stats = np.array([*interp.conditioning, float(len(interp.skipped) > 0), _vmax(v)])
                 self.comm.Allreduce(MPI.IN_PLACE, stats, op=MPI.MAX)
                 est = self.conditioned(table, a, *stats[:2])
             else:
@@ -1464,10 +1519,14 @@ class TablePlanner:
             target = self.targets.get(key, initial)
             if est <= self.tol:
                 self._relax(key, table, est, target, initial)
+                cond = stats[:2] if table.signed else ()
                 if table.signed and stats[2]:     # pairs left out: summed exactly
                     v = v + exact_pair_velocity(points, weights, x, A, V, interp.skipped, self.comm)
+                    vmax = None
+                else:
+                    vmax = stats[3] if table.signed else None
                 self.built = (table, interp)
-                return v, plan, est
+                return v, plan, self._bound(table, a, v, V, vmax, *cond)
             if not np.isfinite(est):
                 break
             self.targets[key] = target * self.tol / est / 2
@@ -1501,7 +1560,7 @@ class TablePlanner:
         uses = self._uses[key] = self._uses.get(key, 0) + 1
         checked = fine is not None and (uses % FINE_CHECK_EVERY == 0 or key not in self._fine)
         v = interp.velocity(x, A, V)
-        extra = [0.0 if np.all(np.isfinite(v)) else 1.0]
+        extra = [0.0 if np.all(np.isfinite(v)) else 1.0, _vmax(v)]
         if plan.signed:
             extra += [*interp.conditioning, float(len(interp.skipped) > 0)]
         a = table.assessment = assess(table, fine if checked else None,
@@ -1513,16 +1572,25 @@ class TablePlanner:
         self.finite = not a.extra[0]
         if a.estimate > target or a.fine_error > target / 4:
             return None
-        est = self.conditioned(table, a, *a.extra[1:3]) if plan.signed else a.estimate
+        cond = a.extra[2:4] if plan.signed else ()
+        est = self.conditioned(table, a, *cond) if plan.signed else a.estimate
         if not est <= self.tol:
             return None
-        if plan.signed and a.extra[3]:          # pairs left out: summed exactly
+        vmax = a.extra[1]
+        if plan.signed and a.extra[4]:          # pairs left out: summed exactly
             v = v + exact_pair_velocity(points, weights, x, A, V, interp.skipped, self.comm)
-            self.finite = None
+            self.finite, vmax = None, None
         self.stats["reused"] += 1
         self._relax(key, table, est, target, initial)
         self.built = (table, interp)
-        return v, self._keep(key, table, interp, a, target), est
+        return v, self._keep(key, table, interp, a, target), self._bound(table, a, v, V, vmax, *cond)
+
+    def _bound(self, table, a: Assessment, v, V, vmax=None, kappa=None, M=None) -> float:
+        """:func:`velocity_bound` of this velocity; ``vmax`` (its largest |v_i| over all
+        ranks) where already reduced, else one Allreduce here."""
+        if vmax is None:
+            vmax = self.comm.allreduce(_vmax(v), op=MPI.MAX)
+        return velocity_bound(table, a, V, vmax, kappa, M)
 
     def _relax(self, key, table, est, target, initial) -> None:
         """A lowered target (signed weights) rises again where the bound is far below tol."""

@@ -9,7 +9,10 @@ same dimension (a 2-D mesh stored with XY coordinates).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import re
 import xml.etree.ElementTree as ET
 
 import numpy as np
@@ -40,9 +43,85 @@ def box_mesh(comm, lower, upper, cells, cell: str):
                                    cell_type=CELL_TYPES[cell])
 
 
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def _is_hdf5(path: str) -> bool:
+    """Whether the file has an HDF5 superblock signature (at 0, 512, 1024, 2048, ...)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        offset = 0
+        while offset + len(HDF5_SIGNATURE) <= size:
+            f.seek(offset)
+            if f.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE:
+                return True
+            offset = 512 if offset == 0 else 2 * offset
+    return False
+
+
+def check_hdf5(key: str, h5path: str, datasets: list) -> None:
+    """The HDF5 file dolfinx will read: an HDF5 file holding ``datasets`` [(path, shape
+    the XDMF gives)], probed with h5py where it is installed (which reports errors as
+    exceptions, never on stderr), by its signature otherwise."""
+    if not _is_hdf5(h5path):
+        raise InputError(f"{key}: {h5path}: not an HDF5 file")
+    try:
+        import h5py
+    except ImportError:
+        return
+    try:
+        with h5py.File(h5path, "r") as f:
+            for path, shape in datasets:
+                node = f.get(path)
+                if not isinstance(node, h5py.Dataset):
+                    raise InputError(f"{key}: {h5path}: no dataset {path} (the XDMF file names it)")
+                if shape is not None and tuple(node.shape) != shape:
+                    raise InputError(f"{key}: {h5path}: dataset {path} has shape {tuple(node.shape)}, "
+                                     f"the XDMF file says {shape}")
+                if node.dtype.kind not in "iuf":
+                    raise InputError(f"{key}: {h5path}: dataset {path} holds {node.dtype}, not numbers")
+    except InputError:
+        raise
+    except Exception as e:   # truncated or damaged files fail in h5py in many ways
+        raise InputError(f"{key}: {h5path}: cannot read it as HDF5 ({type(e).__name__}: {e})") from None
+
+
+@contextlib.contextmanager
+def hdf5_quiet():
+    """Keep the HDF5 libraries loaded in this process from printing their error stack
+    ("HDF5-DIAG: Error detected ...") while inside: dolfinx turns their failures into
+    exceptions, which pdeformer reports in one line. The HDF5 dolfinx links (e.g.
+    Debian's libhdf5_openmpi) need not be h5py's, so every one mapped is silenced
+    (H5Eset_auto2(H5E_DEFAULT, NULL, NULL)) and restored after; nothing where they
+    cannot be found (not Linux)."""
+    saved = []
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted(set(re.findall(r"(/\S*/libhdf5(?:_[a-z]+)?\.so[.\d]*)$", f.read(), re.M)))
+    except OSError:
+        paths = []
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0) | os.RTLD_LAZY)
+            get, put = lib.H5Eget_auto2, lib.H5Eset_auto2
+        except (OSError, AttributeError):
+            continue
+        get.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p)]
+        put.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+        func, data = ctypes.c_void_p(), ctypes.c_void_p()
+        if get(0, ctypes.byref(func), ctypes.byref(data)) >= 0 and put(0, None, None) >= 0:
+            saved.append((put, func, data))       # 0: H5E_DEFAULT, the default stack
+    try:
+        yield
+    finally:
+        for put, func, data in saved:
+            put(0, func, data)
+
+
 def check_xdmf(filename: str, name: str) -> None:
     """Check an XDMF mesh file before dolfinx reads it collectively (run on rank 0):
-    the file, the grid ``name``, its topology and geometry and their HDF5 file."""
+    the file, the grid ``name``, its topology and geometry and their HDF5 file (the one
+    dolfinx reads: the XDMF file's own name with .h5)."""
     key = "mesh.file"
     if not os.path.isfile(filename):
         raise InputError(f"{key}: {filename}: no such mesh file")
@@ -57,6 +136,8 @@ def check_xdmf(filename: str, name: str) -> None:
     grid = next((g for g in grids if g.get("Name") == name), None)
     if grid is None:
         raise InputError(f"{key}: {filename}: no grid named {name!r} (found {names}; set mesh.name)")
+    own = os.path.splitext(filename)[0] + ".h5"     # what dolfinx opens, whatever the XDMF says
+    datasets = []
     for part in ("Topology", "Geometry"):
         node = grid.find(part)
         if node is None:
@@ -65,16 +146,27 @@ def check_xdmf(filename: str, name: str) -> None:
         if item is None:
             raise InputError(f"{key}: {filename}: {part} has no DataItem")
         if item.get("Format", "XML") == "HDF":
-            h5 = (item.text or "").strip().split(":")[0]
+            h5, _, dataset = (item.text or "").strip().partition(":")
             h5path = os.path.join(os.path.dirname(filename), h5)
             if not os.path.isfile(h5path):
                 raise InputError(f"{key}: {filename}: its data file {h5path} is missing")
+            if not os.path.isfile(own) or not os.path.samefile(h5path, own):
+                raise InputError(f"{key}: {filename}: its data file is {h5}, but dolfinx reads "
+                                 f"{os.path.basename(own)} (the XDMF file's name with .h5): rename one")
+            try:
+                shape = tuple(int(n) for n in item.get("Dimensions", "").split()) or None
+            except ValueError:
+                raise InputError(f"{key}: {filename}: {part} has Dimensions "
+                                 f"{item.get('Dimensions')!r}, not integers") from None
+            datasets.append((dataset, shape))
+    if datasets:
+        check_hdf5(key, own, datasets)
 
 
 def read_mesh(comm, filename: str, name: str = "mesh"):
     on_root(comm, check_xdmf, filename, name)
     try:
-        with dolfinx.io.XDMFFile(comm, filename, "r") as f:
+        with hdf5_quiet(), dolfinx.io.XDMFFile(comm, filename, "r") as f:
             mesh = f.read_mesh(name=name)
     except RuntimeError as e:
         raise InputError(f"mesh.file: {filename}: dolfinx cannot read it ({e})") from None
@@ -96,6 +188,24 @@ def make_mesh(comm, cfg: dict):
     if tdim < 1 or tdim > 3:
         raise InputError(f"{where}: {tdim}-D meshes are not supported")
     return mesh
+
+
+def shortest_edge(comm, mesh) -> float:
+    """The shortest distance between two geometry nodes of one cell, over all ranks'
+    owned cells: for the linear simplices and boxes pdeformer meshes are made of, the
+    shortest cell edge (a box's diagonals are longer). Infinite without cells."""
+    from mpi4py import MPI
+    from ._dolfinx import geometry_nodes
+    d = mesh.topology.dim
+    owned = mesh.topology.index_map(d).size_local
+    nodes = geometry_nodes(mesh)[:owned]
+    local = np.inf
+    if len(nodes):
+        x = mesh.geometry.x[:, :d][nodes]                        # (cells, nodes, d)
+        k = x.shape[1]
+        i, j = np.triu_indices(k, 1)
+        local = float(np.sqrt(np.min(np.sum((x[:, i] - x[:, j]) ** 2, axis=2))))
+    return comm.allreduce(local, op=MPI.MIN)
 
 
 def bounding_box(comm, mesh) -> tuple[np.ndarray, np.ndarray]:

@@ -17,12 +17,49 @@ Pure numpy (plus MPI reductions): testable without dolfinx.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from mpi4py import MPI
 
+from .errors import ConfigError
 from .parallel import allgather_rows
 
 POTENTIALS = ("quadratic", "linear", "gaussian")
+
+# The mmd kernel k(x, y) = exp(-|x - y|^2 / (2 bw^2)) in double precision:
+# * bw^2 and 1/bw^2 must be finite doubles with room for squared distances: bw in
+#   [1e-150, 1e150] whatever the mesh;
+# * below 4.9e-324 exp underflows to 0, i.e. once |x - y| > sqrt(2 ln(1/4.9e-324)) bw
+#   = 38.6 bw: a bandwidth below (shortest cell edge) / 38.6 makes the kernel 0 between
+#   points one cell apart, and the MMD compares each cell with itself alone;
+# * exp(-t) differs from 1 by at most 2^-53 (one rounding unit) for t <= 2^-53, i.e. for
+#   every |x - y| <= diameter once bw >= diameter x 2^26 (6.7e7 diameters): the kernel is
+#   1 on the whole mesh, and the MMD sees the total masses alone.
+BANDWIDTH_LIMITS = (1e-150, 1e150)
+KERNEL_REACH = math.sqrt(-2 * math.log(5e-324))         # 38.6 bandwidths
+KERNEL_FLAT = 2.0**26                                   # diameters
+
+
+def check_bandwidth(bandwidth: float, diameter: float | None = None, cell: float | None = None,
+                    key: str = "objective.bandwidth") -> None:
+    """ConfigError naming ``key`` where the mmd kernel is degenerate in double precision
+    (see BANDWIDTH_LIMITS): out of [1e-150, 1e150]; with the mesh's ``diameter`` (of its
+    bounding box) and ``cell`` (shortest cell edge), 0 between points one cell apart or 1
+    across the whole mesh."""
+    lo, hi = BANDWIDTH_LIMITS
+    if not lo <= bandwidth <= hi:
+        raise ConfigError(key, f"{bandwidth:g} is out of [{lo:g}, {hi:g}]: the Gaussian kernel's "
+                               "1/bandwidth^2 must be a finite double")
+    if cell is not None and bandwidth < cell / KERNEL_REACH:
+        raise ConfigError(key, f"{bandwidth:g} is below {cell / KERNEL_REACH:.3g} = (cell size "
+                               f"{cell:.3g}) / {KERNEL_REACH:.1f}: the kernel underflows to 0 "
+                               "between points one cell apart, so the MMD would compare each "
+                               "cell with itself alone; widen it or refine the mesh")
+    if diameter is not None and bandwidth > diameter * KERNEL_FLAT:
+        raise ConfigError(key, f"{bandwidth:g} is above {diameter * KERNEL_FLAT:.3g} = 2^26 x (mesh "
+                               f"diameter {diameter:.3g}): the kernel is 1 to within one rounding unit "
+                               "across the whole mesh, so the MMD would see the total masses alone")
 
 
 def _sum(comm, local):
@@ -53,8 +90,22 @@ class Potential:
         return -self.weight * np.exp(-r2 / (2 * self.width**2))
 
     def value_and_gradient(self, points, measure, rho, target, comm):
-        dF = measure * self.U(points)
-        return float(_sum(comm, dF @ rho)), dF
+        with np.errstate(over="ignore", invalid="ignore"):   # overflow: _check names it
+            U = self.U(points)
+            dF = measure * U
+            F, bad = _sum(comm, [dF @ rho, np.count_nonzero(~np.isfinite(U))])
+        self._check(F, bad)
+        return float(F), dF
+
+    def _check(self, F: float, bad: float) -> None:
+        """ConfigError naming the setting that scales U where U (or F = int U rho) is not
+        finite (the same on every rank: both are all-reduced)."""
+        if bad == 0 and np.isfinite(F):
+            return
+        key = "objective.direction" if self.potential == "linear" else "objective.weight"
+        value = np.abs(self.direction).max() if self.potential == "linear" else abs(self.weight)
+        raise ConfigError(key, f"{value:g} is too large: the {self.potential} potential overflows "
+                               f"double precision (the risk at t = 1 is {F:g})")
 
     def grad_U(self, x: np.ndarray) -> np.ndarray:
         if self.potential == "linear":
@@ -66,7 +117,11 @@ class Potential:
 
     def particle_value_and_gradient(self, x, w, target, comm):
         """F = sum_i w_i U(x_i) and dF/dx_i for weighted tokens."""
-        return float(_sum(comm, w @ self.U(x))), w[:, None] * self.grad_U(x)
+        with np.errstate(over="ignore", invalid="ignore"):   # overflow: _check names it
+            U, dU = self.U(x), self.grad_U(x)
+            F, bad = _sum(comm, [w @ U, np.count_nonzero(~np.isfinite(U)) + np.count_nonzero(~np.isfinite(dU))])
+        self._check(F, bad)
+        return float(F), w[:, None] * dU
 
 
 class Moments:

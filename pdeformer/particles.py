@@ -78,7 +78,12 @@ class ParticleSolver:
                             for n, p in problem.prompts]
 
     def describe(self) -> str:
-        return f"{self.tokens} tokens, {self.steps_per_layer} steps/layer"
+        """The token counts that run (a point cloud is its own points, the others
+        [particles] tokens) and the steps."""
+        counts = [info["tokens"] for info in self.prompt_info]
+        tokens = f"{counts[0]} tokens" if len(set(counts)) == 1 else \
+            f"{'/'.join(map(str, counts))} tokens (per prompt)"
+        return f"{tokens}, {self.steps_per_layer} steps/layer"
 
     # ------------------------------------------------------------ tokens
     def initial_tokens(self, index: int) -> tuple[np.ndarray, np.ndarray]:
@@ -215,6 +220,8 @@ class ParticleAdjoint:
         if not hasattr(objective, "particle_value_and_gradient"):
             raise ConfigError("objective.kind", f"{objective.kind!r} needs a density; tokens support "
                               "potential, moments and mmd")
+        from .adjoint import check_on_mesh
+        check_on_mesh(objective, solver.comm, solver.problem.mesh)   # the tokens' domain
         self.solver = solver
         self.objective = objective
         self.targets = [self._prepare(t, i) for i, t in enumerate(targets)]
@@ -234,8 +241,8 @@ class ParticleAdjoint:
         with groups.combined():
             for s in groups.owned:
                 x, w = self.solver.solve_prompt(s)
-                local[s] = self.objective.particle_value_and_gradient(x, w, self.targets[s],
-                                                                      self.solver.comm)[0]
+                local[s] = self._finite(s, self.objective.particle_value_and_gradient(
+                    x, w, self.targets[s], self.solver.comm))[0]
         risks = groups.gather_prompts(local)
         return float(np.mean(risks)), risks
 
@@ -253,7 +260,8 @@ class ParticleAdjoint:
             for s in groups.owned:
                 tape = []
                 x, w = sv.solve_prompt(s, tape=tape)
-                F, lam = self.objective.particle_value_and_gradient(x, w, self.targets[s], sv.comm)
+                F, lam = self._finite(s, self.objective.particle_value_and_gradient(
+                    x, w, self.targets[s], sv.comm))
                 local[s] = F
                 for layer, dt, stages in reversed(tape):
                     lam = self._step_vjp(lam, w, layer, dt, stages, dA, dV)
@@ -261,6 +269,15 @@ class ParticleAdjoint:
         for a in (dA, dV):   # every rank's share, summed over all groups
             groups.world.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
         return Gradient.of_heads(heads, risks, dA / S, dV / S)
+
+    def _finite(self, index: int, value_gradient):
+        """(F, dF/dx) of prompt ``index``; a breakdown where F (the same on every rank)
+        is not finite."""
+        F = value_gradient[0]
+        if not np.isfinite(F):
+            raise SolverBreakdown(f"the objective {self.objective.kind!r} of prompt "
+                                  f"{self.solver.problem.prompts[index][0]!r} at t = 1 is {F}")
+        return value_gradient
 
     def _step_vjp(self, lam, w, layer, dt, stages, dA, dV):
         return ssp_step_vjp(self.solver.scheme, lam, dt,

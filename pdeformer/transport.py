@@ -114,7 +114,7 @@ class CellQuadrature:
         if self._basis is None:  # phi_i(y_q), (cells, nq, dofs per cell)
             V = self.u.function_space
             vals = dfx.evaluate(dfx.expression(ufl.TestFunction(V), self.X), self.mesh, self.cells)
-            self._basis = vals.reshape(len(self.cells), self.nq, -1)
+            self._basis = vals.reshape(len(self.cells), self.nq, cell_dofs.shape[1])  # a rank may own no cell
         out = np.zeros(n_owned)
         out[cell_dofs] = np.einsum("kq,kqi->ki", bar.reshape(len(self.cells), self.nq), self._basis)
         return out

@@ -10,7 +10,9 @@ Lagrange velocity space. Two ways to sum (``[attention] backend``):
   each rank's own sources and all-reduced, then interpolated for every head and target
   (pdeformer.laplace); accurate to ``tol``.
 * ``auto``: laplace where its error estimate meets ``tol`` and it is cheaper than direct,
-  direct otherwise (sharp attention, d = 3). Every choice is counted in :attr:`stats`.
+  direct otherwise (sharp attention, d = 3). Every choice is counted in :attr:`stats`;
+  ``stats["largest_estimate"]`` is the largest bound on a table velocity's error relative
+  to its largest value (:func:`pdeformer.laplace.velocity_bound`), over all evaluations.
 
 Either way the result depends on the partition only through summation order.
 """
@@ -140,12 +142,10 @@ class AttentionVelocity:
                 raise SolverBreakdown(f"attention backend 'laplace' cannot reach tol = {self.tol:g} "
                                       f"(estimate {est:.2g} with grids up to {N_MAX_FORCED}); use "
                                       "'auto' or 'direct', or raise attention.tol")
-            if n_max is not None:
-                self.stats["largest_estimate"] = max(self.stats["largest_estimate"],
-                                                     self.planner.last_estimate)
             return None
-        v, plan, est = found
-        self.stats["largest_estimate"] = max(self.stats["largest_estimate"], est)
+        v, plan, bound = found
+        # a bound on this velocity's error relative to its largest value (direct sums: exact)
+        self.stats["largest_estimate"] = max(self.stats["largest_estimate"], bound)
         self.stats["largest_grid"] = max(self.stats["largest_grid"], plan.n)
         return v, plan
 

@@ -423,3 +423,30 @@ def test_vtx_output(tmp_path):
         path = os.path.join(out, name)
         assert os.path.isdir(path) and os.listdir(path), name
     assert "density_blob.bp" in summary["files"]["fields"]
+
+
+# ------------------------------------------------ issue 13, items 7 and 8: bad input
+@pytest.mark.parametrize("args, expected", [
+    # passed the checks, then ZeroDivisionError in the kernel (1e200: OverflowError)
+    (["objective.kind=mmd", "objective.bandwidth=1e-300"], "objective.bandwidth: 1e-300 is out of [1e-150, 1e+150]"),
+    # no table reaches it: was exit 3 ("cannot reach tol") with backend laplace
+    (["attention.backend=laplace", "attention.tol=1e-30"], "attention.tol: expected a number in [1e-13, 0.1]"),
+    # U overflows: was "the adjoint is NaN or overflows (attention too sharp?)" (gradient)
+    # and a risk of inf, "completed" (forward, particles)
+    (["objective.kind=potential", "objective.weight=1e308"], "objective.weight: 1e+308 is too large: the "
+                                                             "quadratic potential overflows double precision"),
+])
+def test_degenerate_numbers_are_bad_input(tmp_path, args, expected):
+    cfg = write_config(tmp_path, CONFIG_2D.replace('dir = "out"', 'dir = "out"\nfields = false'))
+    proc = run_cli(["forward", cfg, "--set", *args], check=False, timeout=120)
+    check_one_line_error(proc, expected)
+    assert "Warning" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.mpi
+def test_overflowing_objective_ends_every_rank(tmp_path):
+    """The objective's overflow is found after the forward pass, on every rank at once."""
+    cfg = write_config(tmp_path, CONFIG_2D.replace('dir = "out"', 'dir = "out"\nfields = false'))
+    proc = run_cli(["forward", cfg, "--set", "objective.kind=potential", "objective.weight=1e308"],
+                   nprocs=2, check=False, timeout=120)
+    check_one_line_error(proc, "objective.weight: 1e+308 is too large")

@@ -94,6 +94,9 @@ def test_overrides(tmp_path):
     ("prompts[0].name='" + "a" * 65 + "'", "prompts[0].name", "1 to 64 letters, digits"),
     ("prompts[0].name='a/b'", "prompts[0].name", "1 to 64 letters, digits"),
     ("attention.tape_mb=-1", "attention.tape_mb", "non-negative"),
+    # issue 13, item 8: a tol no table reaches is bad input (exit 2), not a breakdown (3)
+    ("attention.tol=1e-30", "attention.tol", "in [1e-13, 0.1], got 1e-30 (a laplace table's"),
+    ("attention.tol=5e-14", "attention.tol", "attention.backend = 'direct'"),
 ])
 def test_config_errors_name_the_key(tmp_path, override, key, words):
     with pytest.raises(ConfigError) as e:
@@ -171,3 +174,68 @@ def test_params_file_errors(tmp_path):
     np.savez(f, Q=np.zeros((2, 3, 2, 2)), K=np.zeros((2, 3, 2, 2)))
     with pytest.raises(InputError, match="'V' missing"):
         HeadMeasure.load(f, 2)
+
+
+def test_tol_floor_is_the_tables_rounding():
+    """attention.tol >= TOL_MIN: a laplace table's values carry its panel sums' rounding,
+    up to PANEL_ROUNDING of their size, so no smaller error can be certified."""
+    from pdeformer.config import TOL_MIN
+    from pdeformer.laplace import PANEL_ROUNDING
+    assert PANEL_ROUNDING <= TOL_MIN < 2 * PANEL_ROUNDING
+
+
+MMD = BASE.replace("covs = [0.2]", "covs = [0.2]\ntarget = { kind = 'gaussian_mixture', means = [[0.5, 0.0]], covs = [0.3] }") \
+    + "\n[objective]\nkind = 'mmd'\nbandwidth = 0.5\n"
+
+
+@pytest.mark.parametrize("bandwidth, words", [
+    ("1e-300", "1e-300 is out of [1e-150, 1e+150]: the Gaussian kernel's 1/bandwidth^2 must be a finite double"),
+    ("1e300", "is out of [1e-150, 1e+150]"),
+    ("1e-20", "is below 0.013 = (cell size 0.5) / 38.6: the kernel underflows to 0 between points one cell apart"),
+    ("0.0129", "is below 0.013"),
+    ("4e8", "is above 3.8e+08 = 2^26 x (mesh diameter 5.66): the kernel is 1 to within one rounding unit"),
+])
+def test_mmd_bandwidth_out_of_range(tmp_path, bandwidth, words):
+    """Issue 13, item 7: an mmd bandwidth of 1e-300 passed the checks, then 1/bandwidth^2
+    raised ZeroDivisionError (1e200: OverflowError); the kernel exp(-|x-y|^2/(2 bw^2)) is
+    degenerate in double precision below cell/38.6 (0 between points a cell apart) and
+    above 2^26 x the mesh's diameter (1 everywhere). On the 8 x 8 box of [-2, 2]^2: cell
+    0.5, diameter 4 sqrt(2)."""
+    path = write_config(tmp_path, MMD)
+    with pytest.raises(ConfigError) as e:
+        load_config(path, [f"objective.bandwidth={bandwidth}"])
+    assert str(e.value).startswith("objective.bandwidth: ") and words in str(e.value), str(e.value)
+    for ok in ("0.0131", "3.7e8"):     # just inside the range
+        assert load_config(path, [f"objective.bandwidth={ok}"])["objective"]["bandwidth"] == float(ok)
+
+
+def test_mmd_bandwidth_limits_in_double_precision():
+    """The limits of check_bandwidth are where the kernel degenerates in float64."""
+    import math
+    from pdeformer.objectives import KERNEL_FLAT, KERNEL_REACH, check_bandwidth
+    bw = 0.01
+    assert math.exp(-(1.001 * KERNEL_REACH * bw) ** 2 / (2 * bw**2)) == 0.0     # one cell away
+    assert math.exp(-(0.99 * KERNEL_REACH * bw) ** 2 / (2 * bw**2)) > 0.0
+    assert 1.0 - math.exp(-1.0 / (2 * KERNEL_FLAT**2)) <= 2.0**-53           # diameter 1 apart
+    check_bandwidth(0.03, diameter=10.0, cell=1.0)                             # a mesh file's
+    with pytest.raises(ConfigError, match="^objective.bandwidth: 0.02 is below 0.0259"):
+        check_bandwidth(0.02, diameter=10.0, cell=1.0)
+
+
+def test_gaussian_too_narrow_for_the_mesh():
+    """Issue 13, item 8: a Gaussian far narrower than the cells was reported as lying
+    "outside the mesh" (its projection's quadrature misses it: mass 0.036 of 1 for
+    sigma = h/50), or ran with its mass multiplied (2.9 at h/20, DG-1 triangles). The
+    check the mesh solvers make before projecting: sigma (narrowest direction) below h/8
+    is bad input naming the component's covariance and the cell size."""
+    spec = {"kind": "gaussian_mixture", "name": "p", "weights": None, "means": [[0.0, 0.0], [1.0, 0.0]],
+            "covs": [0.2, [[1e-4, 0.0], [0.0, 0.3]]]}
+    g = make_prompt(spec, 2, 0)
+    err = g.unresolved(0.5, "prompts[0]")
+    assert isinstance(err, ConfigError) and str(err) == (
+        "prompts[0].covs[1]: standard deviation 0.01 (in its narrowest direction) is below 1/8 of the "
+        "mesh's cell size 0.5: the mesh cannot resolve this Gaussian (projected onto it, its mass "
+        "comes out wrong by percents or all of it); use cells of at most 0.08 or a wider covariance")
+    assert g.unresolved(0.08, "prompts[0]") is None          # sigma = h/8 exactly: resolved
+    rotated = make_prompt(dict(spec, covs=[0.2, [[0.5, 0.49], [0.49, 0.5]]]), 2, 0)   # sigma_min = 0.1
+    assert rotated.unresolved(0.8, "prompts[0]") is None and rotated.unresolved(0.81, "prompts[0]")

@@ -337,9 +337,58 @@ def test_auto_uses_the_table_where_it_pays_and_meets_tol():
     field, hm = _field("auto", 1e-7, heads=8)
     v = field(y, w, 0)
     assert field.stats["laplace"] == 1 and field.stats["direct"] == 0
-    assert field.last_plan is not None and field.stats["largest_estimate"] <= 1e-7
+    assert field.last_plan is not None
     ref = attention_velocity_direct(field.targets, y, w, hm)
-    assert np.abs(v - ref).max() <= 1e-7 * np.abs(ref).max()
+    err = np.abs(v - ref).max() / np.abs(ref).max()
+    # the reported estimate bounds the velocity's error relative to its largest value
+    # (tol is the table's accuracy relative to its values: heads' V and cancellation between
+    # them scale it, see test_reported_estimate_bounds_the_velocity_error)
+    assert err <= 1e-7 and err <= field.stats["largest_estimate"] <= 1e-6, (err, field.stats)
+
+
+@pytest.mark.parametrize("kind", ["tokens", "signed", "1-D"])
+def test_reported_estimate_bounds_the_velocity_error(kind):
+    """Issue 13, item 10: the particle model's velocity through 'auto' at tol 1e-8 (2000
+    tokens of a mixture, sources and targets, 8 heads) differs from direct summation by
+    up to 5e-9 of its largest value -- mostly the fine grid's interpolation, within tol/4
+    of the table's values but scaled by |V_h| |m| / max |v| -- while the estimate reported
+    in summary.json was the table's coefficient tail alone, 1.7e-13. Now the reported
+    estimate (stats["largest_estimate"]) bounds the error of every evaluation: also for
+    signed weights (mu / zeta) and in 1-D (barycentric, no fine grid)."""
+    from pdeformer.heads import HeadMeasure
+    from pdeformer.prompts import GaussianMixture
+    from pdeformer.velocity import AttentionVelocity
+    d = 1 if kind == "1-D" else 2
+    rng = np.random.default_rng(0)
+    g = GaussianMixture([1, 1], [[0.5, 0.2][:d], [-0.6, 0.1][:d]], [np.eye(d) * 0.2, np.eye(d) * 0.3])
+    x = g.sample(2000, rng)
+    w = np.full(len(x), 1 / len(x))
+    if kind == "signed":
+        w[rng.random(len(x)) < 0.1] *= -0.05
+    heads = HeadMeasure.random(2, 8, d, d, seed=3)
+    field = AttentionVelocity(None, heads, {"backend": "auto", "tol": 1e-8}, COMM)
+    for layer in range(2):
+        before = field.stats["largest_estimate"]
+        v = field(x, w, layer, targets=x)
+        ref = attention_velocity_direct(x, x, w, HeadLayer(heads, layer))
+        err = np.abs(v - ref).max() / np.abs(ref).max()
+        assert field.last_plan is not None
+        assert err <= field.stats["largest_estimate"], (layer, err, field.stats)
+        assert field.stats["largest_estimate"] >= before
+    assert field.stats["largest_estimate"] < 1e-6, field.stats    # and not vacuous
+
+
+class HeadLayer:
+    """One layer of a HeadMeasure seen as layer 0 (for attention_velocity_direct)."""
+
+    def __init__(self, heads, layer):
+        self.heads, self.layer = heads, layer
+
+    def attention_matrices(self, _):
+        return self.heads.attention_matrices(self.layer)
+
+    def values(self, _):
+        return self.heads.values(self.layer)
 
 
 @pytest.mark.parametrize("why", ["d = 3", "sharp attention", "absurd heads", "tol out of reach"])

@@ -195,12 +195,14 @@ def test_point_cloud_prompt_is_its_own_tokens(tmp_path):
     errors = []
     for steps in (10, 20):
         out = tmp_path / f"out{steps}"
-        run_cli(["particles", cfg, "--set", f"output.dir={out}", "particles.tokens=200",
-                 f"particles.steps_per_layer={steps}", "model.query_scale=0.0",
-                 "prompts[0].points=[[-0.5], [0.5], [2.0]]"], nprocs=2)
+        proc = run_cli(["particles", cfg, "--set", f"output.dir={out}", "particles.tokens=200",
+                        f"particles.steps_per_layer={steps}", "model.query_scale=0.0",
+                        "prompts[0].points=[[-0.5], [0.5], [2.0]]"], nprocs=2)
         with open(out / "summary.json") as f:
             summary = json.load(f)
         assert [p["tokens"] for p in summary["prompts"]] == [3, 200, 200]
+        # the log names the counts that run (issue 13, item 9: it said "200 tokens")
+        assert f"d = 1, 3/200/200 tokens (per prompt), {steps} steps/layer" in proc.stderr, proc.stderr
         rows = [r for r in read_diagnostics(out / "diagnostics.csv") if r["prompt"] == "cloud"]
         m0, c0 = 0.625, 0.796875      # weights (1, 2, 1)/4 at -0.5, 0.5, 2
         assert rows[0]["t"] == 0.0 and abs(rows[0]["mean_0"] - m0) < 1e-15 and abs(rows[0]["cov_00"] - c0) < 1e-15
@@ -209,3 +211,66 @@ def test_point_cloud_prompt_is_its_own_tokens(tmp_path):
         assert abs(rows[-1]["cov_00"] - c0) < 1e-12     # a rigid translation
         errors.append(abs(rows[-1]["mean_0"] - m0 - shift[0]))
     assert abs(shift[0]) > 5e-3 and errors[1] < 1e-5 and 3.5 < errors[0] / errors[1] < 4.5, (shift, errors)
+
+
+def test_log_counts_the_tokens_of_a_point_cloud(tmp_path):
+    """Issue 13, item 9: a points prompt is its own tokens; the log line (describe) said
+    "10000 tokens", the unused [particles] tokens default, while 4 ran."""
+    from pdeformer.config import check_config
+    from pdeformer.forward import build_problem
+    from pdeformer.particles import ParticleSolver
+    cloud = {"kind": "points", "points": [[0.0, 0.0], [1.0, 0.5], [-0.5, 0.3], [0.2, -0.7]]}
+    raw = dict(RAW, mesh=dict(RAW["mesh"], cells=[4, 4]), objective={}, prompts=[cloud])
+    p = build_problem(check_config(raw, str(tmp_path)), MPI.COMM_WORLD)
+    assert ParticleSolver(p).describe() == "4 tokens, 8 steps/layer"
+
+
+def test_an_overflowing_objective_is_named(tmp_path):
+    """Issue 13, item 8: objective.weight = 1e308 made U = weight/2 |x - c|^2 overflow; the
+    adjoint then stopped with "the adjoint is NaN or overflows (attention too sharp?)" and
+    the particle model finished "completed" with a risk of inf. Both now name the key
+    (exit status 2). A weight of 1e307 keeps U finite, and the adjoint's overflow is put
+    down to the objective's scale; 1e305 gives finite gradients and a finite |gradient|
+    (the norm is scaled: it overflowed past 1e154)."""
+    from pdeformer.adjoint import AdjointSolver
+    from pdeformer.config import check_config
+    from pdeformer.errors import ConfigError, SolverBreakdown
+    from pdeformer.forward import ForwardSolver, build_problem
+    from pdeformer.particles import ParticleAdjoint, ParticleSolver
+
+    def problem_with(weight, **particles):
+        raw = dict(RAW, mesh=dict(RAW["mesh"], cells=[16, 16]), particles=particles,
+                   objective={"kind": "potential", "weight": weight})
+        return build_problem(check_config(raw, str(tmp_path)), MPI.COMM_WORLD)
+
+    p = problem_with(1e308)
+    with pytest.raises(ConfigError, match=r"^objective.weight: 1e\+308 is too large: the quadratic "
+                                          r"potential overflows double precision"):
+        AdjointSolver(ForwardSolver(p), p.objective, p.targets).gradient()
+    p = problem_with(1e308, tokens=100)
+    with pytest.raises(ConfigError, match=r"^objective.weight: 1e\+308 is too large"):
+        ParticleAdjoint(ParticleSolver(p, backend="direct"), p.objective, p.targets).gradient()
+    # finite U, but a costate of 1.2e308 that the sweep grows past the largest double:
+    # the breakdown says so instead of blaming the attention
+    p = problem_with(1e307)
+    with pytest.raises(SolverBreakdown, match=r"the adjoint is NaN or overflows: it starts at t = 1 "
+                                              r"from dF/drho up to 1.1\d*e\+308, the objective's own "
+                                              r"scale, which the sweep multiplies further: lower objective.weight"):
+        AdjointSolver(ForwardSolver(p), p.objective, p.targets).gradient()
+    p = problem_with(1e305)
+    g = AdjointSolver(ForwardSolver(p), p.objective, p.targets).gradient()
+    parts = np.concatenate([g.dQ.ravel(), g.dK.ravel(), g.dV.ravel()])
+    assert np.all(np.isfinite(parts)) and np.isfinite(g.norm())
+    assert g.norm() == pytest.approx(1e305 * np.linalg.norm(parts / 1e305), rel=1e-14)
+
+
+def test_adjoint_overflow_says_where_it_comes_from():
+    """The breakdown of an adjoint sweep names its cause: an objective of huge scale
+    (its dF/drho at t = 1) or growth through the layers (sharp attention)."""
+    from pdeformer.adjoint import adjoint_cause
+    from pdeformer.objectives import Moments, Potential
+    huge = adjoint_cause(3e200, Potential("quadratic", [0.0, 0.0], 1e200))
+    assert "dF/drho up to 3e+200, the objective's own scale" in huge and "objective.weight" in huge
+    assert "the objective's target" in adjoint_cause(1e160, Moments())
+    sharp = adjoint_cause(2.5, Moments())
+    assert "attention is too sharp (lower model.init_scale)" in sharp and "2.5" in sharp
