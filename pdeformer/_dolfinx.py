@@ -10,6 +10,8 @@ everything else in pdeformer calls them instead of branching itself. Tested: 0.5
 from __future__ import annotations
 
 import inspect
+import os
+import re
 
 import numpy as np
 
@@ -108,11 +110,19 @@ def has_vtx() -> bool:
 
 class FieldSeries:
     """A time series of one Function for ParaView: VTK (.pvd + .vtu/.pvtu per frame,
-    both versions) or VTX (.bp folder, dolfinx >= 0.8 with ADIOS2)."""
+    both versions) or VTX (.bp folder, dolfinx >= 0.8 with ADIOS2).
+
+    dolfinx's VTKFile does not report a failed write of a frame (a full disk leaves
+    empty or cut .vtu files), only of the .pvd at :meth:`close`: :meth:`complete`
+    checks that this rank's files of the last frame end as VTK files do, and
+    :meth:`files` names all files of the series."""
 
     def __init__(self, comm, filename: str, u, fmt: str):
         self.u = u
         self.fmt = fmt
+        self.filename = filename
+        self.rank = comm.rank
+        self.count = 0
         if fmt == "vtx":
             self._file = dolfinx.io.VTXWriter(comm, filename, [u])
         else:
@@ -123,9 +133,45 @@ class FieldSeries:
             self._file.write(t)
         else:
             self._file.write_function(self.u, t)
+        self.count += 1
 
     def close(self) -> None:
-        self._file.close()
+        """Close and drop the writer (its destructor would write the .pvd again)."""
+        if self._file is not None:
+            f, self._file = self._file, None
+            try:
+                f.close()
+            finally:
+                del f
+
+    def _frame_files(self, k: int) -> list[str]:
+        """This rank's files of frame k (VTK: the piece; rank 0 also the .pvtu; the .pvd
+        is written, and a failure raised, when the series is closed)."""
+        stem = os.path.splitext(self.filename)[0]
+        own = [f"{stem}_p{self.rank}_{k:06d}.vtu"]
+        return own + ([f"{stem}{k:06d}.pvtu"] if self.rank == 0 else [])
+
+    def complete(self) -> bool:
+        """Whether this rank's files of the last frame were written in full."""
+        if self.fmt == "vtx" or self.count == 0:
+            return True   # ADIOS2 raises on failed writes
+        for name in self._frame_files(self.count - 1):
+            try:
+                with open(name, "rb") as f:
+                    f.seek(max(0, os.path.getsize(name) - 64))
+                    if not f.read().rstrip().endswith(b"</VTKFile>"):
+                        return False
+            except OSError:
+                return False
+        return True
+
+    def files(self) -> list[str]:
+        """Every file (or .bp folder) of the series that exists, of all ranks."""
+        if self.fmt == "vtx":
+            return [self.filename] if os.path.exists(self.filename) else []
+        folder, stem = os.path.split(os.path.splitext(self.filename)[0])
+        pattern = re.compile(re.escape(stem) + r"(\.pvd|\d{6}\.pvtu|_p\d+_\d{6}\.vtu)")
+        return [os.path.join(folder, n) for n in os.listdir(folder or ".") if pattern.fullmatch(n)]
 
 
 def versions() -> dict:

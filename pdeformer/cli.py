@@ -25,13 +25,12 @@ from .errors import ConfigError, PdeformerError
 
 
 class _Parser(argparse.ArgumentParser):
-    """Usage errors: printed by rank 0 only, exit status 2 on every rank."""
+    """Usage errors: one line, printed by rank 0 only, exit status 2 on every rank."""
 
     def error(self, message):
         from mpi4py import MPI
         if MPI.COMM_WORLD.rank == 0:
-            self.print_usage(sys.stderr)
-            print(f"pdeformer: error: {message}", file=sys.stderr)
+            print(f"pdeformer: error: {message} (see '{self.prog} --help')", file=sys.stderr)
         sys.exit(2)
 
 

@@ -46,9 +46,11 @@ import time
 import numpy as np
 import ufl
 
+from .budget import check_memory
 from .config import Key, _check_table, load_config, number, path, string
-from .errors import ConfigError, InputError
-from .output import provenance, write_csv, write_json
+from .errors import ConfigError, InputError, PdeformerError, status_of
+from .outdir import OutputFolder
+from .output import atomic_write, provenance, save_figure, write_csv, write_json
 from .parallel import (METER, Timer, add_log_file, allgather_rows, describe_parallel, metered, on_root,
                        parallel_report, remove_log_file)
 
@@ -150,6 +152,7 @@ class Case:
                               f"all ranks: prompt groups are not supported (set 1, got "
                               f"{cfg['parallel']['prompt_groups']})")
         t0 = time.perf_counter()
+        check_memory(cfg, command, comm, differentiable=gradient or command == "gradient")
         differentiable = command == "gradient"
         self.problem = build_problem(cfg, comm, differentiable)
         p = self.problem
@@ -321,16 +324,16 @@ def run_study(study: dict, comm=None, walltime: float | None = None) -> dict:
     if study["reference"] == "run":
         reference_cfg = load_config(study["reference_run"], study["reference_set"])
     outdir = study["output_dir"]
-
-    def mkdir():
-        os.makedirs(outdir, exist_ok=True)
-    on_root(comm, _safe, mkdir, f"output.dir: cannot write to {outdir}")
+    folder = OutputFolder(outdir, "converge")
+    on_root(comm, folder.open)
     handler = add_log_file(comm, os.path.join(outdir, "pdeformer.log"))
     info = provenance(comm) if comm.rank == 0 else {}
     status = "completed"
     try:
         log.info("pdeformer converge %s: %s over %s on %d rank(s), reference %s, output in %s",
                  study["study_file"], param, values, comm.size, study["reference"], outdir)
+        if comm.rank == 0:
+            folder.report()
         wants_grad = "gradient" in study["quantities"]
         ref = None
         if reference_cfg is not None:
@@ -373,35 +376,43 @@ def run_study(study: dict, comm=None, walltime: float | None = None) -> dict:
                    "ranks": comm.size, "rows": rows, "timings": timer.report(comm),
                    "files": ["convergence.csv", "convergence.md", "convergence.png", "pdeformer.log"]}
         summary["parallel"] = parallel_report(comm, None, meter)
-        if comm.rank == 0:
-            write_csv(os.path.join(outdir, "convergence.csv"),
-                      ["case", "value", "size", "quantity", "error", "order", "seconds"],
-                      [[r[k] for k in ("case", "value", "size", "quantity", "error", "order", "seconds")]
-                       for r in rows])
-            _markdown(os.path.join(outdir, "convergence.md"), study, rows)
-            if not _plot(os.path.join(outdir, "convergence.png"), study, rows):
-                summary["files"].remove("convergence.png")
-            write_json(os.path.join(outdir, "summary.json"), summary)
+        summary["files"] = on_root(comm, _write_study, outdir, study, rows, summary)
         for r in rows:
             log.info("%-8s %-10s %-12s error %.4e  order %s", r["quantity"], param, r["value"], r["error"],
                      "-" if math.isnan(r["order"]) else f"{r['order']:.2f}")
         if comm.rank == 0:
             log.info(describe_parallel(summary["parallel"]))
         return summary
+    except PdeformerError as e:   # agreed on every rank: the summary says how the study ended
+        try:
+            on_root(comm, write_json, os.path.join(outdir, "summary.json"), {
+                "command": "converge", "status": status_of(e), "error": str(e), "study": study,
+                "provenance": info, "ranks": comm.size, "timings": timer.report(comm)})
+        except PdeformerError:
+            pass
+        raise
     finally:
         remove_log_file(handler)
+        if comm.rank == 0:
+            folder.close()
+
+
+def _write_study(outdir: str, study: dict, rows: list, summary: dict) -> list:
+    """convergence.csv, .md, .png and summary.json (rank 0); the files written."""
+    write_csv(os.path.join(outdir, "convergence.csv"),
+              ["case", "value", "size", "quantity", "error", "order", "seconds"],
+              [[r[k] for k in ("case", "value", "size", "quantity", "error", "order", "seconds")]
+               for r in rows])
+    _markdown(os.path.join(outdir, "convergence.md"), study, rows)
+    if not _plot(os.path.join(outdir, "convergence.png"), study, rows):
+        summary["files"].remove("convergence.png")
+    write_json(os.path.join(outdir, "summary.json"), summary)
+    return summary["files"]
 
 
 def _expected(cases) -> float:
     done = [c.seconds for c in cases if c is not None]
     return 2.0 * max(done) if done else 0.0   # the next case is finer: allow twice the largest
-
-
-def _safe(fn, message):
-    try:
-        fn()
-    except OSError as e:
-        raise InputError(f"{message} ({e.strerror})") from None
 
 
 def _markdown(filename, study, rows):
@@ -412,7 +423,7 @@ def _markdown(filename, study, rows):
     for r in sorted(rows, key=lambda r: (r["quantity"], r["case"])):
         o = "—" if math.isnan(r["order"]) else f"{r['order']:.2f}"
         lines.append(f"| {r['value']} | {r['size']:.4g} | {r['quantity']} | {r['error']:.3e} | {o} |")
-    with open(filename, "w") as f:
+    with atomic_write(filename) as f:
         f.write("\n".join(lines) + "\n")
 
 
@@ -445,6 +456,6 @@ def _plot(filename, study, rows) -> bool:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(filename, dpi=110)
+    save_figure(filename, fig, dpi=110)
     plt.close(fig)
     return True

@@ -34,3 +34,21 @@ class SolverBreakdown(PdeformerError):
     """NaN or overflow in the solution: the message names prompt, layer and t."""
 
     exit_status = 3
+
+
+class OutputError(PdeformerError):
+    """A file of the run could not be written (disk full, quota, permissions): the
+    message names the file; partial files are removed."""
+
+    exit_status = 3
+
+
+def status_of(error: BaseException) -> str:
+    """summary.json's status for a run that ``error`` ended."""
+    if isinstance(error, SolverBreakdown):
+        return "breakdown"
+    if isinstance(error, OutputError):
+        return "output_error"
+    if isinstance(error, PdeformerError):
+        return "bad_input"
+    return "failed"

@@ -28,7 +28,7 @@ from mpi4py import MPI
 
 from .errors import ConfigError, InputError, SolverBreakdown
 from .heads import HeadMeasure
-from .mesh import bounding_box, make_mesh
+from .mesh import bounding_box, make_mesh, shortest_edge
 from .parallel import PromptGroups, Timer, any_rank, on_root
 from .objectives import make_objective, make_target
 from .prompts import make_prompt
@@ -39,6 +39,11 @@ from .velocity import AttentionVelocity, TableSum
 log = logging.getLogger("pdeformer")
 
 MAX_STEPS_PER_LAYER = 200_000
+# The exact density stays >= 0, of mass 1 and inside the mesh; a discrete one past these
+# bounds has blown up (DG undershoot on meshes that resolve the density stays far below:
+# see docs/reliability.md for the values the shipped configs and tests reach).
+BLOWUP_NEGATIVE_MASS = 0.25   # int max(0, -rho) (the initial mass is 1)
+BLOWUP_MASS_DRIFT = 1e-6      # |mass + outflow - 1| (DG conserves mass to round-off)
 
 
 @contextmanager
@@ -179,7 +184,9 @@ class ForwardSolver:
         # a step plan that does not move with the heads); step_counts can be preset
         self.freeze_steps = False
         self.step_counts: dict[tuple[int, int, int], int] = {}  # (prompt, layer, frame) -> n
-        self.centre = np.mean(bounding_box(self.comm, problem.mesh), axis=0)
+        self.box = bounding_box(self.comm, problem.mesh)
+        self.cell = shortest_edge(self.comm, problem.mesh)
+        self.centre = np.mean(self.box, axis=0)
         self.stats = {"steps": 0, "velocity_evaluations": 0}
         self.current_prompt = None   # the prompt being solved (it keys the laplace plans)
         self.evaluations = 0         # velocity evaluations of it so far (frozen plans)
@@ -206,13 +213,15 @@ class ForwardSolver:
         name, prompt = self.problem.prompts[index]
         tr = self.transport
         disc = self.disc
+        key = f"prompts[{index}]"
+        if prompt.kind == "gaussian_mixture" and (error := prompt.unresolved(self.cell, key)):
+            raise error
         x = ufl.SpatialCoordinate(self.problem.mesh)
         if prompt.ufl_density is not None:
             rho0 = prompt.ufl_density(x, tr.constant)
         else:
             rho0 = tr.interpolant(prompt.density, disc["degree"] + 2)
         coeffs, mass = tr.project(rho0, disc["prompt_quadrature_degree"])
-        key = f"prompts[{index}]"
         if prompt.kind == "uniform" and self.problem.cfg["mesh"]["file"] is None:
             # the indicator's quadrature on cut cells is inexact; on a box mesh the
             # truncation is known exactly
@@ -276,7 +285,8 @@ class ForwardSolver:
         L, F = self.problem.heads.layers, self.frames_per_layer
         want_v = any(tr.needs_velocity for tr in trackers)
         state = [self.initial_coeffs[index].copy(), np.zeros(1)]
-        march = {"steps": 0, "dt": math.nan}
+        march = {"steps": 0, "dt": math.nan, "overshoot": 0.0,  # overshoot: max dt / dt(cfl 1) in the layer
+                 "outflow_warned": False}
         cache = None  # (state, layer, velocity, plan): the next step's first stage reuses it
 
         def emit(t, layer, boundary):
@@ -292,6 +302,12 @@ class ForwardSolver:
                     failure = e
             frame = Frame(name, index, t, layer, boundary, march["steps"], march["dt"],
                           state[0], self._outflow(state), vel)
+            frame.extra["diagnostics"] = diag = self.diagnostics(frame)
+            where = f"prompt {name!r}, layer {max(layer, 0)}, t = {t:.6g}"
+            if failure is None:
+                failure = self.blowup(diag, march["overshoot"], where)
+            if failure is None and not march["outflow_warned"]:
+                march["outflow_warned"] = self._warn_outflow(diag, where)
             with self.timer.phase("output"):
                 for tr in trackers:
                     if failure is None or not tr.needs_velocity:
@@ -303,6 +319,7 @@ class ForwardSolver:
         t = 0.0
         for layer in range(L):
             layer_steps, warned = 0, False
+            march["overshoot"] = 0.0
             for f in range(1, F + 1):
                 t_end = (layer + f / F) / L
                 frame_steps = 0
@@ -322,13 +339,13 @@ class ForwardSolver:
                         n_left = (n_frame - frame_steps if n_frame is not None
                                   else self._cfl_steps(t_end - t, dt_cfl, vmax, layer_steps))
                         dt = (t_end - t) / n_left
+                        overshoot = dt * self.disc["cfl"] / dt_cfl
+                        march["overshoot"] = max(march["overshoot"], overshoot)
                         # fixed or frozen steps: warn past cfl = 1, about the stability limit
-                        if dt * self.disc["cfl"] > dt_cfl and not warned:
+                        if overshoot > 1 and not warned:
                             warned = True
                             if self.comm.rank == 0:
-                                log.warning("warning: %s: the fixed step %.3g is past the stability "
-                                            "limit (cfl 1 at |v| = %.3g); raise steps_per_layer",
-                                            where, dt, vmax)
+                                log.warning("warning: %s: %s", where, self._unstable_step(dt, vmax, overshoot))
                         state = self._step(state, dt, layer, (vel0, plan0), tape)
                         if any_rank(self.comm, not np.all(np.isfinite(state[0]))):
                             raise SolverBreakdown("the density is NaN or overflows after this step")
@@ -341,6 +358,69 @@ class ForwardSolver:
         self.prompt_info[index]["steps"] = march["steps"]
         self.stats["steps"] += march["steps"]
         return state[0], self._outflow(state)
+
+    def _unstable_step(self, dt: float, vmax: float, overshoot: float) -> str:
+        """What made a step past the stability limit, and the setting that fixes it."""
+        if self.disc["steps_per_layer"] is not None:
+            return (f"the fixed step {dt:.3g} is {overshoot:.3g} times the stability limit "
+                    f"(cfl 1 at |v| = {vmax:.3g}): raise discretisation.steps_per_layer "
+                    f"(now {self.disc['steps_per_layer']}) or remove it for CFL steps")
+        return (f"the step count of this frame was fixed at its start (gradients need a step "
+                f"plan that does not move with the heads) and the velocity grew to |v| = "
+                f"{vmax:.3g}: the step {dt:.3g} is {overshoot:.3g} times the stability limit; "
+                f"raise output.frames_per_layer (shorter frames) or lower discretisation.cfl")
+
+    def blowup(self, diag: dict, overshoot: float, where: str) -> SolverBreakdown | None:
+        """A breakdown if the density at a frame is garbage though finite: negative mass
+        beyond BLOWUP_NEGATIVE_MASS (the initial mass is 1), mass + outflow not conserved,
+        or, while most of the mass is on the mesh, a mean far outside the mesh's box or a
+        negative variance (agreed on every rank: diag is all-reduced). The message says
+        whether the steps were past the stability limit, and what to change."""
+        mass, neg = diag["mass"], diag["negative_mass"]
+        lo, hi = self.box
+        width = hi - lo
+        var = np.diag(diag["cov"])
+        if not neg <= BLOWUP_NEGATIVE_MASS:   # the initial mass is 1
+            what = f"its negative part has mass {neg:.3g} (min rho = {diag['min_rho']:.3g})"
+        elif not abs(mass + diag["outflow"] - 1) <= BLOWUP_MASS_DRIFT:
+            what = f"mass + outflow = {mass + diag['outflow']:.12g} instead of 1"
+        elif mass < 0.5:    # most of it has left: the moments of the rest say little
+            return None
+        elif not np.all((diag["mean"] >= lo - width / 2) & (diag["mean"] <= hi + width / 2)):
+            what = f"its mean {np.array2string(np.asarray(diag['mean']), precision=3)} lies far outside the mesh"
+        elif not np.all(var >= -1e-12 * width**2):
+            what = f"a variance is negative ({var.min():.3g})"
+        else:
+            return None
+        if overshoot > 1:
+            cause = (f"steps up to {overshoot:.3g} times the stability limit were taken in this layer: "
+                     + ("raise discretisation.steps_per_layer or remove it for CFL steps"
+                        if self.disc["steps_per_layer"] is not None else
+                        "raise output.frames_per_layer or lower discretisation.cfl"))
+        else:
+            cause = ("the steps kept the CFL limit, so the mesh does not resolve the density these "
+                     "heads make or their feedback (the velocity's change with the density) is faster "
+                     "than the step: refine mesh.cells or lower discretisation.cfl"
+                     + ("" if self.disc["limiter"] or self.freeze_steps else
+                        " (or set discretisation.limiter = true)"))
+        return SolverBreakdown(f"{where}: the density blew up: {what}; {cause}")
+
+    def _warn_outflow(self, diag: dict, where: str) -> bool:
+        """Warn (once per prompt) when more mass than ``tail_tolerance`` has left the mesh:
+        the moments then move by about |x - mean| times the mass lost, more than it
+        (docs/verification.md). Whether it warned."""
+        tol = self.disc["tail_tolerance"]
+        if not abs(diag["outflow"]) > tol:
+            return False
+        lo, hi = self.box
+        reach = float(np.max(np.maximum(np.abs(lo - diag["mean"]), np.abs(hi - diag["mean"]))))
+        if self.comm.rank == 0:
+            log.warning("warning: %s: %.3g of the mass has left the mesh (more than "
+                        "discretisation.tail_tolerance = %.3g): means and covariances are off by up "
+                        "to ~%.2g and ~%.2g; enlarge the mesh (mesh.lower, mesh.upper)", where,
+                        abs(diag["outflow"]), tol, reach * abs(diag["outflow"]),
+                        reach**2 * abs(diag["outflow"]))
+        return True
 
     def _outflow(self, state) -> float:
         """The mass that has left the mesh: each rank integrates its own boundary's part."""
@@ -410,6 +490,7 @@ class ForwardSolver:
     def diagnostics(self, frame: Frame) -> dict:
         """mass, outflow, min rho and moments of the normalised density at a frame."""
         with self.timer.phase("diagnostics"):
-            mass, mean, cov = self.transport.moments(frame.coeffs, self.centre)
-            return {"prompt": frame.prompt, "t": frame.t, "mass": mass, "outflow": frame.outflow,
-                    "min_rho": self.transport.min_value(frame.coeffs), "mean": mean, "cov": cov}
+            s = self.transport.summary(frame.coeffs, self.centre)
+            return {"prompt": frame.prompt, "t": frame.t, "mass": s["mass"], "outflow": frame.outflow,
+                    "min_rho": self.transport.min_value(frame.coeffs), "mean": s["mean"], "cov": s["cov"],
+                    "negative_mass": s["negative_mass"]}

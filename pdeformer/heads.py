@@ -131,4 +131,5 @@ class HeadMeasure:
         return cls(Q, K, V)
 
     def save(self, filename: str) -> None:
-        np.savez(filename, Q=self.Q, K=self.K, V=self.V)
+        from .output import write_npz
+        write_npz(filename, Q=self.Q, K=self.K, V=self.V)

@@ -369,7 +369,8 @@ def plot_spectra(filename: str, result: dict) -> bool:
         ax.set_ylabel(label)
         ax.set_xticks(np.arange(1, len(v) + 1) if len(v) <= 12 else ax.get_xticks())
     fig.tight_layout()
-    fig.savefig(filename, dpi=120)
+    from .output import save_figure
+    save_figure(filename, fig, dpi=120)
     plt.close(fig)
     return True
 

@@ -13,16 +13,18 @@ import datetime
 import json
 import os
 import platform
+import secrets
 import socket
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
 import zlib
+from contextlib import contextmanager
 
 import numpy as np
 
 from . import __version__
-from .errors import InputError
+from .errors import InputError, OutputError
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -37,14 +39,38 @@ def diagnostics_row(diag: dict) -> list:
             + list(np.ravel(diag["mean"])) + list(np.ravel(diag["cov"])))
 
 
+@contextmanager
+def atomic_write(filename: str, binary: bool = False, sync: bool = False):
+    """A file object on a temporary file of a name no other process uses, renamed over
+    ``filename`` when the block ends: readers see the old file or the new one, never a
+    part. On failure the temporary file is removed, and an OSError (disk full, quota,
+    permissions) becomes an :class:`OutputError` naming ``filename``. ``sync``: flushed
+    to disk before the rename."""
+    folder, base = os.path.split(filename)
+    tmp = os.path.join(folder, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "xb" if binary else "x", **({} if binary else {"newline": ""})) as f:
+            yield f
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+        os.replace(tmp, filename)
+    except BaseException as e:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError):
+            raise OutputError(f"output: cannot write {filename} ({e.strerror or e})") from None
+        raise
+
+
 def write_csv(filename: str, header: list[str], rows: list[list]) -> None:
-    tmp = filename + ".tmp"
-    with open(tmp, "w", newline="") as f:
+    with atomic_write(filename) as f:
         w = csv.writer(f)
         w.writerow(header)
         for r in rows:
             w.writerow([repr(float(x)) if isinstance(x, (float, np.floating)) else x for x in r])
-    os.replace(tmp, filename)
 
 
 def read_diagnostics(filename: str) -> list[dict]:
@@ -69,11 +95,21 @@ def _jsonable(x):
 
 
 def write_json(filename: str, data: dict) -> None:
-    tmp = filename + ".tmp"
-    with open(tmp, "w") as f:
+    with atomic_write(filename) as f:
         json.dump(_jsonable(data), f, indent=2)
         f.write("\n")
-    os.replace(tmp, filename)
+
+
+def write_npz(filename: str, sync: bool = False, **arrays) -> None:
+    """np.savez, atomically (see atomic_write)."""
+    with atomic_write(filename, binary=True, sync=sync) as f:
+        np.savez(f, **arrays)
+
+
+def save_figure(filename: str, fig, **kwargs) -> None:
+    """A matplotlib figure as PNG, atomically."""
+    with atomic_write(filename, binary=True) as f:
+        fig.savefig(f, format="png", **kwargs)
 
 
 def git_commit() -> dict:
@@ -237,7 +273,5 @@ def write_pvd(filename: str, entries: list[tuple[float, str]]) -> None:
 
 
 def _atomic_text(filename: str, text: str) -> None:
-    tmp = filename + ".tmp"
-    with open(tmp, "w") as f:
+    with atomic_write(filename) as f:
         f.write(text)
-    os.replace(tmp, filename)

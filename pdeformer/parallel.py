@@ -104,11 +104,27 @@ def setup_logging(comm, level=logging.INFO) -> None:
     log.propagate = False
 
 
+class _LogFile(logging.FileHandler):
+    """A log file that, when it cannot be written (disk full), says so in one line on
+    stderr and stops, instead of printing a traceback per record."""
+
+    def handleError(self, record):
+        if not getattr(self, "_failed", False):
+            self._failed = True
+            sys.stderr.write(f"warning: cannot write {self.baseFilename}: the log goes on "
+                             "on stderr only\n")
+        self.emit = lambda record: None
+
+
 def add_log_file(comm, filename: str) -> logging.Handler | None:
     """Also log (rank 0) into ``filename``, with time stamps."""
     if comm.rank != 0:
         return None
-    handler = logging.FileHandler(filename, mode="w")
+    try:
+        handler = _LogFile(filename, mode="w")
+    except OSError as e:
+        sys.stderr.write(f"warning: cannot write {filename} ({e.strerror}): the log goes on stderr only\n")
+        return None
     handler._pdeformer = True
     handler.addFilter(_RankFilter(0))
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))

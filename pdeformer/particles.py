@@ -33,7 +33,7 @@ from mpi4py import MPI
 
 from .errors import ConfigError, SolverBreakdown
 from .forward import Frame, located
-from .parallel import Timer, allgather_rows, any_rank
+from .parallel import Timer, allgather_rows, any_rank, on_root
 from .timestepping import SCHEMES, ssp_step, ssp_step_vjp
 from .velocity import AttentionVelocity
 
@@ -192,14 +192,15 @@ class TokenOutput:
         pass
 
     def frame(self, solver, frame):
-        import os
-        from .output import write_points, write_pvd
         if not frame.layer_boundary:
             return
         x = allgather_rows(solver.comm, frame.coeffs)
         w = allgather_rows(solver.comm, frame.extra["weights"])
-        if solver.comm.rank != 0:
-            return
+        on_root(solver.comm, self._write, frame, x, w)   # a failed write ends every rank
+
+    def _write(self, frame, x, w):
+        import os
+        from .output import write_points, write_pvd
         k = len(self.frames.setdefault(frame.prompt, []))
         name = f"tokens_{frame.prompt}_{k:04d}.vtu"
         write_points(os.path.join(self.folder, name), x, {"weight": w})

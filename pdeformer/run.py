@@ -30,9 +30,11 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _dolfinx as dfx
-from .errors import ConfigError, InputError, SolverBreakdown
+from .budget import check_memory, peak_memory
+from .errors import ConfigError, PdeformerError, SolverBreakdown, status_of
 from .forward import ForwardSolver, Tracker, build_problem
-from .output import provenance, write_json
+from .outdir import TRAINING_STATE, OutputFolder
+from .output import provenance, write_json, write_npz
 from .parallel import (METER, PromptGroups, Timer, add_log_file, describe_parallel, metered, on_root,
                        parallel_report, remove_log_file)
 from .trackers import DiagnosticsTable, FieldOutput, ProgressLog, log_other_groups
@@ -40,20 +42,10 @@ from .trackers import DiagnosticsTable, FieldOutput, ProgressLog, log_other_grou
 log = logging.getLogger("pdeformer")
 
 
-def _make_outdir(path: str) -> None:
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, ".write-test")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        raise InputError(f"output.dir: cannot write to {path} ({e.strerror})") from None
-
-
 class Run:
     """What every command shares: inputs checked first (nothing is written for bad
-    input), then the output folder, the log file, provenance and the summary.
+    input found then), then the session: output folder (locked, earlier files moved
+    aside), log file, provenance and the summary -- written whatever ends the run.
 
     ``comm`` is the world of the run; it is wrapped in a MeteredComm (``self.comm``) and
     split into prompt groups (``self.groups``); the problem and solver live on this
@@ -75,6 +67,8 @@ class Run:
                               f"prompt groups are not supported (set 1, got {G})")
         # bad G is bad input on every rank alike (no collective before this)
         self.groups = PromptGroups(self.comm, G, [p["name"] for p in cfg["prompts"]])
+        self.memory = check_memory(cfg, command, self.groups.comm, self.comm,   # before anything big
+                                   differentiable)
         with self.groups.combined():   # a group's failing set-up ends every group
             with self.timer.phase("setup"):
                 self.problem = build_problem(cfg, self.comm, differentiable and solver is ForwardSolver,
@@ -83,23 +77,57 @@ class Run:
                     check(self.problem)
             self.solver = solver(self.problem, self.timer) if solver else None
         self.outdir = out["dir"]
-        on_root(self.comm, _make_outdir, self.outdir)
         self.info = provenance(self.comm) if self.comm.rank == 0 else {}
+        self.summarised = False
 
     def path(self, name: str) -> str:
         return os.path.join(self.outdir, name)
 
     @contextmanager
-    def logged(self):
-        handler = add_log_file(self.comm, self.path("pdeformer.log"))
+    def session(self, keep=()):
+        """The output folder is the run's inside: created, locked, earlier files moved
+        aside (but those matching ``keep``: see pdeformer.outdir), the log file open.
+        A PdeformerError raised inside (on every rank) still writes summary.json with
+        its status, unless the command wrote one; anything else makes the failing rank
+        write a summary with status "failed" before the job is aborted."""
+        folder = OutputFolder(self.outdir, self.command, keep)
+        on_root(self.comm, folder.open)
+        handler = None
         try:
+            handler = add_log_file(self.comm, self.path("pdeformer.log"))
             log.info("pdeformer %s %s on %d rank(s), output in %s", self.command,
                      self.cfg["config_file"], self.comm.size, self.outdir)
-            if dfx.untested_version_warning() and self.comm.rank == 0:
-                log.warning(dfx.untested_version_warning())
+            if self.comm.rank == 0:
+                folder.report()
+                if dfx.untested_version_warning():
+                    log.warning(dfx.untested_version_warning())
             yield
+        except PdeformerError as e:
+            if not self.summarised:
+                try:
+                    self.summary(status_of(e), e)
+                except PdeformerError:
+                    pass   # e.g. the disk is still full: the error line says what happened
+            raise
+        except BaseException as e:
+            self._failed(e)
+            raise
         finally:
             remove_log_file(handler)
+            if self.comm.rank == 0:
+                folder.close()
+
+    def _failed(self, error: BaseException) -> None:
+        """summary.json of a run that a bug or an interrupt ended, written by the rank it
+        happened on (no collectives: the other ranks may be anywhere)."""
+        try:
+            write_json(self.path("summary.json"), {
+                "command": self.command, "status": status_of(error), "rank": self.comm.rank,
+                "error": f"{type(error).__name__}: {error}", "config": self.cfg,
+                "provenance": self.info, "ranks": self.comm.size,
+                "timings": {"total": self.timer.elapsed()}})
+        except Exception:
+            pass
 
     def summary(self, status: str, error, **results) -> dict:
         """summary.json (written by rank 0) and the closing log lines; a combination
@@ -126,8 +154,12 @@ class Run:
                                       "tol": self.cfg["attention"]["tol"],
                                       **groups.sum_stats(sv.velocity_field.stats)})
         summary["parallel"] = parallel_report(self.comm, groups, meter)
-        if self.comm.rank == 0:
-            write_json(self.path("summary.json"), summary)
+        peak = self.comm.allreduce(peak_memory(), op=MPI.MAX)
+        summary["memory"] = {"estimate_per_rank_gb": self.memory["total"] / 2**30,
+                             "estimate_parts_gb": {k: v / 2**30 for k, v in self.memory.items() if k != "total"},
+                             "peak_per_rank_gb": peak / 2**30}
+        self.summarised = True
+        on_root(self.comm, write_json, self.path("summary.json"), summary)
         log.info("%s done in %.1f s (setup %.1f s, velocity %.1f s, transport %.1f s)",
                  self.command, timings["total"], timings.get("setup", 0),
                  timings.get("velocity", 0), timings.get("transport", 0))
@@ -163,7 +195,9 @@ def run_forward(cfg: dict, comm=None) -> dict:
 
     After a breakdown (NaN, overflow) the diagnostics so far and a summary with
     ``"status": "breakdown"`` and the error are still written, then the error is raised."""
-    run = Run("forward", cfg, comm or MPI.COMM_WORLD)
+    from .adjoint import check_on_mesh
+    run = Run("forward", cfg, comm or MPI.COMM_WORLD,   # the objective's risk comes at the end
+              check=lambda p: check_on_mesh(p.objective, p.comm, p.mesh))
     out = cfg["output"]
     table = DiagnosticsTable(run.path("diagnostics.csv"))
     trackers = [ProgressLog(), table]
@@ -172,7 +206,7 @@ def run_forward(cfg: dict, comm=None) -> dict:
         trackers.append(fields)
     finals = FinalStates()
     trackers.append(finals)
-    with run.logged():
+    with run.session():
         status, error = "completed", None
         try:
             with run.groups.combined():   # each group solves its prompts; then they meet
@@ -218,15 +252,13 @@ def run_gradient(cfg: dict, comm=None) -> dict:
     run = Run("gradient", cfg, comm or MPI.COMM_WORLD, differentiable=True)
     p = run.problem
     adj = AdjointSolver(run.solver, p.objective, p.targets, cfg["objective"]["quadrature_degree"])
-    with run.logged():
+    with run.session():
         with run.timer.phase("gradient"):
             g = adj.gradient()
         log.info("risk R = %.12e, |dR/dtheta| = %.6e", g.risk, g.norm())
         tape_bytes = run.comm.allreduce(g.tape_bytes, op=MPI.MAX)
-        if run.comm.rank == 0:
-            with open(run.path("gradient.npz.tmp"), "wb") as f:
-                np.savez(f, dQ=g.dQ, dK=g.dK, dV=g.dV, risk=np.array(g.risk))
-            os.replace(run.path("gradient.npz.tmp"), run.path("gradient.npz"))
+        on_root(run.comm, write_npz, run.path("gradient.npz"), dQ=g.dQ, dK=g.dK, dV=g.dV,
+                risk=np.array(g.risk))
         return run.summary("completed", None, risk=g.risk,
                            risks=dict(zip([n for n, _ in p.prompts], g.risks)),
                            gradient_norm=g.norm(), tape_bytes_per_rank=tape_bytes,
@@ -256,8 +288,8 @@ def run_train(cfg: dict, comm=None, restart: bool = False, walltime: float | Non
     run = Run("train", cfg, comm or MPI.COMM_WORLD, differentiable=True)
     p = run.problem
     adj = AdjointSolver(run.solver, p.objective, p.targets, cfg["objective"]["quadrature_degree"])
-    trainer = Trainer(adj, cfg, run.outdir, walltime)
-    with run.logged():
+    trainer = Trainer(adj, cfg, run.outdir, walltime, started=run.timer.start)   # set-up counts
+    with run.session(keep=TRAINING_STATE if restart else ()):
         if restart:
             trainer.restart()
         status, error = "completed", None
@@ -287,7 +319,7 @@ def run_ntk(cfg: dict, comm=None) -> dict:
     run = Run("ntk", cfg, comm or MPI.COMM_WORLD, solver=None, check=check_inputs, groups=False)
     p = run.problem
     names = [n for n, _ in p.prompts]
-    with run.logged():
+    with run.session():
         status, error, result = "completed", None, None
         try:
             measures, how = prompt_measures(p, run.timer)
@@ -307,11 +339,11 @@ def run_ntk(cfg: dict, comm=None) -> dict:
                      "injective" if gram["injective"] else "not injective")
             if lse["independent"] != gram["injective"]:
                 log.warning("warning: the LSE test and the NTK Gram disagree (see docs/ntk.md)")
-            if run.comm.rank == 0:
-                write_json(run.path("ntk.json"), {"config": cfg["ntk"], "provenance": run.info, **result})
-                files["ntk"] = "ntk.json"
-                if plot_spectra(run.path("ntk.png"), result):
-                    files["plot"] = "ntk.png"
+            on_root(run.comm, write_json, run.path("ntk.json"),
+                    {"config": cfg["ntk"], "provenance": run.info, **result})
+            files["ntk"] = "ntk.json"
+            if on_root(run.comm, plot_spectra, run.path("ntk.png"), result):
+                files["plot"] = "ntk.png"
         summary = run.summary(status, error, ntk=result, files=files)
         if error is not None:
             raise error
@@ -324,7 +356,7 @@ def run_particles(cfg: dict, comm=None, gradient: bool = False) -> dict:
     gradient of the particle risk (gradient.npz; through the configured attention backend)."""
     from .particles import ParticleAdjoint, ParticleSolver, TokenOutput
 
-    run = Run("particles", cfg, comm or MPI.COMM_WORLD, solver=ParticleSolver)
+    run = Run("particles", cfg, comm or MPI.COMM_WORLD, solver=ParticleSolver, differentiable=gradient)
     p = run.problem
     if gradient and p.objective is None:
         raise ConfigError("objective.kind", "missing: --gradient needs an [objective]")
@@ -336,7 +368,7 @@ def run_particles(cfg: dict, comm=None, gradient: bool = False) -> dict:
         trackers.append(tokens)
     finals = FinalStates()
     trackers.append(finals)
-    with run.logged():
+    with run.session():
         status, error, results = "completed", None, {}
         try:
             with run.groups.combined():   # each group moves its prompts' tokens; then they meet
@@ -356,10 +388,8 @@ def run_particles(cfg: dict, comm=None, gradient: bool = False) -> dict:
             if gradient:
                 with run.timer.phase("gradient"):
                     g = adjoint.gradient()
-                if run.comm.rank == 0:
-                    with open(run.path("gradient.npz.tmp"), "wb") as f:
-                        np.savez(f, dQ=g.dQ, dK=g.dK, dV=g.dV, risk=np.array(g.risk))
-                    os.replace(run.path("gradient.npz.tmp"), run.path("gradient.npz"))
+                on_root(run.comm, write_npz, run.path("gradient.npz"), dQ=g.dQ, dK=g.dK, dV=g.dV,
+                        risk=np.array(g.risk))
                 results.update(risk=g.risk, gradient_norm=g.norm())
                 log.info("|dR/dtheta| = %.6e", g.norm())
         except SolverBreakdown as e:

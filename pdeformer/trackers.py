@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 
 import dolfinx.fem
@@ -21,7 +22,8 @@ import dolfinx.fem
 from . import _dolfinx as dfx
 from .forward import Frame, ForwardSolver, Tracker
 from .output import diagnostics_header, diagnostics_row, write_csv
-from .parallel import scatter_forward
+from .errors import OutputError
+from .parallel import any_rank, on_root, scatter_forward
 
 log = logging.getLogger("pdeformer")
 
@@ -59,7 +61,8 @@ class ProgressLog(Tracker):
 
 
 class DiagnosticsTable(Tracker):
-    """diagnostics.csv: one row per prompt at t = 0 and at every layer boundary.
+    """diagnostics.csv: one row per prompt at t = 0 and at every frame end (every layer
+    boundary, and ``[output] frames_per_layer`` - 1 times inside each layer).
 
     Rows are collected while the solver runs; :meth:`write` (a combination point: every
     rank of every group calls it) gathers the groups' rows in prompt order and rank 0
@@ -72,8 +75,7 @@ class DiagnosticsTable(Tracker):
         self.written = False
 
     def frame(self, solver, frame):
-        if frame.layer_boundary:
-            self.rows.append(frame_diagnostics(solver, frame))
+        self.rows.append(frame_diagnostics(solver, frame))
 
     def finish(self, solver):
         self.dim = solver.problem.dim
@@ -83,9 +85,9 @@ class DiagnosticsTable(Tracker):
         order = {n: i for i, n in enumerate(groups.names)}
         self.rows = sorted(groups.gather_lists(self.rows), key=lambda r: order[r["prompt"]])
         self.written = True
-        if groups.world.rank == 0 and self.dim is not None:
-            write_csv(self.filename, diagnostics_header(self.dim),
-                      [diagnostics_row(r) for r in self.rows])
+        if self.dim is not None:
+            on_root(groups.world, write_csv, self.filename, diagnostics_header(self.dim),
+                    [diagnostics_row(r) for r in self.rows])
 
     def final(self) -> list[dict]:
         """The last row of every prompt."""
@@ -124,10 +126,15 @@ class FieldOutput(Tracker):
         self.files += names
         self._prompt = prompt
 
-    def _close(self):
+    def _close(self) -> bool:
+        """Close the open series; whether that worked (the .pvd is written at the end)."""
+        ok = True
         for s in self._series or ():
-            s.close()
-        self._series = None
+            try:
+                s.close()
+            except RuntimeError:   # dolfinx: "Could not write VTKFile"
+                ok = False
+        return ok
 
     def frame(self, solver, frame):
         if frame.prompt != self._prompt:
@@ -138,11 +145,53 @@ class FieldOutput(Tracker):
         if self.needs_velocity:
             self.vel.x.array[:frame.velocity.size] = frame.velocity.ravel()
             scatter_forward(self.vel, solver.comm)
-        for s in self._series:
-            s.write(frame.t)
+        try:
+            for s in self._series:
+                s.write(frame.t)
+            ok = all(s.complete() for s in self._series)
+        except (RuntimeError, OSError):
+            ok = False
+        self._check(solver, ok)
 
     def finish(self, solver):
-        self._close()
+        ok = self._close()
+        self._check(solver, ok)
+        self._series = None
+
+    def _check(self, solver, ok: bool) -> None:
+        """A write that failed on some rank ends the group: the current prompt's series
+        are removed (they are cut) and an OutputError (exit 3) is raised on every rank."""
+        if not any_rank(solver.comm, not ok):
+            return
+        series, prompt = self._series or [], self._prompt
+        self._series, self._prompt = None, None
+        self.files = [f for f in self.files if f not in {s.filename for s in series}]
+        self._close_quietly(series)
+        solver.comm.Barrier()
+        if solver.comm.rank == 0:
+            for s in series:
+                for name in s.files():
+                    shutil.rmtree(name, ignore_errors=True) if os.path.isdir(name) else _remove(name)
+        solver.comm.Barrier()
+        free = shutil.disk_usage(self.folder).free
+        raise OutputError(f"output: cannot write the fields of prompt {prompt!r} into "
+                          f"{self.folder} ({'no space left on the device' if free < 2**20 else 'written incompletely'}); "
+                          "its partial series were removed")
+
+    @staticmethod
+    def _close_quietly(series) -> None:
+        for s in series:
+            try:
+                s.close()
+            except RuntimeError:
+                pass
+
+
+def _remove(name: str) -> None:
+    try:
+        os.remove(name)
+    except OSError:
+        pass
 
 
 def log_other_groups(groups, rows: list[dict], prompt_info: list, layers: int) -> None:

@@ -31,7 +31,8 @@ import numpy as np
 
 from .errors import InputError
 from .heads import HeadMeasure
-from .output import write_csv, write_head_points, write_pvd
+from .output import write_csv, write_head_points, write_npz, write_pvd
+from .parallel import on_root
 
 log = logging.getLogger("pdeformer")
 
@@ -147,13 +148,8 @@ def write_checkpoint(filename: str, heads: HeadMeasure, optimizer, step: int, hi
     """Atomic: written next to the target, flushed to disk, then renamed over it."""
     meta = {"step": step, "history": history, "optimizer": optimizer.name,
             "rng": rng.bit_generator.state, "fingerprint": fingerprint(cfg)}
-    tmp = filename + ".tmp"
-    with open(tmp, "wb") as f:
-        np.savez(f, Q=heads.Q, K=heads.K, V=heads.V, meta=np.array(json.dumps(meta)),
-                 **optimizer.state())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, filename)
+    write_npz(filename, sync=True, Q=heads.Q, K=heads.K, V=heads.V,
+              meta=np.array(json.dumps(meta)), **optimizer.state())
 
 
 CHECKPOINT_META = {"step": int, "history": list, "optimizer": str, "rng": dict, "fingerprint": dict}
@@ -204,7 +200,10 @@ def read_checkpoint(filename: str, cfg: dict, like: dict | None = None) -> dict:
 class Trainer:
     """Gradient-flow training of the heads of an :class:`AdjointSolver`'s problem."""
 
-    def __init__(self, adjoint, cfg: dict, outdir: str, walltime: float | None = None):
+    def __init__(self, adjoint, cfg: dict, outdir: str, walltime: float | None = None,
+                 started: float | None = None):
+        """``walltime``: seconds from ``started`` (a perf_counter time; default: when
+        training starts), so that set-up counts against the batch job's limit."""
         self.adjoint = adjoint
         self.cfg = cfg
         self.train = cfg["train"]
@@ -218,10 +217,10 @@ class Trainer:
         self.frames: list[tuple[float, str]] = []
         self.checkpoint_file = os.path.join(outdir, "checkpoint.npz")
         self.walltime = walltime
+        self.started = started
         self.status = "completed"
 
     def restart(self) -> None:
-        from .parallel import on_root
         like = {n: getattr(self.heads, n) for n in PARAMS} | self.optimizer.state()
         data = on_root(self.comm, read_checkpoint, self.checkpoint_file, self.cfg, like)
         meta = data.pop("meta")
@@ -242,7 +241,7 @@ class Trainer:
         steps = self.train["steps"]
         params = {n: getattr(self.heads, n) for n in PARAMS}  # views: updated in place
         t0 = time.perf_counter() - (self.history[-1]["wall_time"] if self.history else 0.0)
-        started, last = time.perf_counter(), 0.0
+        started, last = self.started or time.perf_counter(), 0.0
         for k in range(self.start, steps + 1):
             if self.walltime is not None and k > self.start and self._out_of_time(started, last):
                 # the walltime guard: stop with a checkpoint at theta_k (restart continues)
@@ -251,8 +250,8 @@ class Trainer:
                     log.warning("warning: walltime guard: stopping before step %d (%.0f s of %.0f s "
                                 "used); continue with --restart", k, time.perf_counter() - started,
                                 self.walltime)
-                    write_checkpoint(self.checkpoint_file, self.heads, self.optimizer, k,
-                                     self.history, self.rng, self.cfg)
+                on_root(self.comm, write_checkpoint, self.checkpoint_file, self.heads, self.optimizer,
+                        k, self.history, self.rng, self.cfg)
                 break
             step_start = time.perf_counter()
             g = self.adjoint.gradient()
@@ -268,12 +267,10 @@ class Trainer:
             self.history.append(row)
             log.info("train step %4d  risk=%.10e  |grad|=%.3e  step=%.3g  %7.1f s",
                      k, g.risk, row["grad_norm"], disp, row["wall_time"])
-            if self.comm.rank == 0:
-                self._write(k, before)
+            on_root(self.comm, self._write, k, before)   # a full disk ends every rank
             if k < steps and ((k + 1) % self.train["checkpoint_every"] == 0 or k + 1 == steps):
-                if self.comm.rank == 0:
-                    write_checkpoint(self.checkpoint_file, self.heads, self.optimizer, k + 1,
-                                     self.history, self.rng, self.cfg)
+                on_root(self.comm, write_checkpoint, self.checkpoint_file, self.heads, self.optimizer,
+                        k + 1, self.history, self.rng, self.cfg)
             self.last_gradient = g
             last = time.perf_counter() - step_start
         return self.history

@@ -368,17 +368,28 @@ class DGTransport:
     def moments(self, coeffs: np.ndarray, centre: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
         """Mass, mean and covariance of the normalised density, by a quadrature exact for
         rho * polynomials of degree 2 on affine cells."""
+        s = self.summary(coeffs, centre)
+        return s["mass"], s["mean"], s["cov"]
+
+    def summary(self, coeffs: np.ndarray, centre: np.ndarray) -> dict:
+        """mass = int rho, negative_mass ~ int max(0, -rho) (the same points with the
+        weights' magnitudes: some rules on tetrahedra have negative weights), mean and
+        covariance of rho / mass: one Allreduce."""
         self.set_state(coeffs)
-        w = self.moment_rule.weights()
-        y = self.moment_rule.points - centre
+        rule = self.moment_rule
+        values = rule.values()
+        w = values * rule.measure
+        y = rule.points - centre
         d = self.d
-        local = np.concatenate([[w.sum()], w @ y, np.einsum("q,qi,qj->ij", w, y, y).ravel()])
+        local = np.concatenate([[w.sum(), np.abs(rule.measure) @ np.maximum(0.0, -values)], w @ y,
+                                np.einsum("q,qi,qj->ij", w, y, y).ravel()])
         tot = np.empty_like(local)
         self.comm.Allreduce(local, tot, op=MPI.SUM)
         mass = tot[0]
-        first = tot[1:1 + d] / mass
-        cov = tot[1 + d:].reshape(d, d) / mass - np.outer(first, first)
-        return float(mass), centre + first, cov
+        with np.errstate(divide="ignore", invalid="ignore"):
+            first = tot[2:2 + d] / mass
+            cov = tot[2 + d:].reshape(d, d) / mass - np.outer(first, first)
+        return {"mass": float(mass), "negative_mass": float(tot[1]), "mean": centre + first, "cov": cov}
 
     def min_value(self, coeffs: np.ndarray) -> float:
         """min rho over all check points of all cells (see cell_minima)."""

@@ -44,3 +44,13 @@ def write_config(folder, text: str, name: str = "run.toml") -> str:
     with open(path, "w") as f:
         f.write(textwrap.dedent(text))
     return path
+
+
+def check_one_line_error(proc, expected, status=2):
+    """The CLI ended with ``status`` and one ``pdeformer: error:`` line containing
+    ``expected``, without a traceback."""
+    assert proc.returncode == status, proc.stderr
+    text = proc.stdout + proc.stderr
+    assert "Traceback" not in text, text
+    ours = [l for l in proc.stderr.splitlines() if l.startswith("pdeformer: error:")]
+    assert len(ours) == 1 and expected in ours[0], proc.stderr

@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from conftest import ROOT, requires_dolfinx, run_cli, write_config
+from conftest import ROOT, check_one_line_error, requires_dolfinx, run_cli, write_config
 
 pytestmark = [requires_dolfinx]
 
@@ -158,17 +158,17 @@ def test_uniform_attention_velocity_read_back(tmp_path):
     frames = read_pvd(os.path.join(out, "velocity_blob.pvd"))
     assert [t for t, _ in frames] == [0.0, 0.25, 0.5, 0.75, 1.0]
     means = {r["t"]: [r["mean_0"], r["mean_1"]] for r in rows if r["prompt"] == "blob"}
+    assert sorted(means) == [0.0, 0.25, 0.5, 0.75, 1.0]   # a diagnostics row at every frame
+    from pdeformer.exact import expm
     for t, path in frames:
         layer = min(int(np.floor(t * 2 + 1e-9)), 1)       # the layer holding t (t = 1: the last)
         v = read_vtu(path)["point_data"]["velocity"][:, :2]
         np.testing.assert_allclose(v, np.tile(v[0], (len(v), 1)), atol=1e-13)   # uniform in x
-        if t in means:  # layer boundaries: compare with the mean in diagnostics.csv
-            np.testing.assert_allclose(v[0], V[layer].mean(axis=0) @ means[t], atol=1e-12)
-        else:           # inside a layer: that layer's Vbar m(t), m(t) = e^{(t - t_l) Vbar} m(t_l)
-            from pdeformer.exact import expm
-            Vbar, t_l = V[layer].mean(axis=0), layer / 2
-            expect = Vbar @ expm((t - t_l) * Vbar) @ means[t_l]
-            np.testing.assert_allclose(v[0], expect, rtol=1e-3)   # the scheme's time error
+        Vbar = V[layer].mean(axis=0)
+        np.testing.assert_allclose(v[0], Vbar @ means[t], atol=1e-12)
+        if t in (0.25, 0.75):   # inside a layer m(t) = e^{(t - t_l) Vbar} m(t_l), t_l its start
+            t_l = layer / 2
+            np.testing.assert_allclose(means[t], expm((t - t_l) * Vbar) @ means[t_l], rtol=1e-3)
 
 
 def test_petsc_options_reach_the_mass_solver(tmp_path):
@@ -353,6 +353,8 @@ def bad_input_cases(tmp_path):
         (["--set", "prompts[1].lower=[5.0,5.0]", "prompts[1].upper=[6.0,6.0]"], "prompts[1] ('box'): the prompt lies outside the mesh"),
         (["--set", "prompts[0].means=[[0.0,0.0,0.0],[1.0,1.0,1.0]]"], "prompts[0].means: expected a list of 2-vectors"),
         (["--set", "petsc.ksp_type=nonsense"], "petsc: PETSc rejected the mass solver options"),
+        (["--set", "prompts[0].covs=[1e-4,[[0.3,0.1],[0.1,0.2]]]"],   # cells of 0.5: unresolved
+         "prompts[0].covs[0]: standard deviation 0.01"),
         (["--set", "output.format=vtx"] if not _has_vtx() else ["--set", "discretisation.degree=0"],
          "output.format: 'vtx' needs" if not _has_vtx() else "discretisation.degree: "),
     ]
@@ -361,14 +363,6 @@ def bad_input_cases(tmp_path):
 def _has_vtx():
     from pdeformer._dolfinx import has_vtx
     return has_vtx()
-
-
-def check_one_line_error(proc, expected, status=2):
-    assert proc.returncode == status, proc.stderr
-    text = proc.stdout + proc.stderr
-    assert "Traceback" not in text, text
-    ours = [l for l in proc.stderr.splitlines() if l.startswith("pdeformer: error:")]
-    assert len(ours) == 1 and expected in ours[0], proc.stderr
 
 
 def test_bad_input_gives_one_line(tmp_path):

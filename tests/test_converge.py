@@ -80,7 +80,7 @@ def test_finest_reference_and_density_errors_across_meshes(tmp_path):
     ("study.quantities=[\"mmd\"]", "study.quantities: 'mmd' is not measured by command 'forward'"),
 ])
 def test_study_errors(tmp_path, override, message):
-    from test_cli import check_one_line_error
+    from conftest import check_one_line_error
     proc = run_cli(["converge", os.path.join(STUDIES, "mesh.toml"), "--set", override,
                     f"output.dir={tmp_path}/e"], check=False)
     check_one_line_error(proc, message)

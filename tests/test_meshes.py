@@ -273,7 +273,8 @@ def test_a_rank_without_cells(tmp_path):
     from conftest import ROOT, run_cli
     from pdeformer.output import read_diagnostics
     config = os.path.join(ROOT, "runs", "interval.toml")
-    small = ["mesh.cells=[1]", "model.layers=2", "model.heads=4"]
+    # one cell of width 10 resolves only Gaussians wider than 10/8 (narrower: bad input)
+    small = ["mesh.cells=[1]", "model.layers=2", "model.heads=4", "prompts[0].covs=[2.0,3.0]"]
     for n in (1, 2):
         run_cli(["forward", config, "--set", *small, f"output.dir={tmp_path}/f{n}"], nprocs=n)
         run_cli(["gradient", config, "--set", *small, f"output.dir={tmp_path}/g{n}", "output.fields=false",

@@ -365,7 +365,7 @@ def test_ntk_command_reports_dependence(tmp_path):
 
 @requires_dolfinx
 def test_ntk_bad_input(tmp_path):
-    from test_cli import check_one_line_error
+    from conftest import check_one_line_error
     cfg = SHIPPED
     out = f"output.dir={tmp_path}/out"
     check_one_line_error(run_cli(["ntk", cfg, "--set", out, "ntk.depth=0.3"], check=False),
@@ -387,7 +387,7 @@ def test_ntk_bad_input(tmp_path):
 @requires_dolfinx
 @pytest.mark.mpi
 def test_ntk_bad_input_ends_the_mpi_job(tmp_path):
-    from test_cli import check_one_line_error
+    from conftest import check_one_line_error
     proc = run_cli(["ntk", SHIPPED, "--set", f"output.dir={tmp_path}/out", "ntk.depth=0.3"],
                    nprocs=2, check=False, timeout=120)
     check_one_line_error(proc, "ntk.depth: 0.3 is not a frame time")

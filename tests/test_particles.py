@@ -173,7 +173,7 @@ def test_particles_command_same_on_one_and_two_ranks(tmp_path):
 
 
 def test_particles_refuse_l2(tmp_path):
-    from test_cli import check_one_line_error
+    from conftest import check_one_line_error
     cfg = write_config(tmp_path, CONFIG.replace('kind = "potential"\ncenter = [0.5, 0.0]', 'kind = "l2"')
                        + "target = { kind = 'uniform', lower = [-1.0, -1.0], upper = [1.0, 1.0] }\n")
     proc = run_cli(["particles", cfg, "--gradient"], cwd=str(tmp_path), check=False)

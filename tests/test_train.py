@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import requires_dolfinx, run_cli, write_config
-from test_cli import check_one_line_error
+from conftest import check_one_line_error
 
 pytestmark = [requires_dolfinx]
 
