@@ -85,6 +85,8 @@ def geometry_nodes(mesh) -> np.ndarray:
     (num_cells, nodes_per_cell); (0, 1) on a rank with no cell."""
     g = mesh.geometry.dofmap
     if isinstance(g, np.ndarray):
+        if g.size == 0:
+            return np.zeros((0, 1), dtype=np.int32)
         return g.reshape(g.shape[0], -1)
     if g.num_nodes == 0:
         return np.zeros((0, 1), dtype=np.int32)
