@@ -153,24 +153,28 @@ class AdjointSolver:
             for s in groups.owned:
                 tape = []
                 coeffs, _ = fw.solve_prompt(s, tape=tape)
-                tape_bytes = max(tape_bytes, sum(Y.nbytes + v.nbytes + getattr(p, "nbytes", 0)
-                                                 for _, _, st in tape for Y, v, p in st))
+                tape_bytes = max(tape_bytes, sum(
+                    sum(Y.nbytes + v.nbytes + getattr(p, "nbytes", 0) for Y, v, p in st)
+                    + sum(getattr(r, "nbytes", 0) for r in lim or ()) for _, _, st, lim in tape))
                 F, lam = self.objective_at(s, coeffs)
                 local[s] = F
                 self.start = fw.comm.allreduce(float(np.abs(self._dF).max(initial=0.0)), op=MPI.MAX)
                 name = fw.problem.prompts[s][0]
-                for layer, dt, stages in reversed(tape):
+                for layer, dt, stages, limits in reversed(tape):
                     with located(f"adjoint of prompt {name!r}, layer {layer}"):
-                        lam = self._step_vjp(lam, layer, dt, stages, dA, dV)
+                        lam = self._step_vjp(lam, layer, dt, stages, limits, dA, dV)
         risks = groups.gather_prompts(local)
         for a in (dA, dV):
             groups.world.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
         return Gradient.of_heads(heads, risks, dA / S, dV / S, tape_bytes)
 
-    def _step_vjp(self, lam, layer, dt, stages, dA, dV) -> np.ndarray:
-        """Cotangent of a step's start from that of its end (Shu-Osher form reversed)."""
+    def _step_vjp(self, lam, layer, dt, stages, limits, dA, dV) -> np.ndarray:
+        """Cotangent of a step's start from that of its end (Shu-Osher form reversed,
+        through the limiter's Jacobian at every limited stage)."""
+        tr = self.forward.transport
+        limit_vjp = (lambda i, bar: tr.limit_vjp(limits[i - 1], bar)) if limits else None
         return ssp_step_vjp(self.forward.scheme, lam, dt,
-                            lambda j, Lbar: self._rate_vjp(*stages[j], layer, Lbar, dA, dV))
+                            lambda j, Lbar: self._rate_vjp(*stages[j], layer, Lbar, dA, dV), limit_vjp)
 
     def _rate_vjp(self, Y, vel, plan, layer, Lbar, dA, dV) -> np.ndarray:
         fw = self.forward

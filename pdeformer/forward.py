@@ -44,6 +44,13 @@ MAX_STEPS_PER_LAYER = 200_000
 # see docs/reliability.md for the values the shipped configs and tests reach).
 BLOWUP_NEGATIVE_MASS = 0.25   # int max(0, -rho) (the initial mass is 1)
 BLOWUP_MASS_DRIFT = 1e-6      # |mass + outflow - 1| (DG conserves mass to round-off)
+# A frozen step plan is made again for the rest of its frame when the velocity has grown
+# so that its step exceeds the CFL step by this factor (see FramePlan).
+REPLAN_SLACK = 1.25
+# For a density >= 0 the attention average of every head lies in the hull of the sources,
+# so |v| <= (1/H) sum_h |V_h| max_y |y|; a velocity this many times above that bound comes
+# from a partition function made tiny or negative by negative weights.
+HULL_SLACK = 2.0
 
 
 @contextmanager
@@ -108,9 +115,6 @@ def build_problem(cfg: dict, comm, differentiable: bool = False,
     if differentiable:
         if objective is None:
             raise ConfigError("objective.kind", "missing: gradient and train need an [objective]")
-        if disc["limiter"]:
-            raise ConfigError("discretisation.limiter", "the limiter is not differentiable: set it "
-                              "false for gradient and train runs")
     mesh = make_mesh(comm, cfg["mesh"])
     d = mesh.topology.dim
     heads = build_heads(comm, cfg["model"], d)
@@ -129,6 +133,44 @@ def build_problem(cfg: dict, comm, differentiable: bool = False,
         raise ConfigError("output.frames_per_layer",
                           f"{out['frames_per_layer']} does not divide discretisation.steps_per_layer = {spl}")
     return Problem(comm, cfg, mesh, heads, prompts, objective, targets, groups)
+
+
+class FramePlan:
+    """The steps of one frame when they are fixed, as segments [planned, taken]:
+    ``planned`` uniform steps over what was left of the frame, of which ``taken`` were
+    made. A frozen plan (gradient runs) is made as the frame goes: its first segment
+    from the CFL step at the frame's start, and a new one (the rest of the frame planned
+    again) whenever the velocity grows so that the planned step is more than
+    REPLAN_SLACK times the CFL step -- so no frozen step is unstable. Replaying the
+    segments repeats exactly the same steps (the tape, and later risk evaluations)."""
+
+    def __init__(self, segments: list | None = None, deciding: bool = False):
+        self.segments = segments if segments is not None else []
+        self.deciding = deciding
+        self._segment, self._done = 0, 0   # replay cursor
+
+    def plan(self, steps: int) -> None:
+        """Plan what is left of the frame in ``steps`` uniform steps (deciding)."""
+        self.segments.append([steps, 0])
+
+    def left(self) -> int:
+        """Steps left in the current segment, counting the one about to be taken."""
+        if self.deciding:
+            planned, taken = self.segments[-1]
+            return planned - taken
+        return self.segments[self._segment][0] - self._done
+
+    def took(self) -> None:
+        if self.deciding:
+            self.segments[-1][1] += 1
+            return
+        self._done += 1
+        if self._done == self.segments[self._segment][1] and self._segment + 1 < len(self.segments):
+            self._segment, self._done = self._segment + 1, 0
+
+    @property
+    def steps(self) -> int:
+        return sum(taken for _, taken in self.segments)
 
 
 @dataclass
@@ -183,8 +225,9 @@ class ForwardSolver:
         # uniform steps per frame with counts frozen at the frame's start (gradients need
         # a step plan that does not move with the heads); step_counts can be preset
         self.freeze_steps = False
-        self.step_counts: dict[tuple[int, int, int], int] = {}  # (prompt, layer, frame) -> n
+        self.step_counts: dict[tuple[int, int, int], FramePlan] = {}  # (prompt, layer, frame)
         self.box = bounding_box(self.comm, problem.mesh)
+        self._reach = None     # max |y| over the attention sources (velocity_bound)
         self.cell = shortest_edge(self.comm, problem.mesh)
         self.centre = np.mean(self.box, axis=0)
         self.stats = {"steps": 0, "velocity_evaluations": 0}
@@ -276,9 +319,10 @@ class ForwardSolver:
                      ) -> tuple[np.ndarray, float]:
         """Transport prompt ``index`` from t = 0 to 1; returns (coefficients, outflow).
 
-        With ``tape`` (a list), every step appends ``(layer, dt, stages)``, stages being
-        the (density, velocity) pairs at which the scheme evaluated its right-hand side:
-        what the adjoint sweep needs."""
+        With ``tape`` (a list), every step appends ``(layer, dt, stages, limits)``, stages
+        being the (density, velocity, kernel plan) at which the scheme evaluated its
+        right-hand side and limits what the limiter did to each new stage (None without
+        the limiter; see DGTransport.limit): what the adjoint sweep needs."""
         name = self.problem.prompts[index][0]
         self.current_prompt, self.evaluations = index, 0
         self._tape_room = self.velocity_field.tape_mb * 2 ** 20 if tape is not None else 0
@@ -322,8 +366,7 @@ class ForwardSolver:
             march["overshoot"] = 0.0
             for f in range(1, F + 1):
                 t_end = (layer + f / F) / L
-                frame_steps = 0
-                n_frame = self._fixed_frame_steps(index, layer, f)
+                plan = self._frame_plan(index, layer, f)
                 while t < t_end:
                     with located(f"prompt {name!r}, layer {layer}, t = {t:.6g}") as where:
                         if cache is not None and cache[0] is state and cache[1] == layer:
@@ -333,11 +376,14 @@ class ForwardSolver:
                             vel0 = self.velocity(state[0], layer)
                             plan0 = self.velocity_field.last_sum
                         dt_cfl, vmax = self.transport.cfl_step(self.disc["cfl"] * self.scheme.cfl_factor)
-                        if n_frame is None and self.freeze_steps:  # uniform steps, count frozen now
-                            n_frame = self._cfl_steps(t_end - t, dt_cfl, vmax, layer_steps)
-                            self.step_counts[(index, layer, f)] = n_frame
-                        n_left = (n_frame - frame_steps if n_frame is not None
-                                  else self._cfl_steps(t_end - t, dt_cfl, vmax, layer_steps))
+                        self._check_hull(vmax, layer)
+                        if plan is None:   # CFL steps, chosen afresh every step
+                            n_left = self._cfl_steps(t_end - t, dt_cfl, vmax, layer_steps)
+                        else:              # uniform steps, planned now or replayed
+                            if plan.deciding and (not plan.segments or (t_end - t) / plan.left()
+                                                  > REPLAN_SLACK * dt_cfl):
+                                plan.plan(self._cfl_steps(t_end - t, dt_cfl, vmax, layer_steps))
+                            n_left = plan.left()
                         dt = (t_end - t) / n_left
                         overshoot = dt * self.disc["cfl"] / dt_cfl
                         march["overshoot"] = max(march["overshoot"], overshoot)
@@ -349,7 +395,8 @@ class ForwardSolver:
                         state = self._step(state, dt, layer, (vel0, plan0), tape)
                         if any_rank(self.comm, not np.all(np.isfinite(state[0]))):
                             raise SolverBreakdown("the density is NaN or overflows after this step")
-                    frame_steps += 1
+                    if plan is not None:
+                        plan.took()
                     layer_steps += 1
                     march["steps"] += 1
                     march["dt"] = dt
@@ -358,6 +405,28 @@ class ForwardSolver:
         self.prompt_info[index]["steps"] = march["steps"]
         self.stats["steps"] += march["steps"]
         return state[0], self._outflow(state)
+
+    def velocity_bound(self, layer: int) -> float:
+        """(1/H) sum_h |V_h|_2 max_y |y|: the largest |v| a density >= 0 can give."""
+        if self._reach is None:
+            pts = self.transport.sources.points
+            local = float(np.max(np.linalg.norm(pts, axis=1))) if len(pts) else 0.0
+            self._reach = self.comm.allreduce(local, op=MPI.MAX)
+        V = self.problem.heads.V[layer]
+        return float(np.mean(np.linalg.norm(V, ord=2, axis=(1, 2)))) * self._reach
+
+    def _check_hull(self, vmax: float, layer: int) -> None:
+        """A breakdown when the velocity is far above what a density >= 0 can give: the
+        softmax's partition function was made tiny or negative by negative weights (the
+        density's undershoot where the heads weight its tails); vmax is all-reduced."""
+        bound = self.velocity_bound(layer)
+        if vmax > HULL_SLACK * bound:
+            raise SolverBreakdown(
+                f"the velocity reaches |v| = {vmax:.3g}, {vmax / bound:.3g} times the most a density "
+                f">= 0 gives ({bound:.3g}): the attention's partition function is tiny or negative "
+                "where the heads weight the density's negative undershoot"
+                + ("; set discretisation.limiter = true" if not self.disc["limiter"]
+                   else "; refine mesh.cells"))
 
     def _unstable_step(self, dt: float, vmax: float, overshoot: float) -> str:
         """What made a step past the stability limit, and the setting that fixes it."""
@@ -401,8 +470,7 @@ class ForwardSolver:
             cause = ("the steps kept the CFL limit, so the mesh does not resolve the density these "
                      "heads make or their feedback (the velocity's change with the density) is faster "
                      "than the step: refine mesh.cells or lower discretisation.cfl"
-                     + ("" if self.disc["limiter"] or self.freeze_steps else
-                        " (or set discretisation.limiter = true)"))
+                     + ("" if self.disc["limiter"] else " (or set discretisation.limiter = true)"))
         return SolverBreakdown(f"{where}: the density blew up: {what}; {cause}")
 
     def _warn_outflow(self, diag: dict, where: str) -> bool:
@@ -426,14 +494,20 @@ class ForwardSolver:
         """The mass that has left the mesh: each rank integrates its own boundary's part."""
         return float(self.comm.allreduce(float(state[1][0]), op=MPI.SUM))
 
-    def _fixed_frame_steps(self, index: int, layer: int, frame: int) -> int | None:
-        """Steps of a frame when they are fixed: steps_per_layer, or a frozen plan."""
+    def _frame_plan(self, index: int, layer: int, frame: int) -> "FramePlan | None":
+        """The uniform steps of a frame when they are fixed: steps_per_layer, or a frozen
+        plan (replayed when this evaluation made it already, else planned as the frame
+        goes and kept in step_counts); None for CFL steps chosen every step."""
         spl = self.disc["steps_per_layer"]
         if spl is not None:
-            return spl // self.frames_per_layer
-        if self.freeze_steps:
-            return self.step_counts.get((index, layer, frame))
-        return None
+            return FramePlan([[spl // self.frames_per_layer, spl // self.frames_per_layer]])
+        if not self.freeze_steps:
+            return None
+        key = (index, layer, frame)
+        if key in self.step_counts:
+            return FramePlan(self.step_counts[key].segments)
+        plan = self.step_counts[key] = FramePlan(deciding=True)
+        return plan
 
     def _cfl_steps(self, span: float, dt_cfl: float, vmax: float, layer_steps: int) -> int:
         """ceil(span / dt_cfl): steps left so that the last one lands exactly on the end."""
@@ -460,7 +534,7 @@ class ForwardSolver:
         computed for the step size."""
         tr = self.transport
         limiter = self.disc["limiter"]
-        stages = []
+        stages, limits = [], []
 
         def rhs(Y, j):
             if j > 0:
@@ -479,11 +553,11 @@ class ForwardSolver:
             if not limiter:
                 return Y
             with self.timer.phase("limiter"):
-                return [tr.limit(Y[0]), Y[1]]
+                return [tr.limit(Y[0], limits if tape is not None else None), Y[1]]
 
         new = ssp_step(self.scheme, state, dt, rhs, limit)
         if tape is not None:
-            tape.append((layer, dt, stages))
+            tape.append((layer, dt, stages, limits if limiter else None))
         return new
 
     # ------------------------------------------------------------ diagnostics

@@ -272,8 +272,8 @@ def _counts(solver) -> dict:
     if solver.disc["steps_per_layer"] is not None:
         return {"steps_per_layer": solver.disc["steps_per_layer"]}
     local = {}
-    for (s, layer, _), n in sorted(solver.step_counts.items()):
-        local.setdefault(s, [0] * solver.problem.heads.layers)[layer] += n
+    for (s, layer, _), plan in sorted(solver.step_counts.items()):
+        local.setdefault(s, [0] * solver.problem.heads.layers)[layer] += plan.steps
     groups = solver.problem.groups
     counts = groups.gather_prompts(local)
     return {name: c for name, c in zip(groups.names, counts) if c is not None}

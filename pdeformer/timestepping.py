@@ -103,10 +103,13 @@ def ssp_step(scheme: SSPScheme, u: State, dt: float, rhs: Callable[[State, int],
 
 
 def ssp_step_vjp(scheme: SSPScheme, lam: np.ndarray, dt: float,
-                 rate_vjp: Callable[[int, np.ndarray], np.ndarray]) -> np.ndarray:
+                 rate_vjp: Callable[[int, np.ndarray], np.ndarray],
+                 limit_vjp: Callable[[int, np.ndarray], np.ndarray] | None = None) -> np.ndarray:
     """Cotangent of a step's start from that of its end ``lam``: the Shu-Osher form of
-    :func:`ssp_step` (single-array state, no limiter) reversed. ``rate_vjp(j, Lbar)``
-    returns the cotangent of stage j's input for the cotangent Lbar of its rate L(Y_j)."""
+    :func:`ssp_step` (single-array state) reversed. ``rate_vjp(j, Lbar)`` returns the
+    cotangent of stage j's input for the cotangent Lbar of its rate L(Y_j);
+    ``limit_vjp(i, Ybar)`` (with a limiter) that of the unlimited stage i from that of
+    the limited one, i = 1..s."""
     s = scheme.stages
     Ybar, Lbar = [None] * (s + 1), [None] * s
     Ybar[s] = lam
@@ -116,6 +119,8 @@ def ssp_step_vjp(scheme: SSPScheme, lam: np.ndarray, dt: float,
 
     for i in range(s, 0, -1):
         if Ybar[i] is not None:
+            if limit_vjp is not None:
+                Ybar[i] = limit_vjp(i, Ybar[i])
             for j, (a, b) in enumerate(zip(scheme.alpha[i - 1], scheme.beta[i - 1])):
                 if a:
                     add(Ybar, j, a * Ybar[i])

@@ -26,6 +26,8 @@ moments reported as diagnostics.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import basix
 import numpy as np
 import ufl
@@ -120,6 +122,24 @@ class CellQuadrature:
         return out
 
 
+@dataclass
+class LimitedCells:
+    """What the limiter did at one stage, for its Jacobian (see DGTransport.limit_vjp):
+    the limited owned cells, theta, mean, minimum, c - mean and d min / d c per cell."""
+
+    cells: np.ndarray
+    theta: np.ndarray
+    mean: np.ndarray
+    low: np.ndarray
+    dev: np.ndarray
+    min_gradient: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.cells, self.theta, self.mean, self.low, self.dev,
+                                      self.min_gradient))
+
+
 class DGTransport:
     """Spaces, forms and solvers of the DG transport step (one instance per run).
 
@@ -155,9 +175,10 @@ class DGTransport:
         self.moment_rule = CellQuadrature(mesh, degree + 2 if simplex else degree + 4, self.u)
         # rho is checked (limiter, min_rho) at the vertices, the attention sources and the
         # facet points where the upwind flux reads it, besides the Lagrange nodes
-        self._check_expr = dfx.expression(self.u, np.vstack([
-            reference_vertices(mesh), quadrature(mesh, source_degree)[0],
-            reference_facet_points(mesh, self.facet_degree)]))
+        self._check_points = np.vstack([reference_vertices(mesh), quadrature(mesh, source_degree)[0],
+                                        reference_facet_points(mesh, self.facet_degree)])
+        self._check_expr = dfx.expression(self.u, self._check_points)
+        self._check_basis = None
 
     # ---------------------------------------------------------------- forms
     def _residual(self, w):
@@ -329,28 +350,82 @@ class DGTransport:
         return f
 
     # ---------------------------------------------------------------- limiter, CFL
-    def cell_minima(self, coeffs: np.ndarray) -> np.ndarray:
-        """min of rho over each owned cell's check points: its Lagrange nodes (where the
-        coefficients are the values), vertices, attention sources and facet flux points."""
+    def cell_minima(self, coeffs: np.ndarray, where: bool = False):
+        """min of rho over each owned cell's check points: its vertices, attention sources
+        and facet flux points, then its Lagrange nodes (where the coefficients are the
+        values). With ``where`` also the index of the point of the minimum in that order."""
         self.set_state(coeffs)
-        vals = dfx.evaluate(self._check_expr, self.mesh, self.sources.cells)
-        return np.minimum(vals.min(axis=1), self.u.x.array[self.cell_dofs].min(axis=1))
+        vals = np.hstack([dfx.evaluate(self._check_expr, self.mesh, self.sources.cells),
+                          self.u.x.array[self.cell_dofs]])
+        low = vals.min(axis=1) if vals.shape[0] else np.zeros(0)
+        return (low, vals.argmin(axis=1) if vals.shape[0] else np.zeros(0, int)) if where else low
 
-    def limit(self, coeffs: np.ndarray) -> np.ndarray:
+    def limit(self, coeffs: np.ndarray, record: list | None = None) -> np.ndarray:
         """Scale each cell's deviation from its mean so that rho >= 0 at its check points
         (see cell_minima); cell means, hence mass, are unchanged:
-        c_i <- mean_K + theta_K (c_i - mean_K), theta_K = min(1, mean_K / (mean_K - min_K))."""
-        low = self.cell_minima(coeffs)
+        c_i <- m_K + theta_K (c_i - m_K), theta_K = min(1, m_K / (m_K - min_K)).
+        A cell whose mean is negative (a step past the positivity CFL) is flattened to its
+        mean (theta = 0): mass is kept, the rest of the run sees its negative mass.
+
+        With ``record`` (a list) appends what :meth:`limit_vjp` needs: None if no cell
+        was limited, else a :class:`LimitedCells`."""
+        low, arg = self.cell_minima(coeffs, where=True)
         c = self.u.x.array
         bad = low < 0.0
         if not np.any(bad):
+            if record is not None:
+                record.append(None)
             return coeffs
         dofs = self.cell_dofs[bad]
         mean = np.einsum("ki,ki->k", self.mean_weights[bad], c[dofs])
         with np.errstate(divide="ignore", invalid="ignore"):
             theta = np.where(mean > 0, np.minimum(1.0, mean / (mean - low[bad])), 0.0)
+        dev = c[dofs] - mean[:, None]
         out = coeffs.copy()
-        out[dofs] = mean[:, None] + theta[:, None] * (c[dofs] - mean[:, None])
+        out[dofs] = mean[:, None] + theta[:, None] * dev
+        if record is not None:
+            cells = np.flatnonzero(bad)
+            record.append(LimitedCells(cells, theta, mean, low[bad], dev,
+                                       self._minimum_gradient(cells, arg[bad])))
+        return out
+
+    def _minimum_gradient(self, cells: np.ndarray, points: np.ndarray) -> np.ndarray:
+        """d min_K / d c_K: the basis functions of each cell at its minimum's check point
+        (a row per cell; a unit vector where the minimum is a Lagrange node)."""
+        n = self.cell_dofs.shape[1]
+        if self._check_basis is None:   # phi_i at the check points, (points, dofs), on each cell
+            w = ufl.TestFunction(self.V)
+            self._check_basis = dfx.expression(w, self._check_points)
+        basis = dfx.evaluate(self._check_basis, self.mesh, self.sources.cells[cells])
+        basis = basis.reshape(len(cells), -1, n)
+        out = np.zeros((len(cells), n))
+        at_point = points < basis.shape[1]
+        out[at_point] = basis[np.flatnonzero(at_point), points[at_point]]
+        nodes = np.flatnonzero(~at_point)
+        out[nodes, points[nodes] - basis.shape[1]] = 1.0
+        return out
+
+    def limit_vjp(self, limited: "LimitedCells | None", bar: np.ndarray) -> np.ndarray:
+        """Cotangent of the limiter's input from that of its output (owned coefficients):
+        the transpose of its Jacobian at the recorded state. For a limited cell,
+        out_i = (1 - theta) m + theta c_i with m = w . c, theta = m / (m - min) and
+        d min = g . dc (g: the basis at the minimum's point), so
+        dtheta = (-min dm + m dmin) / (m - min)^2; flattened cells (m <= 0) have
+        out_i = m. Exact away from the switching set (min = 0, ties of the minimum)."""
+        if limited is None:
+            return bar
+        L = limited
+        dofs = self.cell_dofs[L.cells]
+        ob = bar[dofs]
+        w = self.mean_weights[L.cells]
+        total = ob.sum(axis=1)
+        cb = L.theta[:, None] * ob + ((1 - L.theta) * total)[:, None] * w
+        active = L.mean > 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            g = np.where(active, np.einsum("ki,ki->k", ob, L.dev) / (L.mean - L.low) ** 2, 0.0)
+        cb += (g * -L.low)[:, None] * w + (g * L.mean)[:, None] * L.min_gradient
+        out = bar.copy()
+        out[dofs] = cb
         return out
 
     def cfl_step(self, cfl: float) -> tuple[float, float]:

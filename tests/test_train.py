@@ -242,7 +242,6 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     (["prompts[0].target.mean=[0.1,0.2,0.3]"], "prompts[0].target.mean: expected 2 numbers"),
     (["train.lr=0"], "train.lr: expected a positive number"),
     (["train.steps=-1"], "train.steps: expected an integer in 0.."),
-    (["discretisation.limiter=true"], "discretisation.limiter: the limiter is not differentiable"),
     (["objective.kind=mmd"], "objective.bandwidth: missing"),
 ])
 def test_training_bad_input(tmp_path, args, expected):
