@@ -27,7 +27,6 @@ estimate, on every rank.
 from __future__ import annotations
 
 import math
-import os
 import xml.etree.ElementTree as ET
 
 from .errors import ConfigError
