@@ -29,6 +29,12 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def value_gain(V: np.ndarray) -> float:
+    """(1/H) sum_h |V_h|_2 for one layer's values V (H, d, d): |v(x)| <= value_gain * max_h
+    |m_h(x)| for v = (1/H) sum_h V_h m_h, and the same for errors of the m_h."""
+    return float(np.mean(np.linalg.norm(V, ord=2, axis=(1, 2))))
+
+
 def attention_matrices(Q: np.ndarray, K: np.ndarray) -> np.ndarray:
     """A_h = K_h^T Q_h for heads stacked along axis 0: (H,k,d), (H,k,d) -> (H,d,d).
 

@@ -27,6 +27,7 @@ import ufl
 from mpi4py import MPI
 
 from .errors import ConfigError, InputError, SolverBreakdown
+from .attention import value_gain
 from .heads import HeadMeasure
 from .mesh import bounding_box, make_mesh, shortest_edge
 from .parallel import PromptGroups, Timer, any_rank, on_root
@@ -228,6 +229,7 @@ class ForwardSolver:
         self.step_counts: dict[tuple[int, int, int], FramePlan] = {}  # (prompt, layer, frame)
         self.box = bounding_box(self.comm, problem.mesh)
         self._reach = None     # max |y| over the attention sources (velocity_bound)
+        self.outflow_warned: set[int] = set()   # prompts whose outflow was warned about
         self.cell = shortest_edge(self.comm, problem.mesh)
         self.centre = np.mean(self.box, axis=0)
         self.stats = {"steps": 0, "velocity_evaluations": 0}
@@ -329,8 +331,7 @@ class ForwardSolver:
         L, F = self.problem.heads.layers, self.frames_per_layer
         want_v = any(tr.needs_velocity for tr in trackers)
         state = [self.initial_coeffs[index].copy(), np.zeros(1)]
-        march = {"steps": 0, "dt": math.nan, "overshoot": 0.0,  # overshoot: max dt / dt(cfl 1) in the layer
-                 "outflow_warned": False}
+        march = {"steps": 0, "dt": math.nan, "overshoot": 0.0}  # overshoot: max dt / dt(cfl 1) in the layer
         cache = None  # (state, layer, velocity, plan): the next step's first stage reuses it
 
         def emit(t, layer, boundary):
@@ -350,8 +351,8 @@ class ForwardSolver:
             where = f"prompt {name!r}, layer {max(layer, 0)}, t = {t:.6g}"
             if failure is None:
                 failure = self.blowup(diag, march["overshoot"], where)
-            if failure is None and not march["outflow_warned"]:
-                march["outflow_warned"] = self._warn_outflow(diag, where)
+            if failure is None and index not in self.outflow_warned and self._warn_outflow(diag, where):
+                self.outflow_warned.add(index)   # once per prompt and run (not every training step)
             with self.timer.phase("output"):
                 for tr in trackers:
                     if failure is None or not tr.needs_velocity:
@@ -412,8 +413,7 @@ class ForwardSolver:
             pts = self.transport.sources.points
             local = float(np.max(np.linalg.norm(pts, axis=1))) if len(pts) else 0.0
             self._reach = self.comm.allreduce(local, op=MPI.MAX)
-        V = self.problem.heads.V[layer]
-        return float(np.mean(np.linalg.norm(V, ord=2, axis=(1, 2)))) * self._reach
+        return value_gain(self.problem.heads.V[layer]) * self._reach
 
     def _check_hull(self, vmax: float, layer: int) -> None:
         """A breakdown when the velocity is far above what a density >= 0 can give: the
@@ -474,7 +474,7 @@ class ForwardSolver:
         return SolverBreakdown(f"{where}: the density blew up: {what}; {cause}")
 
     def _warn_outflow(self, diag: dict, where: str) -> bool:
-        """Warn (once per prompt) when more mass than ``tail_tolerance`` has left the mesh:
+        """Warn when more mass than ``tail_tolerance`` has left the mesh:
         the moments then move by about |x - mean| times the mass lost, more than it
         (docs/verification.md). Whether it warned."""
         tol = self.disc["tail_tolerance"]

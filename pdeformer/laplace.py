@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from .attention import Sources, moments_from_sums, partial_sums
+from .attention import Sources, moments_from_sums, partial_sums, value_gain
 from .parallel import allgather_rows, any_rank
 from ._kernels import (KERNEL_DEGREE, PANEL_QMAX, fine_velocity, fine_velocity_vjp, kernels_on,
                        panel_gather, panel_spread)
@@ -1381,7 +1381,7 @@ def velocity_bound(table: "LaplaceTable", a: Assessment, V: np.ndarray, vmax: fl
         e_zeta = rel[1] * scales[1] + panel
         floor = 1.0 / kappa - e_zeta
         err = (e_mu + M * e_zeta) / floor if floor > 0 else math.inf
-    dv = float(np.mean(np.linalg.norm(V, ord=2, axis=(1, 2)))) * err
+    dv = value_gain(V) * err
     if dv == 0.0:
         return 0.0
     if not vmax > dv:        # the velocity could be all error

@@ -128,13 +128,7 @@ class FieldOutput(Tracker):
 
     def _close(self) -> bool:
         """Close the open series; whether that worked (the .pvd is written at the end)."""
-        ok = True
-        for s in self._series or ():
-            try:
-                s.close()
-            except RuntimeError:   # dolfinx: "Could not write VTKFile"
-                ok = False
-        return ok
+        return _close_all(self._series or ())
 
     def frame(self, solver, frame):
         if frame.prompt != self._prompt:
@@ -166,7 +160,7 @@ class FieldOutput(Tracker):
         series, prompt = self._series or [], self._prompt
         self._series, self._prompt = None, None
         self.files = [f for f in self.files if f not in {s.filename for s in series}]
-        self._close_quietly(series)
+        _close_all(series)
         solver.comm.Barrier()
         if solver.comm.rank == 0:
             for s in series:
@@ -178,13 +172,17 @@ class FieldOutput(Tracker):
                           f"{self.folder} ({'no space left on the device' if free < 2**20 else 'written incompletely'}); "
                           "its partial series were removed")
 
-    @staticmethod
-    def _close_quietly(series) -> None:
-        for s in series:
-            try:
-                s.close()
-            except RuntimeError:
-                pass
+
+def _close_all(series) -> bool:
+    """Close field series; whether every one closed (dolfinx raises "Could not write
+    VTKFile" when the .pvd it writes then fails)."""
+    ok = True
+    for s in series:
+        try:
+            s.close()
+        except RuntimeError:
+            ok = False
+    return ok
 
 
 def _remove(name: str) -> None:

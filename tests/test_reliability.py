@@ -259,6 +259,10 @@ def test_outflow_beyond_the_tail_tolerance_is_warned_once_per_prompt(tmp_path):
         assert f"t = {first[prompt]:.6g}:" in line
     proc = run_cli(["forward", cfg, "--set", "discretisation.tail_tolerance=1"], cwd=str(tmp_path))
     assert "left the mesh" not in proc.stderr
+    # training: once per prompt for the run, not once per step
+    proc = run_cli(["train", cfg, "--set", "mesh.lower=[-2,-2]", "mesh.upper=[2,2]", "train.steps=2"],
+                   cwd=str(tmp_path))
+    assert proc.stderr.count("of the mass has left the mesh") == 2, proc.stderr
 
 
 # ------------------------------------------------------------------ walltime with a slow rank 0
