@@ -46,7 +46,8 @@ MAX_STEPS_PER_LAYER = 200_000
 BLOWUP_NEGATIVE_MASS = 0.25   # int max(0, -rho) (the initial mass is 1)
 BLOWUP_MASS_DRIFT = 1e-6      # |mass + outflow - 1| (DG conserves mass to round-off)
 # A frozen step plan is made again for the rest of its frame when the velocity has grown
-# so that its step exceeds the CFL step by this factor (see FramePlan).
+# so that its step exceeds the CFL step by this factor, or the stability limit (cfl 1),
+# whichever comes first (see FramePlan).
 REPLAN_SLACK = 1.25
 # For a density >= 0 the attention average of every head lies in the hull of the sources,
 # so |v| <= (1/H) sum_h |V_h| max_y |y|; a velocity this many times above that bound comes
@@ -142,7 +143,8 @@ class FramePlan:
     made. A frozen plan (gradient runs) is made as the frame goes: its first segment
     from the CFL step at the frame's start, and a new one (the rest of the frame planned
     again) whenever the velocity grows so that the planned step is more than
-    REPLAN_SLACK times the CFL step -- so no frozen step is unstable. Replaying the
+    REPLAN_SLACK times the CFL step or past the stability limit -- so no frozen step is
+    unstable (unless discretisation.cfl > 1 asks for it). Replaying the
     segments repeats exactly the same steps (the tape, and later risk evaluations)."""
 
     def __init__(self, segments: list | None = None, deciding: bool = False):
@@ -377,12 +379,12 @@ class ForwardSolver:
                             vel0 = self.velocity(state[0], layer)
                             plan0 = self.velocity_field.last_sum
                         dt_cfl, vmax = self.transport.cfl_step(self.disc["cfl"] * self.scheme.cfl_factor)
-                        self._check_hull(vmax, layer)
+                        self._check_hull(vmax, vel0, layer)
                         if plan is None:   # CFL steps, chosen afresh every step
                             n_left = self._cfl_steps(t_end - t, dt_cfl, vmax, layer_steps)
                         else:              # uniform steps, planned now or replayed
                             if plan.deciding and (not plan.segments or (t_end - t) / plan.left()
-                                                  > REPLAN_SLACK * dt_cfl):
+                                                  > self._replan_factor * dt_cfl):
                                 plan.plan(self._cfl_steps(t_end - t, dt_cfl, vmax, layer_steps))
                             n_left = plan.left()
                         dt = (t_end - t) / n_left
@@ -392,7 +394,7 @@ class ForwardSolver:
                         if overshoot > 1 and not warned:
                             warned = True
                             if self.comm.rank == 0:
-                                log.warning("warning: %s: %s", where, self._unstable_step(dt, vmax, overshoot))
+                                log.warning("warning: %s: %s", where, self._unstable_step(dt, vmax, overshoot, plan))
                         state = self._step(state, dt, layer, (vel0, plan0), tape)
                         if any_rank(self.comm, not np.all(np.isfinite(state[0]))):
                             raise SolverBreakdown("the density is NaN or overflows after this step")
@@ -415,29 +417,47 @@ class ForwardSolver:
             self._reach = self.comm.allreduce(local, op=MPI.MAX)
         return value_gain(self.problem.heads.V[layer]) * self._reach
 
-    def _check_hull(self, vmax: float, layer: int) -> None:
+    def _check_hull(self, vmax: float, vel: np.ndarray, layer: int) -> None:
         """A breakdown when the velocity is far above what a density >= 0 can give: the
         softmax's partition function was made tiny or negative by negative weights (the
-        density's undershoot where the heads weight its tails); vmax is all-reduced."""
+        density's undershoot where the heads weight its tails). vmax is all-reduced; the
+        message gives, at the fastest node, how small Z is against its value for |rho|."""
         bound = self.velocity_bound(layer)
-        if vmax > HULL_SLACK * bound:
-            raise SolverBreakdown(
-                f"the velocity reaches |v| = {vmax:.3g}, {vmax / bound:.3g} times the most a density "
-                f">= 0 gives ({bound:.3g}): the attention's partition function is tiny or negative "
-                "where the heads weight the density's negative undershoot"
-                + ("; set discretisation.limiter = true" if not self.disc["limiter"]
-                   else "; refine mesh.cells"))
+        if not vmax > HULL_SLACK * bound:
+            return
+        speed = np.linalg.norm(vel, axis=1)
+        mine = (float(speed.max()), self.comm.rank) if speed.size else (-1.0, self.comm.rank)
+        owner = max(self.comm.allgather(mine))[1]
+        x = self.comm.bcast(self.velocity_field.targets[np.argmax(speed)] if self.comm.rank == owner
+                            else None, root=owner)
+        ratio = self.velocity_field.partition_ratio(self.transport.sources.points,
+                                                    self.transport.sources.weights(), layer, x)
+        h = int(np.argmin(ratio))
+        raise SolverBreakdown(
+            f"the velocity reaches |v| = {vmax:.3g} at x = {np.array2string(x, precision=3)}, "
+            f"{vmax / bound:.3g} times the most a density >= 0 gives ({bound:.3g}): the attention's "
+            f"partition function is tiny or negative there (head {h}: Z = {ratio[h]:.3g} times its "
+            "value for |rho|) where the heads weight the density's negative undershoot"
+            + ("; set discretisation.limiter = true" if not self.disc["limiter"]
+               else "; refine mesh.cells"))
 
-    def _unstable_step(self, dt: float, vmax: float, overshoot: float) -> str:
+    @property
+    def _replan_factor(self) -> float:
+        """A deciding frame plan is made again when its step exceeds this times the CFL
+        step: REPLAN_SLACK, or less where that would pass the stability limit (cfl 1)."""
+        return max(1.0, min(REPLAN_SLACK, 1.0 / self.disc["cfl"]))
+
+    def _unstable_step(self, dt: float, vmax: float, overshoot: float, plan) -> str:
         """What made a step past the stability limit, and the setting that fixes it."""
+        past = f"the step {dt:.3g} is {overshoot:.3g} times the stability limit (cfl 1 at |v| = {vmax:.3g})"
         if self.disc["steps_per_layer"] is not None:
-            return (f"the fixed step {dt:.3g} is {overshoot:.3g} times the stability limit "
-                    f"(cfl 1 at |v| = {vmax:.3g}): raise discretisation.steps_per_layer "
-                    f"(now {self.disc['steps_per_layer']}) or remove it for CFL steps")
-        return (f"the step count of this frame was fixed at its start (gradients need a step "
-                f"plan that does not move with the heads) and the velocity grew to |v| = "
-                f"{vmax:.3g}: the step {dt:.3g} is {overshoot:.3g} times the stability limit; "
-                f"raise output.frames_per_layer (shorter frames) or lower discretisation.cfl")
+            return (f"{past}: raise discretisation.steps_per_layer (now "
+                    f"{self.disc['steps_per_layer']}) or remove it for CFL steps")
+        if plan is not None and not plan.deciding:
+            return (f"{past}: this frame replays the step plan that the last gradient evaluation "
+                    "froze for other heads (risks then see the gradient's discrete map), and these "
+                    "heads move faster; evaluate the gradient again to plan for them")
+        return f"{past}: discretisation.cfl = {self.disc['cfl']} asks for it; lower it to at most 1"
 
     def blowup(self, diag: dict, overshoot: float, where: str) -> SolverBreakdown | None:
         """A breakdown if the density at a frame is garbage though finite: negative mass
@@ -465,7 +485,7 @@ class ForwardSolver:
             cause = (f"steps up to {overshoot:.3g} times the stability limit were taken in this layer: "
                      + ("raise discretisation.steps_per_layer or remove it for CFL steps"
                         if self.disc["steps_per_layer"] is not None else
-                        "raise output.frames_per_layer or lower discretisation.cfl"))
+                        "lower discretisation.cfl"))
         else:
             cause = ("the steps kept the CFL limit, so the mesh does not resolve the density these "
                      "heads make or their feedback (the velocity's change with the density) is faster "

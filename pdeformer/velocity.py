@@ -26,7 +26,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ._dolfinx import owned_node_coordinates
-from .attention import Sources, VelocityCotangent, attention_velocity, attention_velocity_vjp
+from .attention import (Sources, VelocityCotangent, attention_velocity, attention_velocity_vjp,
+                        partial_sums)
 from .errors import ConfigError, SolverBreakdown
 from .heads import HeadMeasure
 from .laplace import (N_MAX, N_MAX_FORCED, SIZES, LaplaceTable, TablePlan, TablePlanner,
@@ -183,6 +184,27 @@ class AttentionVelocity:
         v, plan = found
         self.last_sum = TableSum(plan, *self.planner.built)
         return v
+
+    def partition_ratio(self, points: np.ndarray, weights: np.ndarray, layer: int,
+                        x: np.ndarray) -> np.ndarray:
+        """Z_h(x) / Z_h^|w|(x) for every head h at one point x (d,), the same on all ranks:
+        the softmax's partition function Z_h(x) = sum_j w_j e^{<A_h x, y_j>} over the same
+        sum with |w_j|. 1 for a density >= 0; near 0 or negative where negative weights
+        carry the tilted measure, and the velocity is then ill-defined."""
+        b = np.einsum("hij,j->hi", self.heads.attention_matrices(layer), x)
+        origin = np.zeros(len(x))
+        shifts, sums = [], []
+        for w in (weights, np.abs(weights)):
+            shift, part = partial_sums(b, Sources.from_arrays(points, w), origin)
+            shifts.append(shift)
+            sums.append(part[:, 0])
+        shifts = np.array(shifts)
+        top = np.empty_like(shifts)
+        self.comm.Allreduce(shifts, top, op=MPI.MAX)   # -inf: no source on any rank
+        with np.errstate(invalid="ignore"):
+            scaled = np.where(np.isfinite(shifts), np.array(sums) * np.exp(shifts - top), 0.0)
+        self.comm.Allreduce(MPI.IN_PLACE, scaled, op=MPI.SUM)
+        return scaled[0] / scaled[1]
 
     def _replayed(self, points, weights, x, A, V, plan):
         """(v, plan) of exactly this plan (None: direct summation)."""

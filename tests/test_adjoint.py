@@ -282,6 +282,73 @@ def test_gradient_with_the_limiter_active(tmp_path, kind):
 
 
 @requires_dolfinx
+def test_frozen_plans_keep_the_stability_limit_and_replays_say_why_they_do_not(tmp_path, caplog):
+    """With cfl = 0.95 (close to the limit) a frozen plan is made again before its step
+    passes the stability limit, so the gradient warns of nothing; a risk evaluated for
+    faster heads (V doubled) replays the gradient's plan, and its warning says so and
+    what to do."""
+    from pdeformer.heads import HeadMeasure
+    adj = gradient_problem(tmp_path, "moments", heads=HeadMeasure.random(2, 2, 2, 2, seed=3, scale=1.5),
+                           disc={"cfl": 0.95, "limiter": True})
+    with caplog.at_level("WARNING", logger="pdeformer"):
+        adj.gradient()
+        assert not [r for r in caplog.records if "stability limit" in r.getMessage()]
+        assert max(len(p.segments) for p in adj.forward.step_counts.values()) >= 2
+        adj.forward.problem.heads.V[:] *= 2
+        adj.risk()
+    warned = [r.getMessage() for r in caplog.records if "stability limit" in r.getMessage()]
+    assert warned and all("replays the step plan that the last gradient evaluation froze" in w
+                          and w.endswith("evaluate the gradient again to plan for them") for w in warned)
+
+
+@requires_dolfinx
+def test_gradient_at_a_switching_point_of_the_limiter(tmp_path):
+    """Along a direction of head space, bisection finds where the set of limited cells
+    changes (one cell at one stage starts or stops being limited) to within 1e-12. The
+    risk is continuous there (theta = 1 on both sides), and its derivative jumps: the
+    adjoint slopes on the two sides differ by far more than the slope changes over an
+    equal step on one side, and by little (5e-8 relative measured; docs/training.md)."""
+    adj = gradient_problem(tmp_path, "moments", disc={"limiter": True, "steps_per_layer": 12})
+    heads = adj.forward.problem.heads
+    base = {n: getattr(heads, n).copy() for n in "QKV"}
+    rng = np.random.default_rng(1)
+    direction = {n: rng.normal(size=base[n].shape) for n in "QKV"}
+
+    def move(eps):
+        for n in "QKV":
+            getattr(heads, n)[:] = base[n] + eps * direction[n]
+
+    def limited_cells(eps):
+        move(eps)
+        tape = []
+        adj.forward.solve_prompt(0, tape=tape)
+        return [() if r is None else tuple(r.cells) for *_, limits in tape for r in limits]
+
+    def slope(eps):
+        move(eps)
+        g = adj.gradient()
+        return sum(np.sum(getattr(g, "d" + n) * direction[n]) for n in "QKV"), g.risk
+
+    try:
+        lo, hi = 0.0, 1e-3
+        first = limited_cells(lo)
+        assert limited_cells(hi) != first
+        while hi - lo > 1e-12:
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if limited_cells(mid) == first else (lo, mid)
+        changed = [set(a) ^ set(b) for a, b in zip(first, limited_cells(hi)) if a != b]
+        assert len(changed) == 1 and len(changed[0]) == 1, changed
+        (g_left, r_left), (g_right, r_right) = slope(lo), slope(hi)
+        g_before = slope(lo - (hi - lo))[0]
+    finally:
+        move(0.0)
+    assert abs(r_right - r_left) < 1e-13, (r_left, r_right)
+    jump = abs(g_right - g_left)
+    assert jump > 100 * abs(g_left - g_before), (g_before, g_left, g_right)
+    assert jump < 1e-6 * abs(g_left), (g_left, g_right)
+
+
+@requires_dolfinx
 def test_frozen_plans_are_made_again_when_the_velocity_grows(tmp_path, caplog):
     """Stronger heads (scale 1.5): the velocity grows inside the first frame, so its
     frozen plan gets a second segment instead of going on past the stability limit (no

@@ -332,6 +332,25 @@ def attention_velocity_direct(x, y, w, hm):
     return attention_velocity(x, Sources.from_arrays(y, w), hm.attention_matrices(0), hm.values(0))
 
 
+def test_partition_ratio_is_the_signed_over_the_absolute_sum():
+    """Z_h(x) / Z_h^|w|(x) against the sums written out (exponents small enough for a
+    plain sum); 1 for weights >= 0; a shift of all scores by 700 (e^700 near overflow)
+    leaves it unchanged."""
+    field, hm = _field("direct", 1e-8, heads=3, scale=0.8)
+    rng = np.random.default_rng(5)
+    y = rng.uniform(-2, 2, (400, 2))
+    w = rng.uniform(-0.3, 1.0, 400)
+    x = np.array([1.2, -0.7])
+    A = hm.attention_matrices(0)
+    e = np.exp(y @ (A @ x).T)                                   # (400, H)
+    ratio = (w @ e) / (np.abs(w) @ e)
+    np.testing.assert_allclose(field.partition_ratio(y, w, 0, x), ratio, rtol=1e-12)
+    np.testing.assert_allclose(field.partition_ratio(y, np.abs(w), 0, x), 1.0, rtol=1e-14)
+    b0 = A[0] @ x
+    far = y + 700 * b0 / (b0 @ b0)                              # head 0's scores + 700
+    np.testing.assert_allclose(field.partition_ratio(far, w, 0, x)[0], ratio[0], rtol=1e-10)
+
+
 def test_auto_uses_the_table_where_it_pays_and_meets_tol():
     y, w = grid_sources(DENSITIES["two_blobs"], n=100)       # 10^4 sources
     field, hm = _field("auto", 1e-7, heads=8)

@@ -356,6 +356,57 @@ def test_coarse_gradient_runs_end_cleanly(tmp_path):
     assert summary_of(tmp_path / "out")["status"] == "completed"
 
 
+SPIKE = """
+    [mesh]
+    lower = [-3.0]
+    upper = [3.0]
+    cells = [12]
+    [discretisation]
+    degree = 1
+    limiter = false
+    [model]
+    params = "heads.npz"
+    [output]
+    dir = "out"
+    fields = false
+    [[prompts]]
+    name = "spike"
+    kind = "file"
+    path = "spike.npz"
+"""
+
+
+def test_a_density_file_the_mesh_cannot_hold_stops_where_the_partition_function_fails(tmp_path):
+    """A user's density (>= 0) with a spike narrower than a cell: its DG-1 projection dips
+    to -0.68 in that cell, and one head with A = 3 weights the negative end. The run
+    stops where the velocity runs off, with the partition function there against its
+    value for |rho| (computed across ranks: 1 and 2 ranks say the same); with the
+    limiter the projection is >= 0 and the run completes."""
+    import numpy as np
+    x = np.linspace(-3, 3, 601)
+    np.savez(tmp_path / "spike.npz", points=x[:, None], density=np.maximum(0, 1 - np.abs(x - 0.15) / 0.15))
+    np.savez(tmp_path / "heads.npz", Q=np.full((1, 1, 1, 1), 3.0), K=np.ones((1, 1, 1, 1)),
+             V=np.ones((1, 1, 1, 1)))
+    cfg = write_config(tmp_path, SPIKE)
+    errors = []
+    for nprocs in (1, 2):
+        proc = run_cli(["forward", cfg], nprocs=nprocs, cwd=str(tmp_path), check=False)
+        check_one_line_error(proc, "prompt 'spike', layer 0, t = ", status=3)
+        line = next(l for l in proc.stderr.splitlines() if l.startswith("pdeformer: error:"))
+        assert "partition function is tiny or negative there (head 0: Z = " in line
+        assert line.endswith("set discretisation.limiter = true"), line
+        ratio = float(line.split("Z = ")[1].split()[0])
+        assert abs(ratio) < 0.1, line
+        errors.append(line)
+        rows = read_diagnostics(str(tmp_path / "out" / "diagnostics.csv"))
+        assert rows[0]["min_rho"] < -0.5
+        assert summary_of(tmp_path / "out")["status"] == "breakdown"
+    assert errors[0] == errors[1]
+    run_cli(["forward", cfg, "--set", "discretisation.limiter=true"], cwd=str(tmp_path))
+    rows = read_diagnostics(str(tmp_path / "out" / "diagnostics.csv"))
+    assert rows[0]["min_rho"] >= 0 and rows[-1]["t"] == 1.0
+
+
 @pytest.mark.mpi
 def test_a_rank_that_dies_ends_the_job(tmp_path):
     """kill -9 of rank 1 in the middle of a training: mpirun ends the job (rank 0 does
