@@ -8,8 +8,10 @@ calls::
     from pdeformer import load_config, run_forward
     result = run_forward(load_config("runs/default.toml"))
 
-Pure-numpy parts (``pdeformer.attention``, ``pdeformer.heads``, ``pdeformer.prompts``,
-``pdeformer.timestepping``, ``pdeformer.config``) import without dolfinx.
+Parts that import without dolfinx or PETSc: the kernel and head measure
+(``pdeformer.attention``, ``pdeformer.heads``, ``pdeformer.laplace``,
+``pdeformer.velocity``), prompts, objectives, timestepping, the particle model
+(``pdeformer.particles``), ``pdeformer.frames`` and ``pdeformer.config``.
 """
 
 __version__ = "0.1.0"

@@ -22,42 +22,16 @@ steps x stages x (DG dofs + d velocity nodes) doubles per prompt (see :meth:`tap
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 from mpi4py import MPI
 
 from .errors import SolverBreakdown
 from .forward import ForwardSolver, located
+from .heads import Gradient
 from .objectives import default_quadrature_degree
 from .parallel import any_rank
 from .timestepping import ssp_step_vjp
 from .transport import CellQuadrature
-
-
-@dataclass
-class Gradient:
-    risk: float
-    risks: list[float]       # per prompt
-    dQ: np.ndarray           # (L, H, k, d): dR/dQ
-    dK: np.ndarray
-    dV: np.ndarray           # (L, H, d, d)
-    tape_bytes: int = 0      # largest forward tape held (per rank)
-
-    def norm(self) -> float:
-        """The Euclidean norm of (dQ, dK, dV), scaled so that huge entries do not overflow."""
-        scale = max(float(np.abs(a).max(initial=0.0)) for a in (self.dQ, self.dK, self.dV))
-        if not 0 < scale < np.inf:
-            return scale
-        return scale * float(np.sqrt(sum(np.sum((a / scale) ** 2) for a in (self.dQ, self.dK, self.dV))))
-
-    @classmethod
-    def of_heads(cls, heads, risks: list, dA: np.ndarray, dV: np.ndarray,
-                 tape_bytes: int = 0) -> "Gradient":
-        """From dR/dA and dR/dV: A = K^T Q, so dR/dQ = K dR/dA and dR/dK = Q (dR/dA)^T."""
-        dQ = np.einsum("lhki,lhij->lhkj", heads.K, dA)
-        dK = np.einsum("lhki,lhji->lhkj", heads.Q, dA)
-        return cls(float(np.mean(risks)), risks, dQ, dK, dV, tape_bytes)
 
 
 HUGE_COSTATE = 1e150   # an adjoint starting this large overflows from its own size

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import logging
 import math
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import ufl
 from mpi4py import MPI
 
 from .errors import ConfigError, InputError, SolverBreakdown
+from .frames import Frame, Tracker, located  # noqa: F401  (Tracker: the base of the trackers)
 from .attention import value_gain
 from .heads import HeadMeasure
 from .mesh import bounding_box, make_mesh, shortest_edge
@@ -53,15 +53,6 @@ REPLAN_SLACK = 1.25
 # so |v| <= (1/H) sum_h |V_h| max_y |y|; a velocity this many times above that bound comes
 # from a partition function made tiny or negative by negative weights.
 HULL_SLACK = 2.0
-
-
-@contextmanager
-def located(where: str):
-    """Prefix a breakdown raised inside with where it happened (prompt, layer, t)."""
-    try:
-        yield where
-    except SolverBreakdown as e:
-        raise SolverBreakdown(f"{where}: {e}") from None
 
 
 @dataclass
@@ -174,40 +165,6 @@ class FramePlan:
     @property
     def steps(self) -> int:
         return sum(taken for _, taken in self.segments)
-
-
-@dataclass
-class Frame:
-    """The state of one prompt at an output time (t = 0 or the end of a frame)."""
-
-    prompt: str
-    prompt_index: int
-    t: float
-    layer: int            # layer in which the frame ends (-1 at t = 0)
-    layer_boundary: bool
-    steps: int            # steps taken so far for this prompt
-    dt: float             # last step size (nan at t = 0)
-    coeffs: np.ndarray
-    outflow: float
-    velocity: np.ndarray | None = None  # owned velocity nodes; heads of the layer holding t
-                                        # (at a layer boundary: the layer starting there)
-    extra: dict = field(default_factory=dict)
-
-
-class Tracker:
-    """Watches a forward run: ``start`` once, ``frame`` at t = 0 and every frame end,
-    ``finish`` once. Set ``needs_velocity`` to get the velocity in every frame."""
-
-    needs_velocity = False
-
-    def start(self, solver: "ForwardSolver") -> None:
-        pass
-
-    def frame(self, solver: "ForwardSolver", frame: Frame) -> None:
-        pass
-
-    def finish(self, solver: "ForwardSolver") -> None:
-        pass
 
 
 class ForwardSolver:

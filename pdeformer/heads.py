@@ -133,3 +133,28 @@ class HeadMeasure:
     def save(self, filename: str) -> None:
         from .output import write_npz
         write_npz(filename, Q=self.Q, K=self.K, V=self.V)
+
+
+@dataclass
+class Gradient:
+    risk: float
+    risks: list[float]       # per prompt
+    dQ: np.ndarray           # (L, H, k, d): dR/dQ
+    dK: np.ndarray
+    dV: np.ndarray           # (L, H, d, d)
+    tape_bytes: int = 0      # largest forward tape held (per rank)
+
+    def norm(self) -> float:
+        """The Euclidean norm of (dQ, dK, dV), scaled so that huge entries do not overflow."""
+        scale = max(float(np.abs(a).max(initial=0.0)) for a in (self.dQ, self.dK, self.dV))
+        if not 0 < scale < np.inf:
+            return scale
+        return scale * float(np.sqrt(sum(np.sum((a / scale) ** 2) for a in (self.dQ, self.dK, self.dV))))
+
+    @classmethod
+    def of_heads(cls, heads, risks: list, dA: np.ndarray, dV: np.ndarray,
+                 tape_bytes: int = 0) -> "Gradient":
+        """From dR/dA and dR/dV: A = K^T Q, so dR/dQ = K dR/dA and dR/dK = Q (dR/dA)^T."""
+        dQ = np.einsum("lhki,lhij->lhkj", heads.K, dA)
+        dK = np.einsum("lhki,lhji->lhkj", heads.Q, dA)
+        return cls(float(np.mean(risks)), risks, dQ, dK, dV, tape_bytes)

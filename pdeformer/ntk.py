@@ -36,6 +36,7 @@ import numpy as np
 
 from .attention import Sources, tilted_moments
 from .errors import ConfigError, SolverBreakdown
+from .frames import Tracker
 from .heads import HeadMeasure
 from .parallel import allgather_rows, on_root
 from .prompts import GaussianMixture, PointCloud, UniformBox
@@ -191,23 +192,15 @@ class _DepthReached(Exception):
         self.state, self.weights = state, weights
 
 
-class _StopAtDepth:
-    """Tracker: at the frame at depth t, hand over the state and stop the solve."""
-
-    needs_velocity = False
+class _StopAtDepth(Tracker):
+    """At the frame at depth t, hand over the state and stop the solve."""
 
     def __init__(self, t: float):
         self.t = t
 
-    def start(self, solver):
-        pass
-
     def frame(self, solver, frame):
         if abs(frame.t - self.t) < 1e-12:
             raise _DepthReached(frame.coeffs, frame.extra.get("weights"))
-
-    def finish(self, solver):
-        pass
 
 
 def _solve_to(solver, index: int, t: float):

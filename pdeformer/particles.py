@@ -32,7 +32,8 @@ import numpy as np
 from mpi4py import MPI
 
 from .errors import ConfigError, SolverBreakdown
-from .forward import Frame, located
+from .frames import Frame, Tracker, located
+from .heads import Gradient
 from .parallel import Timer, allgather_rows, any_rank, on_root
 from .timestepping import SCHEMES, ssp_step, ssp_step_vjp
 from .velocity import AttentionVelocity
@@ -177,19 +178,14 @@ class ParticleSolver:
                 "min_rho": math.nan, "mean": mean, "cov": cov}
 
 
-class TokenOutput:
+class TokenOutput(Tracker):
     """tokens_<prompt>.pvd + tokens_<prompt>_XXXX.vtu: the tokens at every layer boundary
     (rank 0 gathers them), point data ``weight``."""
-
-    needs_velocity = False
 
     def __init__(self, folder: str):
         self.folder = folder
         self.frames: dict[str, list] = {}
         self.files: list[str] = []
-
-    def start(self, solver):
-        pass
 
     def frame(self, solver, frame):
         if not frame.layer_boundary:
@@ -209,9 +205,6 @@ class TokenOutput:
         write_pvd(os.path.join(self.folder, pvd), self.frames[frame.prompt])
         if pvd not in self.files:
             self.files.append(pvd)
-
-    def finish(self, solver):
-        pass
 
 
 class ParticleAdjoint:
@@ -248,7 +241,6 @@ class ParticleAdjoint:
         return float(np.mean(risks)), risks
 
     def gradient(self):
-        from .adjoint import Gradient
         sv = self.solver
         heads = sv.problem.heads
         groups = sv.problem.groups

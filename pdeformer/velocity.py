@@ -25,7 +25,6 @@ from typing import NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-from ._dolfinx import owned_node_coordinates
 from .attention import (Sources, VelocityCotangent, attention_velocity, attention_velocity_vjp,
                         partial_sums)
 from .errors import ConfigError, SolverBreakdown
@@ -87,6 +86,7 @@ class AttentionVelocity:
 
     @classmethod
     def on_space(cls, W, heads: HeadMeasure, attention: dict | None = None, comm=None):
+        from ._dolfinx import owned_node_coordinates   # the finite-element layer, only here
         return cls(owned_node_coordinates(W), heads, attention, comm or W.mesh.comm)
 
     # ------------------------------------------------------------------ helpers
