@@ -160,10 +160,40 @@ def test_two_level_interpolation_accuracy_and_reverse_mode():
 
 # ---------------------------------------------------------------- compiled fine-grid loop
 def test_panel_node_limit_is_the_compiled_one():
-    """PANEL_QMAX (what LaplaceTable checks before using the panel loops) is the QMAX
-    the C source is written for."""
-    from pdeformer._kernels import PANEL_QMAX, SOURCE
-    assert f"#define QMAX {PANEL_QMAX} " in SOURCE
+    """The C files lie in the package directory and pyproject's package-data ships them;
+    PANEL_QMAX (what LaplaceTable checks before using the panel loops) is defined once,
+    in Python: the C file has no QMAX of its own, the library built with -DQMAX reports
+    PANEL_QMAX, and its panel loops take q = PANEL_QMAX nodes per panel, not one more."""
+    import tomllib
+    from fnmatch import fnmatch
+    from pathlib import Path
+
+    import pdeformer
+    from pdeformer import _kernels
+    from pdeformer.laplace import Panels
+    package = Path(pdeformer.__file__).resolve().parent
+    files = _kernels.kernel_files()
+    assert {f.name for f in files} >= {"laplace_kernels.c", "fine_loops.h", "vector.h"}
+    assert all(f.parent == package / "kernels" for f in files)
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    shipped = pyproject["tool"]["setuptools"]["package-data"]["pdeformer"]
+    assert all(any(fnmatch(f.relative_to(package).as_posix(), g) for g in shipped) for f in files)
+    assert "#define QMAX" not in _kernels.KERNEL_SOURCE.read_text()
+    if NO_COMPILED:
+        pytest.skip("no C compiler, or PDEFORMER_NO_KERNEL set")
+    lib = _kernels.kernels()
+    assert lib is not None, "the C loops did not compile here"
+    assert lib.panel_qmax() == _kernels.PANEL_QMAX
+    rng = np.random.default_rng(2)
+    y, cols = rng.uniform(0.0, 1.0, (50, 2)), rng.normal(size=(50, 2))
+    for q in (_kernels.PANEL_QMAX, _kernels.PANEL_QMAX + 1):
+        panels = [Panels(0.0, 1.0, 1.0, q) for a in range(2)]
+        if q > _kernels.PANEL_QMAX:
+            with pytest.raises(MemoryError):       # the loops' refusal (status -1)
+                _kernels.panel_spread(lib, panels, y, cols)
+        else:                                     # Lagrange weights sum to 1
+            W = _kernels.panel_spread(lib, panels, y, cols)
+            np.testing.assert_allclose(W.sum(axis=(1, 2)), cols.sum(axis=0), rtol=1e-10)
 
 
 NO_COMPILED = (shutil.which(os.environ.get("CC", "cc")) is None
