@@ -41,7 +41,7 @@ def adjoint_cause(start: float, objective) -> str:
     """Why an adjoint sweep overflowed, from the size ``start`` of the costate it
     started from (the largest |dF/drho| at t = 1, over all ranks)."""
     if start > HUGE_COSTATE:
-        knob = {"potential": "objective.weight"}.get(objective.kind, "the objective's target")
+        knob = objective.adjoint_knob
         return (f"it starts at t = 1 from dF/drho up to {start:.3g}, the objective's own scale, "
                 f"which the sweep multiplies further: lower {knob}")
     return (f"it starts at t = 1 from dF/drho up to {start:.3g} and grows through the layers: the "
@@ -49,15 +49,14 @@ def adjoint_cause(start: float, objective) -> str:
 
 
 def check_on_mesh(objective, comm, mesh) -> None:
-    """Bad input that needs the mesh: an mmd bandwidth degenerate on its scale
-    (:func:`pdeformer.objectives.check_bandwidth`; built-in boxes are checked with the
-    configuration already). Collective over ``comm``."""
-    if getattr(objective, "kind", None) != "mmd":
+    """Bad input that needs the mesh (``Objective.check_mesh``, e.g. an mmd bandwidth
+    degenerate on its scale; built-in boxes are checked with the configuration already).
+    Collective over ``comm``."""
+    if not getattr(objective, "checks_mesh", False):
         return
     from .mesh import bounding_box, shortest_edge
-    from .objectives import check_bandwidth
     lo, hi = bounding_box(comm, mesh)
-    check_bandwidth(objective.bandwidth, float(np.linalg.norm(hi - lo)), shortest_edge(comm, mesh))
+    objective.check_mesh(float(np.linalg.norm(hi - lo)), shortest_edge(comm, mesh))
 
 
 class AdjointSolver:

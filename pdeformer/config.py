@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .errors import ConfigError
+from .objectives import OBJECTIVES as OBJECTIVE_CLASSES
 
 REQUIRED = object()
 
@@ -173,7 +174,7 @@ TOL_WHY = (" (a laplace table's values carry rounding of about 1e-13 of their si
 
 CELLS = {1: ("interval",), 2: ("triangle", "quadrilateral"), 3: ("tetrahedron", "hexahedron")}
 SCHEMES = ("auto", "euler", "ssprk2", "ssprk3", "ssprk104")
-OBJECTIVES = ("potential", "moments", "l2", "mmd")
+OBJECTIVES = tuple(OBJECTIVE_CLASSES)    # the registered objectives (pdeformer.objectives)
 PROMPT_KINDS = ("gaussian_mixture", "uniform", "file", "points")
 NAME = r"[A-Za-z0-9_-]{1,64}"   # prompt names go into file names: short and portable
 
@@ -235,12 +236,15 @@ SCHEMA: dict[str, dict[str, Key]] = {
                              "this (default: the node's available memory)"),
     },
     "objective": {
-        "kind": Key(string(OBJECTIVES), None, "risk per prompt: potential, moments, l2 or mmd"),
+        "kind": Key(string(OBJECTIVES), None, f"risk per prompt: {', '.join(OBJECTIVES)}"),
         "potential": Key(string(("quadratic", "linear", "gaussian")), "quadratic", "named potential U"),
         "center": Key(number_list(), None, "centre of the quadratic/gaussian potential (default 0)"),
-        "weight": Key(number(), 1.0, "strength of the quadratic/gaussian potential"),
+        "weight": Key(number(), 1.0, "strength of the quadratic/gaussian potential or of W (interaction)"),
         "direction": Key(number_list(), None, "direction of the linear potential"),
-        "width": Key(number(positive=True), 1.0, "width of the gaussian potential"),
+        "width": Key(number(positive=True), 1.0, "width of the gaussian potential or W (interaction)"),
+        "interaction": Key(string(("gaussian", "coulomb")), "gaussian",
+                           "interaction W: weight exp(-|r|^2/(2 width^2)) or weight/sqrt(|r|^2 + softening^2)"),
+        "softening": Key(number(positive=True), 0.1, "softening of the coulomb interaction"),
         "bandwidth": Key(number(positive=True), None, "Gaussian kernel bandwidth of mmd"),
         "quadrature_degree": Key(integer(1, 20), None, "quadrature of rho_1 in the objective"),
     },
@@ -458,10 +462,6 @@ def _check_mesh(m: dict) -> None:
 
 MAX_HEADS_TOTAL = 10**7
 
-NEEDS = {"moments": ("moments",), "l2": ("gaussian_mixture", "uniform", "file"),
-         "mmd": ("gaussian_mixture", "uniform", "file", "points")}
-
-
 def _check_objective(obj: dict, prompts: list, mesh: dict) -> None:
     kind = obj["kind"]
     if kind is None:
@@ -469,24 +469,15 @@ def _check_objective(obj: dict, prompts: list, mesh: dict) -> None:
         if extra:
             raise ConfigError(f"objective.{extra[0]}", "given, but objective.kind is missing")
         return
-    if kind == "mmd" and obj["bandwidth"] is None:
-        raise ConfigError("objective.bandwidth", "missing (needed by kind = 'mmd')")
-    if kind == "mmd":
-        from .objectives import check_bandwidth
-        check_bandwidth(obj["bandwidth"])
-        if mesh["file"] is None:      # a built-in box: its size and cells are known now
-            lo, hi = mesh["lower"], mesh["upper"]
-            check_bandwidth(obj["bandwidth"], math.dist(lo, hi),
-                            min((b - a) / n for a, b, n in zip(lo, hi, mesh["cells"])))
-    if kind == "potential" and obj["potential"] == "linear" and obj["direction"] is None:
-        raise ConfigError("objective.direction", "missing (needed by potential = 'linear')")
-    if kind not in NEEDS:
+    cls = OBJECTIVE_CLASSES[kind]
+    cls.check_config(obj, mesh)
+    want = cls.targets
+    if not want:
         return
     for i, p in enumerate(prompts):
         t = p["target"]
-        want = NEEDS[kind]
         if t is None:
-            what = "{ mean = [...], cov = [...] }" if kind == "moments" else \
+            what = "{ mean = [...], cov = [...] }" if want == ("moments",) else \
                 f"a target with kind = {' or '.join(repr(k) for k in want)}"
             raise ConfigError(f"prompts[{i}].target", f"missing: objective.kind = {kind!r} needs {what}")
         if t["kind"] not in want:

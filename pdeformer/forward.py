@@ -104,10 +104,8 @@ def build_problem(cfg: dict, comm, differentiable: bool = False,
     if groups is not None:
         comm = groups.comm
     disc, out = cfg["discretisation"], cfg["output"]
-    objective = make_objective(cfg["objective"])
-    if differentiable:
-        if objective is None:
-            raise ConfigError("objective.kind", "missing: gradient and train need an [objective]")
+    if differentiable and cfg["objective"]["kind"] is None:
+        raise ConfigError("objective.kind", "missing: gradient and train need an [objective]")
     mesh = make_mesh(comm, cfg["mesh"])
     d = mesh.topology.dim
     heads = build_heads(comm, cfg["model"], d)
@@ -119,8 +117,7 @@ def build_problem(cfg: dict, comm, differentiable: bool = False,
     for key in ("center", "direction"):
         if obj_cfg[key] is not None and len(obj_cfg[key]) != d:
             raise ConfigError(f"objective.{key}", f"expected {d} numbers (d = {d}), got {obj_cfg[key]}")
-    if objective is not None and objective.kind == "potential" and obj_cfg["center"] is None:
-        objective.center = np.zeros(d)
+    objective = make_objective(obj_cfg, d)
     spl = disc["steps_per_layer"]
     if spl is not None and spl % out["frames_per_layer"]:
         raise ConfigError("output.frames_per_layer",

@@ -10,9 +10,15 @@ derivative dF/drho_q at the rank's own points, from which the adjoint starts.
 * ``l2``: F = 1/2 int (rho - rho*)^2;
 * ``mmd``: F = 1/2 MMD^2 = 1/2 iint k d(rho - rho*) d(rho - rho*), Gaussian kernel
   k(x, y) = exp(-|x - y|^2 / (2 bandwidth^2)), against a target density (on the same
-  quadrature points) or a target point cloud.
+  quadrature points) or a target point cloud;
+* ``interaction``: F = 1/2 iint W(x - y) drho(x) drho(y), the interaction energy of a
+  Gaussian W = weight exp(-|r|^2 / (2 width^2)) or a softened Coulomb-like
+  W = weight / sqrt(|r|^2 + softening^2) (no target).
 
-Pure numpy (plus MPI reductions): testable without dolfinx.
+Each objective is a class registered by its ``kind`` (:func:`register`): the config's
+``objective.kind`` accepts it and :func:`make_objective` builds it, so a new objective is
+a class here plus its keys in the config schema. Pure numpy (plus MPI reductions):
+testable without dolfinx.
 """
 
 from __future__ import annotations
@@ -62,6 +68,52 @@ def check_bandwidth(bandwidth: float, diameter: float | None = None, cell: float
                                "across the whole mesh, so the MMD would see the total masses alone")
 
 
+DENSITY_TARGETS = ("gaussian_mixture", "uniform", "file")   # target kinds that are densities
+OBJECTIVES: dict[str, type] = {}
+
+
+def register(cls):
+    """Make an objective class known by its ``kind`` (the config and make_objective read
+    this registry)."""
+    OBJECTIVES[cls.kind] = cls
+    return cls
+
+
+class Objective:
+    """F(rho_1) of one prompt: ``value_and_gradient`` on the rank's quadrature points
+    (F on every rank, dF/drho_q at its own points) and, where tokens can be compared,
+    ``particle_value_and_gradient`` on weighted tokens (F, dF/dx_i).
+
+    Class attributes: ``kind`` (the config's name), ``targets`` (the target kinds it
+    compares with; empty: it needs none), ``adjoint_knob`` (the setting that scales F,
+    named when an adjoint overflows from F's own size), ``checks_mesh`` (whether
+    :meth:`check_mesh` has something to check)."""
+
+    kind = ""
+    targets: tuple = ()
+    adjoint_knob = "the objective's target"
+    checks_mesh = False
+
+    @classmethod
+    def from_config(cls, cfg: dict, d: int) -> "Objective":
+        """The objective of a checked ``[objective]`` table for tokens in R^d."""
+        return cls()
+
+    @classmethod
+    def check_config(cls, cfg: dict, mesh: dict) -> None:
+        """ConfigError for settings that are wrong whatever the mesh (``mesh``: the
+        config's [mesh] table, for built-in boxes whose size is known already)."""
+
+    def check_mesh(self, diameter: float, cell: float) -> None:
+        """ConfigError for settings that are wrong on this mesh (its bounding box's
+        diameter and shortest edge)."""
+
+    @staticmethod
+    def quadrature_degree(degree: int) -> int:
+        """Quadrature of rho_1 for DG degree k: exact for rho times quadratics."""
+        return degree + 2
+
+
 def _sum(comm, local):
     """Allreduce a scalar or array sum."""
     local = np.asarray(local, dtype=float)
@@ -70,9 +122,10 @@ def _sum(comm, local):
     return out
 
 
-class Potential:
+@register
+class Potential(Objective):
     kind = "potential"
-    needs_target = False
+    adjoint_knob = "objective.weight"
 
     def __init__(self, potential: str, center, weight: float, direction=None, width: float = 1.0):
         self.potential = potential
@@ -80,6 +133,16 @@ class Potential:
         self.weight = float(weight)
         self.direction = None if direction is None else np.asarray(direction, float)
         self.width = float(width)
+
+    @classmethod
+    def from_config(cls, cfg: dict, d: int) -> "Potential":
+        center = cfg["center"] if cfg["center"] is not None else np.zeros(d)
+        return cls(cfg["potential"], center, cfg["weight"], cfg["direction"], cfg["width"])
+
+    @classmethod
+    def check_config(cls, cfg: dict, mesh: dict) -> None:
+        if cfg["potential"] == "linear" and cfg["direction"] is None:
+            raise ConfigError("objective.direction", "missing (needed by potential = 'linear')")
 
     def U(self, x: np.ndarray) -> np.ndarray:
         if self.potential == "linear":
@@ -124,11 +187,12 @@ class Potential:
         return float(F), w[:, None] * dU
 
 
-class Moments:
+@register
+class Moments(Objective):
     """Mean and covariance of the normalised density against a target (mean, cov)."""
 
     kind = "moments"
-    needs_target = True
+    targets = ("moments",)
 
     def value_and_gradient(self, points, measure, rho, target, comm):
         mstar, Cstar = target["mean"], target["cov"]
@@ -156,39 +220,83 @@ class Moments:
         return F, (w / W)[:, None] * (mean + 2 * (y - mean) @ G)
 
 
-class L2:
+@register
+class L2(Objective):
     kind = "l2"
-    needs_target = True
+    targets = DENSITY_TARGETS
+
+    @staticmethod
+    def quadrature_degree(degree: int) -> int:
+        """Exact for rho^2 plus a smooth target's share."""
+        return 2 * degree + 2
 
     def value_and_gradient(self, points, measure, rho, target, comm):
         diff = rho - target["density"].density(points)
         return float(_sum(comm, 0.5 * measure @ (diff * diff))), measure * diff
 
 
-class MMD:
+def pair_sums(x: np.ndarray, y: np.ndarray, c: np.ndarray, kernel, chunk_mb: float = 8.0) -> np.ndarray:
+    """sum_j kernel(|x_i - y_j|^2) c_j for every x_i, in row chunks of about ``chunk_mb``
+    megabytes (``kernel`` maps an array of squared distances to kernel values)."""
+    out = np.empty(x.shape[0])
+    rows = max(1, int(chunk_mb * 2**20 / (8 * max(len(y), 1))))
+    y2 = np.sum(y * y, axis=1)
+    for i0 in range(0, x.shape[0], rows):
+        xi = x[i0:i0 + rows]
+        D = np.sum(xi * xi, axis=1)[:, None] + y2[None, :] - 2 * xi @ y.T
+        np.maximum(D, 0, out=D)
+        out[i0:i0 + rows] = kernel(D) @ c
+    return out
+
+
+def pair_gradients(x: np.ndarray, y: np.ndarray, c: np.ndarray, slope, chunk_mb: float = 8.0) -> np.ndarray:
+    """sum_j grad W(x_i - y_j) c_j for a radial W with grad W(r) = slope(|r|^2) r:
+    x_i sum_j s_ij c_j - sum_j s_ij c_j y_j."""
+    sc = pair_sums(x, y, c, slope, chunk_mb)
+    scy = np.stack([pair_sums(x, y, c * y[:, a], slope, chunk_mb) for a in range(x.shape[1])], 1)
+    return x * sc[:, None] - scy
+
+
+@register
+class MMD(Objective):
     """1/2 MMD^2 with a Gaussian kernel; the kernel sums run over all ranks' points
     (gathered) in row chunks of about ``chunk_mb`` megabytes."""
 
     kind = "mmd"
-    needs_target = True
+    targets = DENSITY_TARGETS + ("points",)
+    checks_mesh = True
 
     def __init__(self, bandwidth: float, chunk_mb: float = 8.0):
         self.bandwidth = float(bandwidth)
         self.chunk_mb = chunk_mb
         self._self_term = {}  # target id -> 1/2 b^T K b (fixed)
 
+    @classmethod
+    def from_config(cls, cfg: dict, d: int) -> "MMD":
+        return cls(cfg["bandwidth"])
+
+    @classmethod
+    def check_config(cls, cfg: dict, mesh: dict) -> None:
+        if cfg["bandwidth"] is None:
+            raise ConfigError("objective.bandwidth", "missing (needed by kind = 'mmd')")
+        check_bandwidth(cfg["bandwidth"])
+        if mesh["file"] is None:      # a built-in box: its size and cells are known now
+            lo, hi = mesh["lower"], mesh["upper"]
+            check_bandwidth(cfg["bandwidth"], math.dist(lo, hi),
+                            min((b - a) / n for a, b, n in zip(lo, hi, mesh["cells"])))
+
+    def check_mesh(self, diameter: float, cell: float) -> None:
+        check_bandwidth(self.bandwidth, diameter, cell)
+
+    @staticmethod
+    def quadrature_degree(degree: int) -> int:
+        """The kernel sums run over all points: the fewest that integrate rho exactly."""
+        return degree + 1
+
     def kernel_apply(self, x: np.ndarray, y: np.ndarray, c: np.ndarray) -> np.ndarray:
         """(K c)_i = sum_j k(x_i, y_j) c_j."""
-        out = np.empty(x.shape[0])
-        rows = max(1, int(self.chunk_mb * 2**20 / (8 * max(len(y), 1))))
-        y2 = np.sum(y * y, axis=1)
         s = -0.5 / self.bandwidth**2
-        for i0 in range(0, x.shape[0], rows):
-            xi = x[i0:i0 + rows]
-            D = np.sum(xi * xi, axis=1)[:, None] + y2[None, :] - 2 * xi @ y.T
-            np.maximum(D, 0, out=D)
-            out[i0:i0 + rows] = np.exp(s * D) @ c
-        return out
+        return pair_sums(x, y, c, lambda D: np.exp(s * D), self.chunk_mb)
 
     def target_measure(self, target, all_points, all_measure):
         if target["kind"] == "points":
@@ -231,12 +339,10 @@ class MMD:
         """dF/dx_i = w_i [sum_j w_j grad_1 k(x_i, x_j) - sum_t b_t grad_1 k(x_i, z_t)],
         grad_1 k(x, y) = -k(x, y) (x - y) / bandwidth^2."""
         all_x, all_w = allgather_rows(comm, x), allgather_rows(comm, w)
-        out = np.zeros_like(x)
         s = 1.0 / self.bandwidth**2
-        for ys, cs, sign in ((all_x, all_w, 1.0), (z, b, -1.0)):
-            Kc = self.kernel_apply(x, ys, cs)                    # sum_j k c_j
-            Kcy = np.stack([self.kernel_apply(x, ys, cs * ys[:, a]) for a in range(x.shape[1])], 1)
-            out += sign * (-s) * (x * Kc[:, None] - Kcy)
+        slope = lambda D: -s * np.exp(-0.5 * s * D)   # noqa: E731
+        out = (pair_gradients(x, all_x, all_w, slope, self.chunk_mb)
+               - pair_gradients(x, z, b, slope, self.chunk_mb))
         return w[:, None] * out
 
     @staticmethod
@@ -245,27 +351,61 @@ class MMD:
         return slice(comm.rank * per, min(n, (comm.rank + 1) * per))
 
 
-def make_objective(cfg: dict):
-    """The objective of a checked ``[objective]`` table (None when absent)."""
+@register
+class Interaction(Objective):
+    r"""The interaction energy F = 1/2 iint W(x - y) drho(x) drho(y) of a radial W:
+    ``interaction = "gaussian"``, W(r) = weight exp(-|r|^2 / (2 width^2)), or
+    ``"coulomb"``, the softened W(r) = weight / sqrt(|r|^2 + softening^2). W is symmetric,
+    so dF/drho(y) = (W * rho)(y) and, for tokens, dF/dx_i = w_i sum_j w_j grad W(x_i - x_j).
+    The pair sums run over all ranks' points (gathered), like mmd's."""
+
+    kind = "interaction"
+    adjoint_knob = "objective.weight"
+
+    def __init__(self, interaction: str = "gaussian", weight: float = 1.0, width: float = 1.0,
+                 softening: float = 0.1, chunk_mb: float = 8.0):
+        self.interaction, self.weight = interaction, float(weight)
+        self.width, self.softening, self.chunk_mb = float(width), float(softening), chunk_mb
+
+    @classmethod
+    def from_config(cls, cfg: dict, d: int) -> "Interaction":
+        return cls(cfg["interaction"], cfg["weight"], cfg["width"], cfg["softening"])
+
+    def W(self, r2: np.ndarray) -> np.ndarray:
+        """W at squared distances r2."""
+        if self.interaction == "gaussian":
+            return self.weight * np.exp(-0.5 * r2 / self.width**2)
+        return self.weight / np.sqrt(r2 + self.softening**2)
+
+    def slope(self, r2: np.ndarray) -> np.ndarray:
+        """s(|r|^2) with grad W(r) = s r."""
+        if self.interaction == "gaussian":
+            return -self.W(r2) / self.width**2
+        return -self.weight * (r2 + self.softening**2) ** -1.5
+
+    def value_and_gradient(self, points, measure, rho, target, comm):
+        a_local = measure * rho
+        Wa = pair_sums(points, allgather_rows(comm, points), allgather_rows(comm, a_local), self.W,
+                       self.chunk_mb)
+        return float(_sum(comm, 0.5 * a_local @ Wa)), measure * Wa
+
+    def particle_value_and_gradient(self, x, w, target, comm):
+        all_x, all_w = allgather_rows(comm, x), allgather_rows(comm, w)
+        F = float(_sum(comm, 0.5 * w @ pair_sums(x, all_x, all_w, self.W, self.chunk_mb)))
+        return F, w[:, None] * pair_gradients(x, all_x, all_w, self.slope, self.chunk_mb)
+
+
+def make_objective(cfg: dict, d: int):
+    """The objective of a checked ``[objective]`` table for tokens in R^d (None when
+    absent)."""
     if cfg is None or cfg.get("kind") is None:
         return None
-    kind = cfg["kind"]
-    if kind == "potential":
-        return Potential(cfg["potential"], cfg["center"], cfg["weight"], cfg.get("direction"),
-                         cfg.get("width", 1.0))
-    if kind == "moments":
-        return Moments()
-    if kind == "l2":
-        return L2()
-    return MMD(cfg["bandwidth"])
+    return OBJECTIVES[cfg["kind"]].from_config(cfg, d)
 
 
 def default_quadrature_degree(kind: str, degree: int) -> int:
-    """Quadrature of rho_1 per objective: exact for rho * quadratics (potential, moments),
-    for rho^2 plus a smooth target's share (l2); mmd sums kernels over all points, so it
-    takes the fewest points that integrate rho itself exactly."""
-    return {"potential": degree + 2, "moments": degree + 2, "l2": 2 * degree + 2,
-            "mmd": degree + 1}[kind]
+    """Quadrature of rho_1 for an objective of this kind and DG degree k."""
+    return OBJECTIVES[kind].quadrature_degree(degree)
 
 
 def make_target(spec: dict | None, d: int, index: int):

@@ -8,7 +8,7 @@ import pytest
 from mpi4py import MPI
 
 from pdeformer.attention import Sources, attention_matrices, attention_velocity, attention_velocity_vjp
-from pdeformer.objectives import L2, MMD, Moments, Potential
+from pdeformer.objectives import L2, MMD, Interaction, Moments, Potential
 from pdeformer.prompts import GaussianMixture, UniformBox
 
 from conftest import requires_dolfinx
@@ -20,12 +20,16 @@ TARGETS = {
     "mmd_points": {"kind": "points", "points": np.random.default_rng(9).normal(size=(40, 2)),
                    "weights": np.full(40, 1 / 40)},
     "potential": None,
+    "interaction": None,
+    "interaction_coulomb": None,
 }
 
 
 def objective(kind):
     return {"moments": Moments(), "l2": L2(), "mmd": MMD(0.7), "mmd_points": MMD(0.5),
-            "potential": Potential("quadratic", [0.5, 0.0], 2.0)}[kind]
+            "potential": Potential("quadratic", [0.5, 0.0], 2.0),
+            "interaction": Interaction("gaussian", weight=1.5, width=0.8),
+            "interaction_coulomb": Interaction("coulomb", weight=-1.0, softening=0.3)}[kind]
 
 
 @pytest.mark.parametrize("kind", sorted(TARGETS))
@@ -49,6 +53,43 @@ def test_moments_objective_is_zero_at_the_target():
     t = {"mean": np.zeros(2), "cov": np.diag([0.5, 2.0])}
     F, dF = Moments().value_and_gradient(pts, w, np.ones(4), t, MPI.COMM_SELF)
     assert abs(F) < 1e-30 and np.abs(dF).max() < 1e-15
+
+
+def test_interaction_energy_of_a_gaussian_density():
+    """F = 1/2 iint W(x - y) rho rho for rho = N(m, S) and the Gaussian W of width s:
+    X - Y ~ N(0, 2S), so F = weight / (2 sqrt(det(I + 2S/s^2))). The midpoint rule on a
+    fine grid (spectrally accurate for Gaussians) reproduces it to 1e-10."""
+    S = np.array([[0.3, 0.1], [0.1, 0.2]])
+    g = GaussianMixture([1.0], [[0.2, -0.1]], [S])
+    n, lo, hi = 90, -3.5, 3.5
+    h = (hi - lo) / n
+    c = lo + h * (np.arange(n) + 0.5)
+    pts = np.stack(np.meshgrid(c, c, indexing="ij"), -1).reshape(-1, 2)
+    obj = Interaction("gaussian", weight=1.5, width=0.8)
+    F, dF = obj.value_and_gradient(pts, np.full(len(pts), h * h), g.density(pts), None, MPI.COMM_SELF)
+    assert F == pytest.approx(0.75 / np.sqrt(np.linalg.det(np.eye(2) + 2 * S / 0.64)), rel=1e-10)
+    # dF/drho_q / omega_q = (W * rho)(y_q): at the mean, weight / sqrt(det(I + S/s^2))
+    mid = np.argmin(np.sum((pts - [0.2, -0.1]) ** 2, axis=1))
+    exact = 1.5 * np.exp(-0.5 * (pts[mid] - [0.2, -0.1]) @ np.linalg.solve(S + 0.64 * np.eye(2), pts[mid] - [0.2, -0.1])) \
+        / np.sqrt(np.linalg.det(np.eye(2) + S / 0.64))
+    assert dF[mid] / (h * h) == pytest.approx(exact, rel=1e-10)
+
+
+@pytest.mark.parametrize("kind", ["interaction", "interaction_coulomb"])
+def test_interaction_particle_gradient_by_finite_differences(kind):
+    """dF/dx_i of the token form F = 1/2 sum_ij w_i w_j W(x_i - x_j) against central
+    differences, and F against the double sum written out."""
+    rng = np.random.default_rng(3)
+    x, w = rng.normal(size=(30, 2)), rng.uniform(0.5, 1.5, 30) / 30
+    obj = objective(kind)
+    F, dF = obj.particle_value_and_gradient(x, w, None, MPI.COMM_SELF)
+    r2 = np.sum((x[:, None] - x[None]) ** 2, axis=-1)
+    assert F == pytest.approx(0.5 * w @ obj.W(r2) @ w, rel=1e-13)
+    d = rng.normal(size=x.shape)
+    eps = 1e-6
+    fd = (obj.particle_value_and_gradient(x + eps * d, w, None, MPI.COMM_SELF)[0]
+          - obj.particle_value_and_gradient(x - eps * d, w, None, MPI.COMM_SELF)[0]) / (2 * eps)
+    assert abs(fd - np.sum(dF * d)) < 1e-8 * abs(fd), (fd, np.sum(dF * d))
 
 
 def test_velocity_reverse_mode_by_finite_differences():
@@ -106,7 +147,8 @@ def perturbed_risk(adj, direction, eps):
 
 
 @requires_dolfinx
-@pytest.mark.parametrize("kind", ["moments", "potential", "l2", "mmd", "mmd_points"])
+@pytest.mark.parametrize("kind", ["moments", "potential", "l2", "mmd", "mmd_points", "interaction",
+                                  "interaction_coulomb"])
 def test_gradient_taylor_remainder_falls_as_eps_squared(tmp_path, kind):
     """The adjoint gives the exact derivative of the discrete risk: the first-order
     Taylor remainder |R(theta + eps d) - R - eps <grad, d>| falls as eps^2, and central
