@@ -70,9 +70,7 @@ class AdjointSolver:
         degree = quadrature_degree or default_quadrature_degree(objective.kind, tr.degree)
         check_on_mesh(objective, forward.comm, tr.mesh)
         self.rule = CellQuadrature(tr.mesh, degree, tr.u)
-        if forward.disc["steps_per_layer"] is None:
-            forward.freeze_steps = True
-        forward.velocity_field.freeze = True
+        forward.freeze_plans()
         self.start = 0.0   # the largest |dF/drho| at t = 1 of the prompt being swept (all ranks)
 
     # ------------------------------------------------------------ risk
@@ -114,8 +112,7 @@ class AdjointSolver:
         share of dA, dV (the same on every rank, so all ranks hold identical gradients)."""
         fw = self.forward
         if refreeze:
-            fw.step_counts.clear()
-            fw.velocity_field.refreeze()
+            fw.plan_afresh()
         heads = fw.problem.heads
         groups = fw.problem.groups
         S = len(fw.problem.prompts)

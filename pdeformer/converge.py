@@ -298,7 +298,7 @@ def _mmd(case, ref, s, bandwidth, comm):
         z, b = allgather_rows(comm, pts), allgather_rows(comm, meas * rho)
     else:
         z, b = allgather_rows(comm, ref.tokens[s][0]), allgather_rows(comm, ref.tokens[s][1])
-    F, _ = MMD(bandwidth)._particle_terms(x, w, z, b, comm)
+    F, _ = MMD(bandwidth).particle_terms(x, w, z, b, comm)
     return math.sqrt(max(2 * F, 0.0))
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .heads import HeadMeasure
+from .heads import HeadMeasure, query_key_derivatives
 
 
 def expm(M: np.ndarray) -> np.ndarray:
@@ -96,6 +96,4 @@ def uniform_attention_moments_gradient(heads: HeadMeasure, m0, C0, mstar, Cstar)
         for h in range(H):
             dA[l, h] = C0 @ heads.V[l, h].T @ (Gamma + 2 * tau * G @ C0) / H
         lam = E[l].T @ lam
-    dQ = np.einsum("lhki,lhij->lhkj", heads.K, dA)
-    dK = np.einsum("lhki,lhji->lhkj", heads.Q, dA)
-    return dQ, dK, dV
+    return (*query_key_derivatives(heads, dA), dV)

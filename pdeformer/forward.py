@@ -240,6 +240,19 @@ class ForwardSolver:
             coeffs = tr.limit(coeffs)
         return coeffs, {"name": name, "mass_on_mesh": mass, "truncated_mass": truncated}
 
+    def freeze_plans(self) -> None:
+        """Make every evaluation one discrete map of the heads (gradients): step counts
+        frozen per frame (unless steps_per_layer fixes them) and the attention's table
+        plans kept per evaluation, both replayed until :meth:`plan_afresh`."""
+        if self.disc["steps_per_layer"] is None:
+            self.freeze_steps = True
+        self.velocity_field.freeze = True
+
+    def plan_afresh(self) -> None:
+        """Forget the frozen plans: the next solve makes them again."""
+        self.step_counts.clear()
+        self.velocity_field.refreeze()
+
     def velocity(self, coeffs: np.ndarray, layer: int) -> np.ndarray:
         """Attention velocity of ``layer`` for density ``coeffs``; also set as the
         transport velocity. Returns the owned node values; NaN or overflow is a breakdown.

@@ -154,7 +154,12 @@ class Gradient:
     @classmethod
     def of_heads(cls, heads, risks: list, dA: np.ndarray, dV: np.ndarray,
                  tape_bytes: int = 0) -> "Gradient":
-        """From dR/dA and dR/dV: A = K^T Q, so dR/dQ = K dR/dA and dR/dK = Q (dR/dA)^T."""
-        dQ = np.einsum("lhki,lhij->lhkj", heads.K, dA)
-        dK = np.einsum("lhki,lhji->lhkj", heads.Q, dA)
+        """From dR/dA and dR/dV (:func:`query_key_derivatives`)."""
+        dQ, dK = query_key_derivatives(heads, dA)
         return cls(float(np.mean(risks)), risks, dQ, dK, dV, tape_bytes)
+
+
+def query_key_derivatives(heads: "HeadMeasure", dA: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """dR/dQ, dR/dK from dR/dA (L, H, d, d): A = K^T Q, so dR/dQ = K dR/dA and
+    dR/dK = Q (dR/dA)^T."""
+    return (np.einsum("lhki,lhij->lhkj", heads.K, dA), np.einsum("lhki,lhji->lhkj", heads.Q, dA))

@@ -294,11 +294,11 @@ def ntk_heads(problem) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
 
 def query_points(ntk: dict, d: int, prompts: int) -> np.ndarray:
     """The query points x_p (P, d); with ``pairing = "matched"`` one per prompt."""
-    from .prompts import _vectors
+    from .prompts import vector_list
     if ntk["queries"] is None:
         x = np.full((1, d), 1 / math.sqrt(d))
         return np.repeat(x, prompts, axis=0) if ntk["pairing"] == "matched" else x
-    x = _vectors("ntk.queries", ntk["queries"], d)
+    x = vector_list("ntk.queries", ntk["queries"], d)
     if ntk["pairing"] == "matched" and len(x) != prompts:
         raise ConfigError("ntk.queries", f"pairing = 'matched' needs one query point per prompt "
                                          f"({prompts}), got {len(x)}")

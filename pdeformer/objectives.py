@@ -29,7 +29,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .errors import ConfigError
-from .parallel import allgather_rows
+from .parallel import allgather_rows, moment_sums
 
 POTENTIALS = ("quadratic", "linear", "gaussian")
 
@@ -194,16 +194,17 @@ class Moments(Objective):
     kind = "moments"
     targets = ("moments",)
 
-    def value_and_gradient(self, points, measure, rho, target, comm):
-        mstar, Cstar = target["mean"], target["cov"]
-        y = points - mstar                      # about the target mean: no cancellation
-        d = y.shape[1]
-        w = measure * rho
-        tot = _sum(comm, np.concatenate([[w.sum()], w @ y, np.einsum("q,qi,qj->ij", w, y, y).ravel()]))
-        m0, m1, m2 = tot[0], tot[1:1 + d], tot[1 + d:].reshape(d, d)
+    @staticmethod
+    def _fit(comm, w, y, Cstar):
+        """Sums about the target mean (no cancellation), mean - m*, G = cov - C* and F."""
+        m0, m1, m2, _ = moment_sums(comm, w, y)
         mean = m1 / m0                          # mean - m*
         G = m2 / m0 - np.outer(mean, mean) - Cstar
-        F = 0.5 * mean @ mean + 0.5 * np.sum(G * G)
+        return m0, m2, mean, G, 0.5 * mean @ mean + 0.5 * np.sum(G * G)
+
+    def value_and_gradient(self, points, measure, rho, target, comm):
+        y = points - target["mean"]
+        m0, m2, mean, G, F = self._fit(comm, measure * rho, y, target["cov"])
         a = mean - 2 * G @ mean
         dF = measure * ((y - mean) @ a / m0
                         + (np.einsum("qi,ij,qj->q", y, G, y) - np.sum(G * m2) / m0) / m0)
@@ -211,13 +212,9 @@ class Moments(Objective):
 
     def particle_value_and_gradient(self, x, w, target, comm):
         """Weighted moments of tokens: dF/dx_i = w_i/W [(mean - m*) + 2 G (x_i - mean)]."""
-        F, _ = self.value_and_gradient(x, w, np.ones(len(w)), target, comm)
         y = x - target["mean"]
-        d = y.shape[1]
-        tot = _sum(comm, np.concatenate([[w.sum()], w @ y, np.einsum("q,qi,qj->ij", w, y, y).ravel()]))
-        W, mean = tot[0], tot[1:1 + d] / tot[0]
-        G = tot[1 + d:].reshape(d, d) / W - np.outer(mean, mean) - target["cov"]
-        return F, (w / W)[:, None] * (mean + 2 * (y - mean) @ G)
+        W, _, mean, G, F = self._fit(comm, w, y, target["cov"])
+        return float(F), (w / W)[:, None] * (mean + 2 * (y - mean) @ G)
 
 
 @register
@@ -323,10 +320,10 @@ class MMD(Objective):
         """1/2 MMD^2 between weighted tokens and the target (its point cloud, or tokens
         sampled from a target density: ``target["samples"]``), and dF/dx_i."""
         z, b = (target["points"], target["weights"]) if target["kind"] == "points" else target["samples"]
-        F, _ = self._particle_terms(x, w, z, b, comm)
+        F, _ = self.particle_terms(x, w, z, b, comm)
         return F, self._particle_gradient(x, w, z, b, comm)
 
-    def _particle_terms(self, x, w, z, b, comm):
+    def particle_terms(self, x, w, z, b, comm):
         all_x, all_w = allgather_rows(comm, x), allgather_rows(comm, w)
         Kw, Kb = self.kernel_apply(x, all_x, all_w), self.kernel_apply(x, z, b)
         key = ("points", id(z))
@@ -412,19 +409,19 @@ def make_target(spec: dict | None, d: int, index: int):
     """The target of ``prompts[index]`` for dimension d: {"kind": "moments", "mean", "cov"},
     {"kind": <density kind>, "density"} or {"kind": "points", "points", "weights"}."""
     from .errors import ConfigError
-    from .prompts import _rectangular, _spd, make_prompt
+    from .prompts import is_rectangular, spd_matrix, make_prompt
     if spec is None:
         return None
     key = f"prompts[{index}].target"
     kind = spec["kind"]
     if kind == "moments":
-        mean = np.asarray(spec["mean"], float) if _rectangular(spec["mean"]) else None
+        mean = np.asarray(spec["mean"], float) if is_rectangular(spec["mean"]) else None
         if mean is None or mean.shape != (d,):
             raise ConfigError(f"{key}.mean", f"expected {d} numbers (d = {d}), got {spec['mean']!r}")
         cov = spec["cov"]
         if d == 1 and isinstance(cov, list) and len(cov) == 1 and isinstance(cov[0], float):
             cov = cov[0]
-        return {"kind": kind, "mean": mean, "cov": _spd(f"{key}.cov", cov, d)}
+        return {"kind": kind, "mean": mean, "cov": spd_matrix(f"{key}.cov", cov, d)}
     if kind == "points":
         cloud = make_prompt(spec, d, index, key)
         return {"kind": kind, "points": cloud.points, "weights": cloud.weights}

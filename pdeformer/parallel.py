@@ -60,6 +60,17 @@ def any_rank(comm, flag: bool) -> bool:
     return bool(buf[0])
 
 
+def moment_sums(comm, w: np.ndarray, y: np.ndarray, extra=()) -> tuple:
+    """Over all ranks, in one Allreduce: (sum_q w_q, sum_q w_q y_q (d,), sum_q w_q y_q y_q^T
+    (d, d), the sums of ``extra`` (local scalars carried along))."""
+    d = y.shape[1]
+    local = np.concatenate([[w.sum(), *extra], w @ y, np.einsum("q,qi,qj->ij", w, y, y).ravel()])
+    tot = np.empty_like(local)
+    comm.Allreduce(local, tot, op=MPI.SUM)
+    k = 1 + len(extra)
+    return tot[0], tot[k:k + d], tot[k + d:].reshape(d, d), tot[1:k]
+
+
 def allgather_rows(comm, a: np.ndarray) -> np.ndarray:
     """Concatenate the row blocks of all ranks, in rank order, on every rank."""
     a = np.ascontiguousarray(a, dtype=np.float64)

@@ -34,7 +34,7 @@ from mpi4py import MPI
 from .errors import ConfigError, SolverBreakdown
 from .frames import Frame, Tracker, located
 from .heads import Gradient
-from .parallel import Timer, allgather_rows, any_rank, on_root
+from .parallel import Timer, allgather_rows, any_rank, moment_sums, on_root
 from .timestepping import SCHEMES, ssp_step, ssp_step_vjp
 from .velocity import AttentionVelocity
 
@@ -43,13 +43,9 @@ log = logging.getLogger("pdeformer")
 
 def weighted_moments(comm, x: np.ndarray, w: np.ndarray, centre: np.ndarray):
     """Total weight, mean and covariance of weighted points (all ranks)."""
-    d = x.shape[1]
-    y = x - centre
-    local = np.concatenate([[w.sum()], w @ y, np.einsum("q,qi,qj->ij", w, y, y).ravel()])
-    tot = np.empty_like(local)
-    comm.Allreduce(local, tot, op=MPI.SUM)
-    first = tot[1:1 + d] / tot[0]
-    return float(tot[0]), centre + first, tot[1 + d:].reshape(d, d) / tot[0] - np.outer(first, first)
+    W, m1, m2, _ = moment_sums(comm, w, x - centre)
+    first = m1 / W
+    return float(W), centre + first, m2 / W - np.outer(first, first)
 
 
 class ParticleSolver:

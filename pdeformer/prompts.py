@@ -352,8 +352,9 @@ def _literal(a):
 # from a checked [[prompts]] table
 
 
-def _vectors(key: str, value, d: int) -> np.ndarray:
-    a = np.asarray(value, float) if _rectangular(value) else None
+def vector_list(key: str, value, d: int) -> np.ndarray:
+    """A config value as an (n, d) array of vectors (1-D: numbers); ConfigError naming key."""
+    a = np.asarray(value, float) if is_rectangular(value) else None
     if a is not None and d == 1 and a.ndim == 1:
         a = a[:, None]
     if a is None or a.ndim != 2 or a.shape[1] != d:
@@ -361,7 +362,8 @@ def _vectors(key: str, value, d: int) -> np.ndarray:
     return a
 
 
-def _rectangular(value) -> bool:
+def is_rectangular(value) -> bool:
+    """Whether a config value (nested lists) makes a numeric array."""
     try:
         np.asarray(value, float)
         return True
@@ -369,12 +371,14 @@ def _rectangular(value) -> bool:
         return False
 
 
-def _spd(key: str, value, d: int) -> np.ndarray:
+def spd_matrix(key: str, value, d: int) -> np.ndarray:
+    """A covariance from a config value: a variance (times I) or a symmetric positive
+    definite d x d matrix; ConfigError naming key."""
     if isinstance(value, float):
         if value <= 0:
             raise ConfigError(key, f"a variance must be positive, got {value}")
         return value * np.eye(d)
-    a = np.asarray(value, float) if _rectangular(value) else None
+    a = np.asarray(value, float) if is_rectangular(value) else None
     if a is None or a.shape != (d, d):
         raise ConfigError(key, f"expected a {d}x{d} matrix or a variance, got {value!r}")
     if not np.allclose(a, a.T, rtol=1e-12, atol=1e-14 * np.abs(a).max()):
@@ -392,24 +396,24 @@ def make_prompt(spec: dict, d: int, index: int, key: str | None = None):
     key = key or f"prompts[{index}]"
     kind = spec["kind"]
     if kind == "gaussian_mixture":
-        means = _vectors(f"{key}.means", spec["means"], d)
+        means = vector_list(f"{key}.means", spec["means"], d)
         n = means.shape[0]
         covs = spec["covs"]
         if len(covs) != n:
             raise ConfigError(f"{key}.covs", f"expected {n} covariances (one per mean), got {len(covs)}")
-        covs = np.array([_spd(f"{key}.covs[{c}]", v, d) for c, v in enumerate(covs)])
+        covs = np.array([spd_matrix(f"{key}.covs[{c}]", v, d) for c, v in enumerate(covs)])
         w = spec["weights"]
         if w is None:
             w = [1.0] * n
-        w = np.asarray(w, float) if _rectangular(w) else None
+        w = np.asarray(w, float) if is_rectangular(w) else None
         if w is None or w.shape != (n,):
             raise ConfigError(f"{key}.weights", f"expected {n} numbers (one per mean), got {spec['weights']!r}")
         if np.any(w <= 0):
             raise ConfigError(f"{key}.weights", "weights must be positive")
         return GaussianMixture(w, means, covs)
     if kind == "uniform":
-        lo = np.asarray(spec["lower"], float) if _rectangular(spec["lower"]) else None
-        hi = np.asarray(spec["upper"], float) if _rectangular(spec["upper"]) else None
+        lo = np.asarray(spec["lower"], float) if is_rectangular(spec["lower"]) else None
+        hi = np.asarray(spec["upper"], float) if is_rectangular(spec["upper"]) else None
         for name, a in (("lower", lo), ("upper", hi)):
             if a is None or a.shape != (d,):
                 raise ConfigError(f"{key}.{name}", f"expected {d} numbers (d = {d}), got {spec[name]!r}")
@@ -422,9 +426,9 @@ def make_prompt(spec: dict, d: int, index: int, key: str | None = None):
     if kind == "points":
         if spec["path"] is not None:
             return PointCloud.read(spec["path"], d, f"{key}.path")
-        points = _vectors(f"{key}.points", spec["points"], d)
+        points = vector_list(f"{key}.points", spec["points"], d)
         w = spec["weights"]
-        w = np.ones(len(points)) if w is None else (np.asarray(w, float) if _rectangular(w) else None)
+        w = np.ones(len(points)) if w is None else (np.asarray(w, float) if is_rectangular(w) else None)
         if w is None or w.shape != (len(points),):
             raise ConfigError(f"{key}.weights", f"expected {len(points)} numbers (one per point), "
                                                 f"got {spec['weights']!r}")

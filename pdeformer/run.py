@@ -83,6 +83,11 @@ class Run:
     def path(self, name: str) -> str:
         return os.path.join(self.outdir, name)
 
+    def write_gradient(self, g) -> None:
+        """gradient.npz: dQ, dK, dV and the risk (rank 0 writes; a failed write ends every rank)."""
+        on_root(self.comm, write_npz, self.path("gradient.npz"), dQ=g.dQ, dK=g.dK, dV=g.dV,
+                risk=np.array(g.risk))
+
     @contextmanager
     def session(self, keep=()):
         """The output folder is the run's inside: created, locked, earlier files moved
@@ -257,8 +262,7 @@ def run_gradient(cfg: dict, comm=None) -> dict:
             g = adj.gradient()
         log.info("risk R = %.12e, |dR/dtheta| = %.6e", g.risk, g.norm())
         tape_bytes = run.comm.allreduce(g.tape_bytes, op=MPI.MAX)
-        on_root(run.comm, write_npz, run.path("gradient.npz"), dQ=g.dQ, dK=g.dK, dV=g.dV,
-                risk=np.array(g.risk))
+        run.write_gradient(g)
         return run.summary("completed", None, risk=g.risk,
                            risks=dict(zip([n for n, _ in p.prompts], g.risks)),
                            gradient_norm=g.norm(), tape_bytes_per_rank=tape_bytes,
@@ -388,8 +392,7 @@ def run_particles(cfg: dict, comm=None, gradient: bool = False) -> dict:
             if gradient:
                 with run.timer.phase("gradient"):
                     g = adjoint.gradient()
-                on_root(run.comm, write_npz, run.path("gradient.npz"), dQ=g.dQ, dK=g.dK, dV=g.dV,
-                        risk=np.array(g.risk))
+                run.write_gradient(g)
                 results.update(risk=g.risk, gradient_norm=g.norm())
                 log.info("|dR/dtheta| = %.6e", g.norm())
         except SolverBreakdown as e:

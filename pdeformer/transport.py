@@ -39,7 +39,7 @@ import dolfinx.fem.petsc
 
 from . import _dolfinx as dfx
 from .errors import ConfigError, InputError, SolverBreakdown
-from .parallel import any_rank, ghost_update_add, scatter_forward
+from .parallel import any_rank, ghost_update_add, moment_sums, scatter_forward
 
 MASS_PREFIX = "pdeformer_mass_"
 MASS_DEFAULTS = {"ksp_type": "preonly", "pc_type": "bjacobi", "sub_pc_type": "lu"}
@@ -454,17 +454,12 @@ class DGTransport:
         rule = self.moment_rule
         values = rule.values()
         w = values * rule.measure
-        y = rule.points - centre
-        d = self.d
-        local = np.concatenate([[w.sum(), np.abs(rule.measure) @ np.maximum(0.0, -values)], w @ y,
-                                np.einsum("q,qi,qj->ij", w, y, y).ravel()])
-        tot = np.empty_like(local)
-        self.comm.Allreduce(local, tot, op=MPI.SUM)
-        mass = tot[0]
+        negative = np.abs(rule.measure) @ np.maximum(0.0, -values)
+        mass, m1, m2, (neg,) = moment_sums(self.comm, w, rule.points - centre, [negative])
         with np.errstate(divide="ignore", invalid="ignore"):
-            first = tot[2:2 + d] / mass
-            cov = tot[2 + d:].reshape(d, d) / mass - np.outer(first, first)
-        return {"mass": float(mass), "negative_mass": float(tot[1]), "mean": centre + first, "cov": cov}
+            first = m1 / mass
+            cov = m2 / mass - np.outer(first, first)
+        return {"mass": float(mass), "negative_mass": float(neg), "mean": centre + first, "cov": cov}
 
     def min_value(self, coeffs: np.ndarray) -> float:
         """min rho over all check points of all cells (see cell_minima)."""
