@@ -28,6 +28,7 @@ from mpi4py import MPI
 from .errors import SolverBreakdown
 from .forward import ForwardSolver, located
 from .heads import Gradient
+from .march import sweep_back
 from .objectives import default_quadrature_degree
 from .parallel import any_rank
 from .timestepping import ssp_step_vjp
@@ -130,9 +131,11 @@ class AdjointSolver:
                 local[s] = F
                 self.start = fw.comm.allreduce(float(np.abs(self._dF).max(initial=0.0)), op=MPI.MAX)
                 name = fw.problem.prompts[s][0]
-                for layer, dt, stages, limits in reversed(tape):
+
+                def step_vjp(lam, layer, dt, stages, limits):
                     with located(f"adjoint of prompt {name!r}, layer {layer}"):
-                        lam = self._step_vjp(lam, layer, dt, stages, limits, dA, dV)
+                        return self._step_vjp(lam, layer, dt, stages, limits, dA, dV)
+                sweep_back(tape, lam, step_vjp)
         risks = groups.gather_prompts(local)
         for a in (dA, dV):
             groups.world.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)

@@ -27,6 +27,7 @@ from mpi4py import MPI
 
 from .errors import ConfigError, InputError, SolverBreakdown
 from .frames import Frame, Tracker, located  # noqa: F401  (Tracker: the base of the trackers)
+from .march import march
 from .attention import value_gain
 from .heads import HeadMeasure
 from .mesh import bounding_box, make_mesh, shortest_edge
@@ -164,6 +165,114 @@ class FramePlan:
         return sum(taken for _, taken in self.segments)
 
 
+class PromptMarch:
+    """One prompt's march through depth on the mesh (a :class:`~pdeformer.march.StepController`
+    with the step and the frames' output): the state (coefficients, outflow), the
+    velocity of the state that the next step's first stage reuses, the step plan of the
+    frame (CFL steps chosen every step, fixed, or frozen), and per layer the largest
+    step relative to the stability limit (``overshoot``)."""
+
+    def __init__(self, solver: "ForwardSolver", index: int, trackers, tape):
+        self.solver, self.index, self.trackers, self.tape = solver, index, trackers, tape
+        self.name = solver.problem.prompts[index][0]
+        self.want_v = any(tr.needs_velocity for tr in trackers)
+        self.state = [solver.initial_coeffs[index].copy(), np.zeros(1)]
+        self.steps, self.dt, self.overshoot = 0, math.nan, 0.0
+        self.cache = None     # (state, layer, velocity, plan): the next step's first stage reuses it
+        self.first = None     # (velocity, plan) of the step about to be taken
+        self.plan = None
+        self.layer = 0
+
+    def where(self, t: float, layer: int) -> str:
+        return f"prompt {self.name!r}, layer {layer}, t = {t:.6g}"
+
+    # ------------------------------------------------------------ step control
+    def start_layer(self, layer: int) -> None:
+        self.layer, self.layer_steps, self.warned, self.overshoot = layer, 0, False, 0.0
+
+    def start_frame(self, layer: int, frame: int) -> None:
+        self.plan = self.solver._frame_plan(self.index, layer, frame)
+
+    def next_step(self, t: float, t_end: float) -> tuple[float, bool]:
+        """The velocity of the state (evaluated, or kept from the frame's output), its CFL
+        step, the velocity bound, and the step the plan gives (planned again where the
+        velocity outgrew a frozen plan); a warning past the stability limit."""
+        sv, layer, plan = self.solver, self.layer, self.plan
+        with located(self.where(t, layer)) as where:
+            self.first = self._first_stage(layer)
+            dt_cfl, vmax = sv.transport.cfl_step(sv.disc["cfl"] * sv.scheme.cfl_factor)
+            sv._check_hull(vmax, self.first[0], layer)
+            if plan is None:   # CFL steps, chosen afresh every step
+                n_left = sv._cfl_steps(t_end - t, dt_cfl, vmax, self.layer_steps)
+            else:              # uniform steps, planned now or replayed
+                if plan.deciding and (not plan.segments or (t_end - t) / plan.left()
+                                      > sv._replan_factor * dt_cfl):
+                    plan.plan(sv._cfl_steps(t_end - t, dt_cfl, vmax, self.layer_steps))
+                n_left = plan.left()
+        dt = (t_end - t) / n_left
+        overshoot = dt * sv.disc["cfl"] / dt_cfl
+        self.overshoot = max(self.overshoot, overshoot)
+        if overshoot > 1 and not self.warned:   # fixed or frozen steps past cfl = 1
+            self.warned = True
+            if sv.comm.rank == 0:
+                log.warning("warning: %s: %s", where, sv._unstable_step(dt, vmax, overshoot, plan))
+        return dt, n_left == 1
+
+    def _first_stage(self, layer: int):
+        """(velocity, plan) of the state: the one the last frame's output computed, else
+        evaluated now."""
+        sv, cache = self.solver, self.cache
+        if cache is not None and cache[0] is self.state and cache[1] == layer:
+            sv.transport.set_velocity(cache[2])
+            return cache[2], cache[3]
+        return sv.velocity(self.state[0], layer), sv.velocity_field.last_sum
+
+    def took(self, dt: float) -> None:
+        if self.plan is not None:
+            self.plan.took()
+        self.layer_steps += 1
+        self.steps += 1
+        self.dt = dt
+
+    # ------------------------------------------------------------ step and frames
+    def step(self, t: float, dt: float, layer: int) -> None:
+        sv = self.solver
+        with located(self.where(t, layer)):
+            self.state = sv._step(self.state, dt, layer, self.first, self.tape)
+            if any_rank(sv.comm, not np.all(np.isfinite(self.state[0]))):
+                raise SolverBreakdown("the density is NaN or overflows after this step")
+
+    def emit(self, t: float, layer: int, boundary: bool) -> None:
+        """The frame at t: its velocity where a tracker wants it (the heads of the layer
+        holding t; at a layer end, of the next layer), diagnostics, the blow-up check and
+        the outflow warning, then the trackers; a breakdown found here still records the
+        density before it stops the run."""
+        sv, L = self.solver, self.solver.problem.heads.layers
+        vel, failure = None, None
+        if self.want_v:
+            at = min(layer + 1, L - 1) if boundary else layer
+            try:
+                with located(self.where(t, at)):
+                    vel = sv.velocity(self.state[0], at)
+                self.cache = (self.state, at, vel, sv.velocity_field.last_sum)
+            except SolverBreakdown as e:
+                failure = e
+        frame = Frame(self.name, self.index, t, layer, boundary, self.steps, self.dt,
+                      self.state[0], sv._outflow(self.state), vel)
+        frame.extra["diagnostics"] = diag = sv.diagnostics(frame)
+        where = self.where(t, max(layer, 0))
+        if failure is None:
+            failure = sv.blowup(diag, self.overshoot, where)
+        if failure is None and self.index not in sv.outflow_warned and sv._warn_outflow(diag, where):
+            sv.outflow_warned.add(self.index)   # once per prompt and run (not every training step)
+        with sv.timer.phase("output"):
+            for tr in self.trackers:
+                if failure is None or not tr.needs_velocity:
+                    tr.frame(sv, frame)
+        if failure is not None:
+            raise failure
+
+
 class ForwardSolver:
     def __init__(self, problem: Problem, timer: Timer | None = None):
         self.problem = problem
@@ -294,87 +403,13 @@ class ForwardSolver:
         being the (density, velocity, kernel plan) at which the scheme evaluated its
         right-hand side and limits what the limiter did to each new stage (None without
         the limiter; see DGTransport.limit): what the adjoint sweep needs."""
-        name = self.problem.prompts[index][0]
         self.current_prompt, self.evaluations = index, 0
         self._tape_room = self.velocity_field.tape_mb * 2 ** 20 if tape is not None else 0
-        L, F = self.problem.heads.layers, self.frames_per_layer
-        want_v = any(tr.needs_velocity for tr in trackers)
-        state = [self.initial_coeffs[index].copy(), np.zeros(1)]
-        march = {"steps": 0, "dt": math.nan, "overshoot": 0.0}  # overshoot: max dt / dt(cfl 1) in the layer
-        cache = None  # (state, layer, velocity, plan): the next step's first stage reuses it
-
-        def emit(t, layer, boundary):
-            nonlocal cache
-            vel, failure = None, None
-            if want_v:  # heads of the layer holding t (at a layer end: the next layer)
-                at = min(layer + 1, L - 1) if boundary else layer
-                try:
-                    with located(f"prompt {name!r}, layer {at}, t = {t:.6g}"):
-                        vel = self.velocity(state[0], at)
-                    cache = (state, at, vel, self.velocity_field.last_sum)
-                except SolverBreakdown as e:  # still record the density, then stop
-                    failure = e
-            frame = Frame(name, index, t, layer, boundary, march["steps"], march["dt"],
-                          state[0], self._outflow(state), vel)
-            frame.extra["diagnostics"] = diag = self.diagnostics(frame)
-            where = f"prompt {name!r}, layer {max(layer, 0)}, t = {t:.6g}"
-            if failure is None:
-                failure = self.blowup(diag, march["overshoot"], where)
-            if failure is None and index not in self.outflow_warned and self._warn_outflow(diag, where):
-                self.outflow_warned.add(index)   # once per prompt and run (not every training step)
-            with self.timer.phase("output"):
-                for tr in trackers:
-                    if failure is None or not tr.needs_velocity:
-                        tr.frame(self, frame)
-            if failure is not None:
-                raise failure
-
-        emit(0.0, -1, True)
-        t = 0.0
-        for layer in range(L):
-            layer_steps, warned = 0, False
-            march["overshoot"] = 0.0
-            for f in range(1, F + 1):
-                t_end = (layer + f / F) / L
-                plan = self._frame_plan(index, layer, f)
-                while t < t_end:
-                    with located(f"prompt {name!r}, layer {layer}, t = {t:.6g}") as where:
-                        if cache is not None and cache[0] is state and cache[1] == layer:
-                            vel0, plan0 = cache[2], cache[3]
-                            self.transport.set_velocity(vel0)
-                        else:
-                            vel0 = self.velocity(state[0], layer)
-                            plan0 = self.velocity_field.last_sum
-                        dt_cfl, vmax = self.transport.cfl_step(self.disc["cfl"] * self.scheme.cfl_factor)
-                        self._check_hull(vmax, vel0, layer)
-                        if plan is None:   # CFL steps, chosen afresh every step
-                            n_left = self._cfl_steps(t_end - t, dt_cfl, vmax, layer_steps)
-                        else:              # uniform steps, planned now or replayed
-                            if plan.deciding and (not plan.segments or (t_end - t) / plan.left()
-                                                  > self._replan_factor * dt_cfl):
-                                plan.plan(self._cfl_steps(t_end - t, dt_cfl, vmax, layer_steps))
-                            n_left = plan.left()
-                        dt = (t_end - t) / n_left
-                        overshoot = dt * self.disc["cfl"] / dt_cfl
-                        march["overshoot"] = max(march["overshoot"], overshoot)
-                        # fixed or frozen steps: warn past cfl = 1, about the stability limit
-                        if overshoot > 1 and not warned:
-                            warned = True
-                            if self.comm.rank == 0:
-                                log.warning("warning: %s: %s", where, self._unstable_step(dt, vmax, overshoot, plan))
-                        state = self._step(state, dt, layer, (vel0, plan0), tape)
-                        if any_rank(self.comm, not np.all(np.isfinite(state[0]))):
-                            raise SolverBreakdown("the density is NaN or overflows after this step")
-                    if plan is not None:
-                        plan.took()
-                    layer_steps += 1
-                    march["steps"] += 1
-                    march["dt"] = dt
-                    t = t_end if n_left == 1 else t + dt
-                emit(t, layer, f == F)
-        self.prompt_info[index]["steps"] = march["steps"]
-        self.stats["steps"] += march["steps"]
-        return state[0], self._outflow(state)
+        prompt = PromptMarch(self, index, trackers, tape)
+        steps = march(self.problem.heads.layers, self.frames_per_layer, prompt, prompt.step, prompt.emit)
+        self.prompt_info[index]["steps"] = steps
+        self.stats["steps"] += steps
+        return prompt.state[0], self._outflow(prompt.state)
 
     def velocity_bound(self, layer: int) -> float:
         """(1/H) sum_h |V_h|_2 max_y |y|: the largest |v| a density >= 0 can give."""

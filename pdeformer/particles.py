@@ -34,6 +34,7 @@ from mpi4py import MPI
 from .errors import ConfigError, SolverBreakdown
 from .frames import Frame, Tracker, located
 from .heads import Gradient
+from .march import FixedSteps, march, sweep_back
 from .parallel import Timer, allgather_rows, any_rank, moment_sums, on_root
 from .timestepping import SCHEMES, ssp_step, ssp_step_vjp
 from .velocity import AttentionVelocity
@@ -125,28 +126,26 @@ class ParticleSolver:
         self.current_prompt, self.evaluations = index, 0   # keys of the laplace plans
         L, F = self.problem.heads.layers, self.frames_per_layer
         x, w = self.initial_tokens(index)
-        n = self.steps_per_layer // F
         dt = 1.0 / (L * self.steps_per_layer)
-        steps = 0
+        steps = FixedSteps(self.steps_per_layer // F, dt)
+        taken = 0
+
+        def step(t, dt, layer):
+            nonlocal x, taken
+            with located(f"prompt {name!r}, layer {layer}, t = {t:.6g}"):
+                x = self._step(x, w, dt, layer, tape)
+            taken += 1
 
         def emit(t, layer, boundary):
-            frame = Frame(name, index, t, layer, boundary, steps, dt if steps else math.nan, x, 0.0)
+            frame = Frame(name, index, t, layer, boundary, taken, dt if taken else math.nan, x, 0.0)
             frame.extra["weights"] = w
             with self.timer.phase("output"):
                 for tr in trackers:
                     tr.frame(self, frame)
 
-        emit(0.0, -1, True)
-        for layer in range(L):
-            for f in range(1, F + 1):
-                for k in range(n):
-                    t = (layer + (f - 1) / F) / L + k * dt
-                    with located(f"prompt {name!r}, layer {layer}, t = {t:.6g}"):
-                        x = self._step(x, w, dt, layer, tape)
-                    steps += 1
-                emit((layer + f / F) / L, layer, f == F)
-        self.stats["steps"] += steps
-        self.prompt_info[index]["steps"] = steps
+        march(L, F, steps, step, emit)
+        self.stats["steps"] += taken
+        self.prompt_info[index]["steps"] = taken
         return x, w
 
     def _step(self, x, w, dt, layer, tape):
@@ -252,8 +251,10 @@ class ParticleAdjoint:
                 F, lam = self._finite(s, self.objective.particle_value_and_gradient(
                     x, w, self.targets[s], sv.comm))
                 local[s] = F
-                for layer, dt, stages in reversed(tape):
-                    lam = self._step_vjp(lam, w, layer, dt, stages, dA, dV)
+
+                def step_vjp(lam, layer, dt, stages):
+                    return self._step_vjp(lam, w, layer, dt, stages, dA, dV)
+                sweep_back(tape, lam, step_vjp)
         risks = groups.gather_prompts(local)
         for a in (dA, dV):   # every rank's share, summed over all groups
             groups.world.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)

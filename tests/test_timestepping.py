@@ -39,3 +39,52 @@ def test_limiter_applied_to_every_stage():
     ssp_step(SCHEMES["ssprk3"], [np.zeros(1)], 0.1, lambda Y, j: [np.ones(1)],
              lambda Y: calls.append(1) or Y)
     assert len(calls) == 3
+
+
+# ------------------------------------------------------------------ the march through depth
+
+def test_march_lands_on_every_frame_end_and_counts_the_steps():
+    """3 layers of 2 frames, 4 fixed steps per frame: 24 steps, frames emitted at t = 0 and
+    exactly at (layer + f/F)/L, layer boundaries flagged; the steps cover [0, 1] in order."""
+    from pdeformer.march import FixedSteps, march
+    frames, steps = [], []
+    n = march(3, 2, FixedSteps(4, 1 / 24), lambda t, dt, layer: steps.append((t, dt, layer)),
+              lambda t, layer, boundary: frames.append((t, layer, boundary)))
+    assert n == 24 == len(steps)
+    assert frames == [(0.0, -1, True)] + [((l + f / 2) / 3, l, f == 2) for l in range(3) for f in (1, 2)]
+    assert [layer for _, _, layer in steps] == [l for l in range(3) for _ in range(8)]
+    np.testing.assert_allclose([t for t, _, _ in steps], np.arange(24) / 24, atol=1e-15)
+
+
+def test_march_with_steps_chosen_as_it_goes():
+    """A controller whose steps shrink (as CFL steps do when the velocity grows): each
+    frame still ends exactly on its end, and the last step is shortened to land there."""
+    from pdeformer.march import march
+
+    class Shrinking:
+        def start_layer(self, layer):
+            pass
+
+        def start_frame(self, layer, frame):
+            self.dt = 0.3
+
+        def next_step(self, t, t_end):
+            self.dt *= 0.7
+            n_left = int(np.ceil((t_end - t) / self.dt - 1e-9))
+            return (t_end - t) / n_left, n_left == 1
+
+        def took(self, dt):
+            pass
+
+    ends, starts = [], []
+    march(2, 1, Shrinking(), lambda t, dt, layer: starts.append(t + dt),
+          lambda t, layer, boundary: ends.append(t))
+    assert ends == [0.0, 0.5, 1.0]
+    assert max(starts) == pytest.approx(1.0, abs=1e-15)
+
+
+def test_sweep_back_visits_the_tape_last_first():
+    from pdeformer.march import sweep_back
+    seen = []
+    out = sweep_back([("a", 1), ("b", 2), ("c", 3)], 0, lambda lam, name, k: seen.append(name) or lam * 10 + k)
+    assert seen == ["c", "b", "a"] and out == 321
