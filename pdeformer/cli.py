@@ -174,45 +174,66 @@ def _run(args, comm) -> int:
     if getattr(args, "prompt_groups", None) is not None:
         overrides.append(f"parallel.prompt_groups={args.prompt_groups}")
     cfg = load_config(config, overrides)
-    from . import run
-    if args.command == "forward":
-        summary = run.run_forward(cfg, comm)
-    elif args.command == "gradient":
-        summary = run.run_gradient(cfg, comm)
-    elif args.command == "particles":
-        summary = run.run_particles(cfg, comm, gradient=args.gradient)
-    elif args.command == "ntk":
-        summary = run.run_ntk(cfg, comm)
-    else:
-        summary = run.run_train(cfg, comm, restart=args.restart, walltime=args.walltime)
+    launch, report = COMMANDS[args.command]
+    summary = launch(cfg, comm, args)
     if comm.rank == 0:
-        outdir = cfg["output"]["dir"]
-        files = summary["files"]
-        print(f"pdeformer: output in {outdir}")
-        if args.command == "forward":
-            print("  diagnostics.csv, summary.json, pdeformer.log"
-                  + (f", {len(files['fields'])} field series (open the .pvd/.bp in ParaView)"
-                     if files["fields"] else ""))
-            if summary.get("objective"):
-                print(f"  risk {summary['objective']['risk']:.10e}")
-        elif args.command == "gradient":
-            print(f"  gradient.npz, summary.json, pdeformer.log; risk {summary['risk']:.10e}, "
-                  f"|gradient| {summary['gradient_norm']:.6e}")
-        elif args.command == "ntk":
-            lse, gram = summary["ntk"]["lse"], summary["ntk"]["ntk"]
-            print("  " + ", ".join(v for k, v in files.items() if k != "log") + ", summary.json")
-            print(f"  LSE test   sigma_min/sigma_max   = {lse['ratio']:.3e}  "
-                  f"{'independent' if lse['independent'] else 'DEPENDENT'}")
-            print(f"  NTK Gram   lambda_min/lambda_max = {gram['ratio']:.3e}  "
-                  f"{'injective' if gram['injective'] else 'NOT INJECTIVE'}")
-        elif args.command == "particles":
-            print("  diagnostics.csv, summary.json, pdeformer.log"
-                  + (", tokens_<prompt>.pvd (ParaView)" if files["tokens"] else "")
-                  + (", gradient.npz" if "gradient" in files else ""))
-        else:
-            print(f"  history.csv, params_XXXX.npz, heads.pvd (ParaView), checkpoint.npz, summary.json; "
-                  f"risk {summary['initial_risk']:.6e} -> {summary['final_risk']:.6e}")
+        print(f"pdeformer: output in {cfg['output']['dir']}")
+        for line in report(summary, summary["files"]):
+            print("  " + line)
     return 0
+
+
+# ------------------------------------------------------------------ what each command runs and says
+
+def _forward_report(summary, files) -> list[str]:
+    lines = ["diagnostics.csv, summary.json, pdeformer.log"
+             + (f", {len(files['fields'])} field series (open the .pvd/.bp in ParaView)"
+                if files["fields"] else "")]
+    if summary.get("objective"):
+        lines.append(f"risk {summary['objective']['risk']:.10e}")
+    return lines
+
+
+def _gradient_report(summary, files) -> list[str]:
+    return [f"gradient.npz, summary.json, pdeformer.log; risk {summary['risk']:.10e}, "
+            f"|gradient| {summary['gradient_norm']:.6e}"]
+
+
+def _ntk_report(summary, files) -> list[str]:
+    lse, gram = summary["ntk"]["lse"], summary["ntk"]["ntk"]
+    return [", ".join(v for k, v in files.items() if k != "log") + ", summary.json",
+            f"LSE test   sigma_min/sigma_max   = {lse['ratio']:.3e}  "
+            f"{'independent' if lse['independent'] else 'DEPENDENT'}",
+            f"NTK Gram   lambda_min/lambda_max = {gram['ratio']:.3e}  "
+            f"{'injective' if gram['injective'] else 'NOT INJECTIVE'}"]
+
+
+def _particles_report(summary, files) -> list[str]:
+    return ["diagnostics.csv, summary.json, pdeformer.log"
+            + (", tokens_<prompt>.pvd (ParaView)" if files["tokens"] else "")
+            + (", gradient.npz" if "gradient" in files else "")]
+
+
+def _train_report(summary, files) -> list[str]:
+    return [f"history.csv, params_XXXX.npz, heads.pvd (ParaView), checkpoint.npz, summary.json; "
+            f"risk {summary['initial_risk']:.6e} -> {summary['final_risk']:.6e}"]
+
+
+def _launch(name: str, **flags):
+    """cfg, comm, args -> summary: pdeformer.run.run_<name>, with these flags read from args."""
+    def launch(cfg, comm, args):
+        from . import run
+        return getattr(run, f"run_{name}")(cfg, comm, **{k: getattr(args, a) for k, a in flags.items()})
+    return launch
+
+
+COMMANDS = {   # command: (run it, the lines rank 0 prints about its output)
+    "forward": (_launch("forward"), _forward_report),
+    "gradient": (_launch("gradient"), _gradient_report),
+    "particles": (_launch("particles", gradient="gradient"), _particles_report),
+    "ntk": (_launch("ntk"), _ntk_report),
+    "train": (_launch("train", restart="restart", walltime="walltime"), _train_report),
+}
 
 
 def _info(args, comm) -> int:

@@ -275,29 +275,3 @@ def test_adjoint_overflow_says_where_it_comes_from():
     sharp = adjoint_cause(2.5, Moments())
     assert "attention is too sharp (lower model.init_scale)" in sharp and "2.5" in sharp
 
-
-BLOCKED = ("dolfinx", "petsc4py", "ufl", "basix", "ffcx")
-
-
-@pytest.mark.parametrize("module", ["pdeformer.particles", "pdeformer.velocity", "pdeformer.laplace",
-                                    "pdeformer.frames", "pdeformer.heads", "pdeformer.objectives"])
-def test_the_numpy_core_imports_without_the_finite_element_stack(module):
-    """The particle model is an ODE: it and the parts it stands on (velocity, kernels,
-    frames, heads, objectives) import with dolfinx, PETSc and the FEniCS form stack made
-    unimportable, and none of them is loaded."""
-    import subprocess
-    import sys
-    from conftest import ROOT
-    code = f"""
-import importlib.abc, sys
-class Blocked(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {BLOCKED!r}:
-            raise ImportError(name + " is blocked")
-sys.meta_path.insert(0, Blocked())
-import {module}
-loaded = sorted(m for m in sys.modules if m.split(".")[0] in {BLOCKED!r})
-assert not loaded, loaded
-"""
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
