@@ -24,19 +24,59 @@ requires_dolfinx = pytest.mark.skipif(not has_dolfinx(), reason="dolfinx not imp
 
 
 def run_cli(args, nprocs: int = 1, cwd: str | None = None, timeout: int = 600,
-            check: bool = True) -> subprocess.CompletedProcess:
-    """``pdeformer ARGS`` in a subprocess, under ``mpirun -n nprocs`` when nprocs > 1."""
-    cmd = [sys.executable, "-m", "pdeformer", *map(str, args)]
-    if nprocs > 1:
-        from pdeformer.parallel import mpirun_command
-        cmd = mpirun_command(nprocs) + cmd
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=cwd or ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+            check: bool = True, isolated: bool = False) -> subprocess.CompletedProcess:
+    """``pdeformer ARGS``: under ``mpirun -n nprocs`` when nprocs > 1 (or ``isolated``: a
+    fresh process, where its peak memory or environment is the point), else in this
+    process through ``pdeformer.cli.main`` (what the command runs, without the start-up of
+    a Python and dolfinx per call). Either way a CompletedProcess: exit status, stdout,
+    stderr."""
+    if nprocs == 1 and not isolated:
+        proc = _in_process(list(map(str, args)), cwd or ROOT)
+    else:
+        cmd = [sys.executable, "-m", "pdeformer", *map(str, args)]
+        if nprocs > 1:
+            from pdeformer.parallel import mpirun_command
+            cmd = mpirun_command(nprocs) + cmd
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        proc = subprocess.run(cmd, cwd=cwd or ROOT, capture_output=True, text=True,
+                              timeout=timeout, env=env)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+        raise AssertionError(f"pdeformer {' '.join(map(str, args))} failed ({proc.returncode}):\n"
                              f"{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def _in_process(args: list, cwd: str) -> subprocess.CompletedProcess:
+    """cli.main(args) run from ``cwd`` with stdout and stderr captured; an exception that
+    escapes it is printed as a traceback with exit status 1, as Python would. The
+    logging set-up that main makes is undone afterwards (pytest's capture keeps working)."""
+    import contextlib
+    import io
+    import logging
+    import traceback
+    from pdeformer.cli import main
+    logger = logging.getLogger("pdeformer")
+    saved = (list(logger.handlers), logger.propagate, logger.level,
+             [(h, h.level) for h in logging.root.handlers])
+    out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                status = main(args)
+            except SystemExit as e:
+                status = e.code if isinstance(e.code, int) else 1
+            except Exception:
+                traceback.print_exc()
+                status = 1
+    finally:
+        os.chdir(here)
+        logger.handlers[:] = saved[0]
+        logger.propagate, logger.level = saved[1], saved[2]
+        for h, level in saved[3]:
+            h.setLevel(level)
+    return subprocess.CompletedProcess(["pdeformer", *args], status, out.getvalue(), err.getvalue())
 
 
 def write_config(folder, text: str, name: str = "run.toml") -> str:

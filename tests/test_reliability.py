@@ -232,7 +232,7 @@ def test_memory_limit_and_estimate_against_the_peak(tmp_path):
     limit below it is refused."""
     cfg = write_config(tmp_path, CONFIG)
     args = ["forward", cfg, "--set", "mesh.cells=[96,96]", "output.fields=false"]
-    run_cli(args, cwd=str(tmp_path))
+    run_cli(args, cwd=str(tmp_path), isolated=True)    # the peak of a process of its own
     mem = summary_of(tmp_path / "out")["memory"]
     assert mem["peak_per_rank_gb"] <= mem["estimate_per_rank_gb"] <= 3 * mem["peak_per_rank_gb"], mem
     limit = mem["estimate_per_rank_gb"] / 2
