@@ -331,7 +331,9 @@ def _unknown(key: str, allowed) -> ConfigError:
     return ConfigError(key, f"unknown key{hint}")
 
 
-def _check_table(prefix: str, table: dict, keys: dict[str, Key]) -> dict:
+def check_table(prefix: str, table: dict, keys: dict[str, Key]) -> dict:
+    """A TOML table checked against its schema ``keys`` (unknown keys refused, defaults
+    filled in, errors naming ``prefix.key``)."""
     out = {}
     for k, v in table.items():
         if k not in keys:
@@ -356,7 +358,7 @@ def _check_prompt(i: int, p) -> dict:
     kind = PROMPT_KEYS["common"]["kind"].check(f"{prefix}.kind", p["kind"])
     keys = {**PROMPT_KEYS["common"], **PROMPT_KEYS[kind],
             "target": Key(lambda key, v: _check_target(key, v), None, "the objective's target")}
-    out = _check_table(prefix, p, keys)
+    out = check_table(prefix, p, keys)
     if kind == "points":
         _check_point_source(prefix, out)
     if out["name"] is None:
@@ -369,11 +371,11 @@ def _check_target(key: str, t) -> dict:
     if not isinstance(t, dict):
         raise ConfigError(key, f"expected a table, e.g. {{ mean = [...], cov = [...] }}, got {_typename(t)}")
     if "kind" not in t:
-        out = _check_table(key, t, PROMPT_KEYS["moments"])
+        out = check_table(key, t, PROMPT_KEYS["moments"])
         out["kind"] = "moments"
         return out
     kind = string(TARGET_KINDS)(f"{key}.kind", t["kind"])
-    out = _check_table(key, t, {"kind": Key(string(TARGET_KINDS), REQUIRED), **PROMPT_KEYS[kind]})
+    out = check_table(key, t, {"kind": Key(string(TARGET_KINDS), REQUIRED), **PROMPT_KEYS[kind]})
     if kind == "points":
         _check_point_source(key, out)
     return out
@@ -399,7 +401,7 @@ def check_config(raw: dict, base_dir: str, stem: str = "run") -> dict:
         if not isinstance(table, dict):
             raise ConfigError(section, f"expected a table [{section}], got {_typename(table)}")
         cfg[section] = petsc_options(section, table) if section == "petsc" \
-            else _check_table(section, table, keys)
+            else check_table(section, table, keys)
     prompts = raw.get("prompts", REQUIRED)
     if prompts is REQUIRED:
         raise ConfigError("prompts", "missing: give at least one [[prompts]] table")

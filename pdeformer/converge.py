@@ -47,12 +47,11 @@ import numpy as np
 import ufl
 
 from .budget import check_memory
-from .config import Key, _check_table, load_config, number, path, string
-from .errors import ConfigError, InputError, PdeformerError, status_of
-from .outdir import OutputFolder
+from .config import Key, check_table, load_config, number, path, string
+from .errors import ConfigError, InputError, status_of
 from .output import atomic_write, provenance, save_figure, write_csv, write_json
-from .parallel import (METER, Timer, add_log_file, allgather_rows, describe_parallel, metered, on_root,
-                       parallel_report, remove_log_file)
+from .parallel import (METER, Timer, allgather_rows, describe_parallel, metered, on_root,
+                       parallel_report)
 
 log = logging.getLogger("pdeformer")
 
@@ -106,8 +105,8 @@ def load_study(filename: str, overrides=()) -> dict:
     for k in raw:
         if k not in ("study", "output"):
             raise ConfigError(k, "unknown section (a study file has [study] and [output])")
-    study = _check_table("study", raw.get("study", {}), STUDY)
-    out = _check_table("output", raw.get("output", {}), {"dir": Key(path, None)})
+    study = check_table("study", raw.get("study", {}), STUDY)
+    out = check_table("output", raw.get("output", {}), {"dir": Key(path, None)})
     stem = os.path.splitext(os.path.basename(filename))[0]
     study["run"] = os.path.normpath(os.path.join(base, study["run"]))
     if study["reference"] == "run":
@@ -314,7 +313,10 @@ def orders(sizes, errs):
 
 
 def run_study(study: dict, comm=None, walltime: float | None = None) -> dict:
+    """Run the cases of a study (and its reference), compare them, write the tables and
+    summary.json; a PdeformerError still writes summary.json with its status."""
     from mpi4py import MPI
+    from .run import output_session
     METER.reset()
     comm = metered(comm or MPI.COMM_WORLD)
     timer = Timer()
@@ -324,53 +326,18 @@ def run_study(study: dict, comm=None, walltime: float | None = None) -> dict:
     if study["reference"] == "run":
         reference_cfg = load_config(study["reference_run"], study["reference_set"])
     outdir = study["output_dir"]
-    folder = OutputFolder(outdir, "converge")
-    on_root(comm, folder.open)
-    handler = add_log_file(comm, os.path.join(outdir, "pdeformer.log"))
     info = provenance(comm) if comm.rank == 0 else {}
-    status = "completed"
-    try:
-        log.info("pdeformer converge %s: %s over %s on %d rank(s), reference %s, output in %s",
-                 study["study_file"], param, values, comm.size, study["reference"], outdir)
-        if comm.rank == 0:
-            folder.report()
-        wants_grad = "gradient" in study["quantities"]
-        ref = None
-        if reference_cfg is not None:
-            with timer.phase("reference"):
-                ref = Case(study["reference_command"], reference_cfg, comm, timer, wants_grad)
-            log.info("reference run %s: %.1f s", study["reference_run"], ref.seconds)
-        order = list(range(len(values)))
-        if study["reference"] == "finest":   # the finest first: it is every case's reference
-            order = order[-1:] + order[:-1]
-        cases = [None] * len(values)
-        for i in order:
-            if walltime is not None and comm.bcast(   # rank 0 decides for all ranks
-                    timer.elapsed() + _expected(cases) > walltime if comm.rank == 0 else None):
-                status = "walltime"
-                if comm.rank == 0:
-                    log.warning("warning: stopping before %s = %s: the walltime guard (%.0f s) would "
-                                "be passed", param, values[i], walltime)
-                break
-            with timer.phase("cases"):
-                cases[i] = Case(study["command"], cfgs[i], comm, timer, wants_grad)
-            log.info("case %s = %s: %.1f s", param, json.dumps(values[i]), cases[i].seconds)
-            if study["reference"] == "finest" and i == len(values) - 1:
-                ref = cases[i]
-        rows, table = [], {}
-        kind = "exact" if study["reference"] == "exact" else "case"
-        sizes = [size_of(param, v) for v in values]
-        for i, (v, case) in enumerate(zip(values, cases)):
-            if case is None or (study["reference"] == "finest" and i == len(values) - 1):
-                continue
-            for q, e in errors(case, ref, kind, study["quantities"], study["bandwidth"]).items():
-                table.setdefault(q, []).append((i, e))
-        for q, entries in table.items():
-            idx = [i for i, _ in entries]
-            errs = [e for _, e in entries]
-            for (i, e), o in zip(entries, orders([sizes[i] for i in idx], errs)):
-                rows.append({"case": i, "value": json.dumps(values[i]), "size": sizes[i],
-                             "quantity": q, "error": e, "order": o, "seconds": cases[i].seconds})
+
+    def on_error(e):   # agreed on every rank: the summary says how the study ended
+        on_root(comm, write_json, os.path.join(outdir, "summary.json"), {
+            "command": "converge", "status": status_of(e), "error": str(e), "study": study,
+            "provenance": info, "ranks": comm.size, "timings": timer.report(comm)})
+
+    announce = (f"pdeformer converge {study['study_file']}: {param} over {values} on {comm.size} "
+                f"rank(s), reference {study['reference']}, output in {outdir}")
+    with output_session("converge", outdir, comm, announce, on_error):
+        cases, ref, status = _run_cases(study, cfgs, reference_cfg, comm, timer, walltime)
+        rows = _error_rows(study, cases, ref)
         meter = METER.snapshot()
         summary = {"command": "converge", "status": status, "study": study, "provenance": info,
                    "ranks": comm.size, "rows": rows, "timings": timer.report(comm),
@@ -383,18 +350,58 @@ def run_study(study: dict, comm=None, walltime: float | None = None) -> dict:
         if comm.rank == 0:
             log.info(describe_parallel(summary["parallel"]))
         return summary
-    except PdeformerError as e:   # agreed on every rank: the summary says how the study ended
-        try:
-            on_root(comm, write_json, os.path.join(outdir, "summary.json"), {
-                "command": "converge", "status": status_of(e), "error": str(e), "study": study,
-                "provenance": info, "ranks": comm.size, "timings": timer.report(comm)})
-        except PdeformerError:
-            pass
-        raise
-    finally:
-        remove_log_file(handler)
-        if comm.rank == 0:
-            folder.close()
+
+
+def _run_cases(study: dict, cfgs: list, reference_cfg, comm, timer, walltime) -> tuple[list, object, str]:
+    """(cases, reference, status): the reference run, then the cases (the finest first
+    where it is the reference), stopping before a case the walltime guard would not fit
+    (rank 0 decides for all ranks)."""
+    param, values = study["parameter"], study["values"]
+    wants_grad = "gradient" in study["quantities"]
+    ref = None
+    if reference_cfg is not None:
+        with timer.phase("reference"):
+            ref = Case(study["reference_command"], reference_cfg, comm, timer, wants_grad)
+        log.info("reference run %s: %.1f s", study["reference_run"], ref.seconds)
+    order = list(range(len(values)))
+    if study["reference"] == "finest":   # the finest first: it is every case's reference
+        order = order[-1:] + order[:-1]
+    cases = [None] * len(values)
+    for i in order:
+        if walltime is not None and comm.bcast(
+                timer.elapsed() + _expected(cases) > walltime if comm.rank == 0 else None):
+            if comm.rank == 0:
+                log.warning("warning: stopping before %s = %s: the walltime guard (%.0f s) would "
+                            "be passed", param, values[i], walltime)
+            return cases, ref, "walltime"
+        with timer.phase("cases"):
+            cases[i] = Case(study["command"], cfgs[i], comm, timer, wants_grad)
+        log.info("case %s = %s: %.1f s", param, json.dumps(values[i]), cases[i].seconds)
+        if study["reference"] == "finest" and i == len(values) - 1:
+            ref = cases[i]
+    return cases, ref, "completed"
+
+
+def _error_rows(study: dict, cases: list, ref) -> list[dict]:
+    """One row per case run and quantity: its error against the reference and the
+    observed order against the case before it."""
+    param, values = study["parameter"], study["values"]
+    kind = "exact" if study["reference"] == "exact" else "case"
+    sizes = [size_of(param, v) for v in values]
+    table = {}
+    for i, case in enumerate(cases):
+        if case is None or (study["reference"] == "finest" and i == len(values) - 1):
+            continue
+        for q, e in errors(case, ref, kind, study["quantities"], study["bandwidth"]).items():
+            table.setdefault(q, []).append((i, e))
+    rows = []
+    for q, entries in table.items():
+        idx = [i for i, _ in entries]
+        errs = [e for _, e in entries]
+        for (i, e), o in zip(entries, orders([sizes[i] for i in idx], errs)):
+            rows.append({"case": i, "value": json.dumps(values[i]), "size": sizes[i],
+                         "quantity": q, "error": e, "order": o, "seconds": cases[i].seconds})
+    return rows
 
 
 def _write_study(outdir: str, study: dict, rows: list, summary: dict) -> list:

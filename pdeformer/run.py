@@ -42,6 +42,41 @@ from .trackers import DiagnosticsTable, FieldOutput, ProgressLog, log_other_grou
 log = logging.getLogger("pdeformer")
 
 
+@contextmanager
+def output_session(command: str, outdir: str, comm, announce: str, on_error, on_bug=None, keep=()):
+    """The inside of a command in its output folder: the folder created and locked,
+    earlier files moved aside (but those matching ``keep``: see pdeformer.outdir), the
+    log file open and ``announce`` logged. A PdeformerError raised inside (on every rank)
+    calls ``on_error(e)`` (which writes the summary; a second error there, e.g. a disk
+    still full, is dropped: the first one's line says what happened); anything else
+    calls ``on_bug(e)`` on the failing rank. The lock and log are released either way."""
+    folder = OutputFolder(outdir, command, keep)
+    on_root(comm, folder.open)
+    handler = None
+    try:
+        handler = add_log_file(comm, os.path.join(outdir, "pdeformer.log"))
+        log.info("%s", announce)
+        if comm.rank == 0:
+            folder.report()
+            if dfx.untested_version_warning():
+                log.warning(dfx.untested_version_warning())
+        yield
+    except PdeformerError as e:
+        try:
+            on_error(e)
+        except PdeformerError:
+            pass
+        raise
+    except BaseException as e:
+        if on_bug is not None:
+            on_bug(e)
+        raise
+    finally:
+        remove_log_file(handler)
+        if comm.rank == 0:
+            folder.close()
+
+
 class Run:
     """What every command shares: inputs checked first (nothing is written for bad
     input found then), then the session: output folder (locked, earlier files moved
@@ -90,37 +125,17 @@ class Run:
 
     @contextmanager
     def session(self, keep=()):
-        """The output folder is the run's inside: created, locked, earlier files moved
-        aside (but those matching ``keep``: see pdeformer.outdir), the log file open.
-        A PdeformerError raised inside (on every rank) still writes summary.json with
-        its status, unless the command wrote one; anything else makes the failing rank
-        write a summary with status "failed" before the job is aborted."""
-        folder = OutputFolder(self.outdir, self.command, keep)
-        on_root(self.comm, folder.open)
-        handler = None
-        try:
-            handler = add_log_file(self.comm, self.path("pdeformer.log"))
-            log.info("pdeformer %s %s on %d rank(s), output in %s", self.command,
-                     self.cfg["config_file"], self.comm.size, self.outdir)
-            if self.comm.rank == 0:
-                folder.report()
-                if dfx.untested_version_warning():
-                    log.warning(dfx.untested_version_warning())
-            yield
-        except PdeformerError as e:
+        """The run's inside, in its output folder (:func:`output_session`): a
+        PdeformerError raised inside (on every rank) still writes summary.json with its
+        status, unless the command wrote one; anything else makes the failing rank write
+        a summary with status "failed" before the job is aborted."""
+        def on_error(e):
             if not self.summarised:
-                try:
-                    self.summary(status_of(e), e)
-                except PdeformerError:
-                    pass   # e.g. the disk is still full: the error line says what happened
-            raise
-        except BaseException as e:
-            self._failed(e)
-            raise
-        finally:
-            remove_log_file(handler)
-            if self.comm.rank == 0:
-                folder.close()
+                self.summary(status_of(e), e)
+        announce = (f"pdeformer {self.command} {self.cfg['config_file']} on {self.comm.size} "
+                    f"rank(s), output in {self.outdir}")
+        with output_session(self.command, self.outdir, self.comm, announce, on_error, self._failed, keep):
+            yield
 
     def _failed(self, error: BaseException) -> None:
         """summary.json of a run that a bug or an interrupt ended, written by the rank it
