@@ -20,6 +20,7 @@ import math
 import os
 import re
 import tomllib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -320,6 +321,18 @@ PROMPT_KEYS: dict[str, dict[str, Key]] = {
     },
 }
 TARGET_KINDS = PROMPT_KINDS
+
+# Each section of a checked config as a frozen dataclass (fields: the schema's keys), what
+# solvers take instead of the dict: ``section(cfg, "discretisation").cfl``.
+SECTIONS = {name: dataclasses.make_dataclass(name.title().replace("_", "") + "Options",
+                                             list(keys), frozen=True)
+            for name, keys in SCHEMA.items()}
+
+
+def section(cfg: dict, name: str):
+    """The checked ``[name]`` table of ``cfg`` as its frozen dataclass (SECTIONS)."""
+    return SECTIONS[name](**cfg[name])
+
 
 PATH_KEYS = (("mesh", "file"), ("model", "params"), ("output", "dir"))
 

@@ -25,6 +25,7 @@ import numpy as np
 import ufl
 from mpi4py import MPI
 
+from .config import section
 from .errors import ConfigError, InputError, SolverBreakdown
 from .frames import Frame, Tracker, located  # noqa: F401  (Tracker: the base of the trackers)
 from .march import march
@@ -200,7 +201,7 @@ class PromptMarch:
         sv, layer, plan = self.solver, self.layer, self.plan
         with located(self.where(t, layer)) as where:
             self.first = self._first_stage(layer)
-            dt_cfl, vmax = sv.transport.cfl_step(sv.disc["cfl"] * sv.scheme.cfl_factor)
+            dt_cfl, vmax = sv.transport.cfl_step(sv.disc.cfl * sv.scheme.cfl_factor)
             sv._check_hull(vmax, self.first[0], layer)
             if plan is None:   # CFL steps, chosen afresh every step
                 n_left = sv._cfl_steps(t_end - t, dt_cfl, vmax, self.layer_steps)
@@ -210,7 +211,7 @@ class PromptMarch:
                     plan.plan(sv._cfl_steps(t_end - t, dt_cfl, vmax, self.layer_steps))
                 n_left = plan.left()
         dt = (t_end - t) / n_left
-        overshoot = dt * sv.disc["cfl"] / dt_cfl
+        overshoot = dt * sv.disc.cfl / dt_cfl
         self.overshoot = max(self.overshoot, overshoot)
         if overshoot > 1 and not self.warned:   # fixed or frozen steps past cfl = 1
             self.warned = True
@@ -279,15 +280,14 @@ class ForwardSolver:
         self.comm = problem.comm
         self.timer = timer or Timer()
         cfg = problem.cfg
-        disc = cfg["discretisation"]
-        self.disc = disc
+        disc = self.disc = section(cfg, "discretisation")
         self.frames_per_layer = cfg["output"]["frames_per_layer"]
         with self.timer.phase("setup"):
-            self.transport = DGTransport(problem.mesh, disc["degree"], disc["velocity_degree"],
-                                         disc["quadrature_degree"], cfg["petsc"], comm=self.comm)
+            self.transport = DGTransport(problem.mesh, disc.degree, disc.velocity_degree,
+                                         disc.quadrature_degree, cfg["petsc"], comm=self.comm)
             self.velocity_field = AttentionVelocity.on_space(self.transport.W, problem.heads,
                                                              cfg["attention"], self.comm)
-        self.scheme = SCHEMES[disc["scheme"]]
+        self.scheme = SCHEMES[disc.scheme]
         # uniform steps per frame with counts frozen at the frame's start (gradients need
         # a step plan that does not move with the heads); step_counts can be preset
         self.freeze_steps = False
@@ -315,7 +315,7 @@ class ForwardSolver:
                             for i, (name, _) in enumerate(problem.prompts)]
 
     def describe(self) -> str:
-        return f"DG-{self.disc['degree']}"
+        return f"DG-{self.disc.degree}"
 
     # ------------------------------------------------------------ building blocks
     def initial_state(self, index: int) -> tuple[np.ndarray, dict]:
@@ -330,8 +330,8 @@ class ForwardSolver:
         if prompt.ufl_density is not None:
             rho0 = prompt.ufl_density(x, tr.constant)
         else:
-            rho0 = tr.interpolant(prompt.density, disc["degree"] + 2)
-        coeffs, mass = tr.project(rho0, disc["prompt_quadrature_degree"])
+            rho0 = tr.interpolant(prompt.density, disc.degree + 2)
+        coeffs, mass = tr.project(rho0, disc.prompt_quadrature_degree)
         if prompt.kind == "uniform" and self.problem.cfg["mesh"]["file"] is None:
             # the indicator's quadrature on cut cells is inexact; on a box mesh the
             # truncation is known exactly
@@ -341,11 +341,11 @@ class ForwardSolver:
         if not (mass > 0 and truncated < 0.5):
             raise InputError(f"{key} ({name!r}): the prompt lies outside the mesh "
                              f"(only {max(0.0, 1 - truncated):.3g} of its mass is on it)")
-        if truncated > disc["tail_tolerance"] and self.comm.rank == 0:
+        if truncated > disc.tail_tolerance and self.comm.rank == 0:
             log.warning("warning: %s (%r): %.3g of its mass lies outside the mesh and is cut off",
                         key, name, truncated)
         coeffs /= mass
-        if disc["limiter"]:
+        if disc.limiter:
             coeffs = tr.limit(coeffs)
         return coeffs, {"name": name, "mass_on_mesh": mass, "truncated_mass": truncated}
 
@@ -353,7 +353,7 @@ class ForwardSolver:
         """Make every evaluation one discrete map of the heads (gradients): step counts
         frozen per frame (unless steps_per_layer fixes them) and the attention's table
         plans kept per evaluation, both replayed until :meth:`plan_afresh`."""
-        if self.disc["steps_per_layer"] is None:
+        if self.disc.steps_per_layer is None:
             self.freeze_steps = True
         self.velocity_field.freeze = True
 
@@ -440,26 +440,26 @@ class ForwardSolver:
             f"{vmax / bound:.3g} times the most a density >= 0 gives ({bound:.3g}): the attention's "
             f"partition function is tiny or negative there (head {h}: Z = {ratio[h]:.3g} times its "
             "value for |rho|) where the heads weight the density's negative undershoot"
-            + ("; set discretisation.limiter = true" if not self.disc["limiter"]
+            + ("; set discretisation.limiter = true" if not self.disc.limiter
                else "; refine mesh.cells"))
 
     @property
     def _replan_factor(self) -> float:
         """A deciding frame plan is made again when its step exceeds this times the CFL
         step: REPLAN_SLACK, or less where that would pass the stability limit (cfl 1)."""
-        return max(1.0, min(REPLAN_SLACK, 1.0 / self.disc["cfl"]))
+        return max(1.0, min(REPLAN_SLACK, 1.0 / self.disc.cfl))
 
     def _unstable_step(self, dt: float, vmax: float, overshoot: float, plan) -> str:
         """What made a step past the stability limit, and the setting that fixes it."""
         past = f"the step {dt:.3g} is {overshoot:.3g} times the stability limit (cfl 1 at |v| = {vmax:.3g})"
-        if self.disc["steps_per_layer"] is not None:
+        if self.disc.steps_per_layer is not None:
             return (f"{past}: raise discretisation.steps_per_layer (now "
-                    f"{self.disc['steps_per_layer']}) or remove it for CFL steps")
+                    f"{self.disc.steps_per_layer}) or remove it for CFL steps")
         if plan is not None and not plan.deciding:
             return (f"{past}: this frame replays the step plan that the last gradient evaluation "
                     "froze for other heads (risks then see the gradient's discrete map), and these "
                     "heads move faster; evaluate the gradient again to plan for them")
-        return f"{past}: discretisation.cfl = {self.disc['cfl']} asks for it; lower it to at most 1"
+        return f"{past}: discretisation.cfl = {self.disc.cfl} asks for it; lower it to at most 1"
 
     def blowup(self, diag: dict, overshoot: float, where: str) -> SolverBreakdown | None:
         """A breakdown if the density at a frame is garbage though finite: negative mass
@@ -486,20 +486,20 @@ class ForwardSolver:
         if overshoot > 1:
             cause = (f"steps up to {overshoot:.3g} times the stability limit were taken in this layer: "
                      + ("raise discretisation.steps_per_layer or remove it for CFL steps"
-                        if self.disc["steps_per_layer"] is not None else
+                        if self.disc.steps_per_layer is not None else
                         "lower discretisation.cfl"))
         else:
             cause = ("the steps kept the CFL limit, so the mesh does not resolve the density these "
                      "heads make or their feedback (the velocity's change with the density) is faster "
                      "than the step: refine mesh.cells or lower discretisation.cfl"
-                     + ("" if self.disc["limiter"] else " (or set discretisation.limiter = true)"))
+                     + ("" if self.disc.limiter else " (or set discretisation.limiter = true)"))
         return SolverBreakdown(f"{where}: the density blew up: {what}; {cause}")
 
     def _warn_outflow(self, diag: dict, where: str) -> bool:
         """Warn when more mass than ``tail_tolerance`` has left the mesh:
         the moments then move by about |x - mean| times the mass lost, more than it
         (docs/verification.md). Whether it warned."""
-        tol = self.disc["tail_tolerance"]
+        tol = self.disc.tail_tolerance
         if not abs(diag["outflow"]) > tol:
             return False
         lo, hi = self.box
@@ -520,7 +520,7 @@ class ForwardSolver:
         """The uniform steps of a frame when they are fixed: steps_per_layer, or a frozen
         plan (replayed when this evaluation made it already, else planned as the frame
         goes and kept in step_counts); None for CFL steps chosen every step."""
-        spl = self.disc["steps_per_layer"]
+        spl = self.disc.steps_per_layer
         if spl is not None:
             return FramePlan([[spl // self.frames_per_layer, spl // self.frames_per_layer]])
         if not self.freeze_steps:
@@ -555,7 +555,7 @@ class ForwardSolver:
         """One SSP step; ``first`` = (velocity, kernel plan) of the first stage, already
         computed for the step size."""
         tr = self.transport
-        limiter = self.disc["limiter"]
+        limiter = self.disc.limiter
         stages, limits = [], []
 
         def rhs(Y, j):

@@ -31,6 +31,7 @@ import math
 import numpy as np
 from mpi4py import MPI
 
+from .config import section
 from .errors import ConfigError, SolverBreakdown
 from .frames import Frame, Tracker, located
 from .heads import Gradient
@@ -57,17 +58,17 @@ class ParticleSolver:
         self.comm = problem.comm
         self.timer = timer or Timer()
         cfg = problem.cfg
-        self.disc = cfg["discretisation"]
-        pc = cfg["particles"]
-        self.tokens = pc["tokens"]
-        self.seed = pc["seed"]
-        self.steps_per_layer = pc["steps_per_layer"] or self.disc["steps_per_layer"] or 10
+        self.disc = section(cfg, "discretisation")
+        pc = section(cfg, "particles")
+        self.tokens = pc.tokens
+        self.seed = pc.seed
+        self.steps_per_layer = pc.steps_per_layer or self.disc.steps_per_layer or 10
         self.frames_per_layer = cfg["output"]["frames_per_layer"]
         if self.steps_per_layer % self.frames_per_layer:
             raise ConfigError("output.frames_per_layer",
                               f"{self.frames_per_layer} does not divide the particle steps per "
                               f"layer ({self.steps_per_layer})")
-        self.scheme = SCHEMES[self.disc["scheme"]]
+        self.scheme = SCHEMES[self.disc.scheme]
         attention = dict(cfg["attention"], **({"backend": backend} if backend else {}))
         self.velocity_field = AttentionVelocity(None, problem.heads, attention, self.comm)
         self.stats = {"steps": 0, "velocity_evaluations": 0}

@@ -288,8 +288,8 @@ def run_gradient(cfg: dict, comm=None) -> dict:
 def _counts(solver) -> dict:
     """Steps per layer used (frozen plan or steps_per_layer), per prompt (a combination
     point: every group counts its own prompts)."""
-    if solver.disc["steps_per_layer"] is not None:
-        return {"steps_per_layer": solver.disc["steps_per_layer"]}
+    if solver.disc.steps_per_layer is not None:
+        return {"steps_per_layer": solver.disc.steps_per_layer}
     local = {}
     for (s, layer, _), plan in sorted(solver.step_counts.items()):
         local.setdefault(s, [0] * solver.problem.heads.layers)[layer] += plan.steps
