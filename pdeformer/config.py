@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .errors import ConfigError
-from .objectives import OBJECTIVES as OBJECTIVE_CLASSES
 
 REQUIRED = object()
 
@@ -79,12 +78,15 @@ def boolean(key, v):
     return v
 
 
-def string(choices: tuple[str, ...] | None = None, pattern: str | None = None) -> Callable:
+def string(choices=None, pattern: str | None = None) -> Callable:
+    """A string, one of ``choices`` (a tuple, or a function giving it when checked) or
+    matching ``pattern``."""
     def check(key, v):
         if not isinstance(v, str):
             raise ConfigError(key, f"expected a string, got {_typename(v)} ({v!r})")
-        if choices is not None and v not in choices:
-            raise ConfigError(key, f"expected one of {', '.join(map(repr, choices))}, got {v!r}")
+        allowed = choices() if callable(choices) else choices
+        if allowed is not None and v not in allowed:
+            raise ConfigError(key, f"expected one of {', '.join(map(repr, allowed))}, got {v!r}")
         if pattern is not None and not re.fullmatch(pattern, v):
             raise ConfigError(key, f"{v!r} is not allowed (1 to 64 letters, digits, '_' or '-')")
         return v
@@ -175,7 +177,6 @@ TOL_WHY = (" (a laplace table's values carry rounding of about 1e-13 of their si
 
 CELLS = {1: ("interval",), 2: ("triangle", "quadrilateral"), 3: ("tetrahedron", "hexahedron")}
 SCHEMES = ("auto", "euler", "ssprk2", "ssprk3", "ssprk104")
-OBJECTIVES = tuple(OBJECTIVE_CLASSES)    # the registered objectives (pdeformer.objectives)
 PROMPT_KINDS = ("gaussian_mixture", "uniform", "file", "points")
 NAME = r"[A-Za-z0-9_-]{1,64}"   # prompt names go into file names: short and portable
 
@@ -237,7 +238,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
                              "this (default: the node's available memory)"),
     },
     "objective": {
-        "kind": Key(string(OBJECTIVES), None, f"risk per prompt: {', '.join(OBJECTIVES)}"),
+        "kind": Key(string(lambda: tuple(_objectives())), None,
+                    "risk per prompt: a registered objective (pdeformer.objectives: potential, ...)"),
         "potential": Key(string(("quadratic", "linear", "gaussian")), "quadratic", "named potential U"),
         "center": Key(number_list(), None, "centre of the quadratic/gaussian potential (default 0)"),
         "weight": Key(number(), 1.0, "strength of the quadratic/gaussian potential or of W (interaction)"),
@@ -477,6 +479,13 @@ def _check_mesh(m: dict) -> None:
 
 MAX_HEADS_TOTAL = 10**7
 
+def _objectives() -> dict:
+    """The objective registry, imported when a config is checked (it needs mpi4py; reading
+    this module must not start MPI)."""
+    from .objectives import OBJECTIVES
+    return OBJECTIVES
+
+
 def _check_objective(obj: dict, prompts: list, mesh: dict) -> None:
     kind = obj["kind"]
     if kind is None:
@@ -484,7 +493,7 @@ def _check_objective(obj: dict, prompts: list, mesh: dict) -> None:
         if extra:
             raise ConfigError(f"objective.{extra[0]}", "given, but objective.kind is missing")
         return
-    cls = OBJECTIVE_CLASSES[kind]
+    cls = _objectives()[kind]
     cls.check_config(obj, mesh)
     want = cls.targets
     if not want:

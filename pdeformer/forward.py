@@ -213,7 +213,8 @@ class PromptMarch:
         dt = (t_end - t) / n_left
         overshoot = dt * sv.disc.cfl / dt_cfl
         self.overshoot = max(self.overshoot, overshoot)
-        if overshoot > 1 and not self.warned:   # fixed or frozen steps past cfl = 1
+        if overshoot > 1 + 1e-8 and not self.warned:   # fixed or frozen steps past cfl = 1
+                                                       # (ceil's 1e-9 slack: not a step past it)
             self.warned = True
             if sv.comm.rank == 0:
                 log.warning("warning: %s: %s", where, sv._unstable_step(dt, vmax, overshoot, plan))
@@ -483,11 +484,12 @@ class ForwardSolver:
             what = f"a variance is negative ({var.min():.3g})"
         else:
             return None
-        if overshoot > 1:
+        if overshoot > 1 + 1e-8:
             cause = (f"steps up to {overshoot:.3g} times the stability limit were taken in this layer: "
                      + ("raise discretisation.steps_per_layer or remove it for CFL steps"
                         if self.disc.steps_per_layer is not None else
-                        "lower discretisation.cfl"))
+                        "lower discretisation.cfl, or, for a risk that replays a gradient's step "
+                        "plan, evaluate the gradient again"))
         else:
             cause = ("the steps kept the CFL limit, so the mesh does not resolve the density these "
                      "heads make or their feedback (the velocity's change with the density) is faster "

@@ -93,6 +93,8 @@ class Objective:
     targets: tuple = ()
     adjoint_knob = "the objective's target"
     checks_mesh = False
+    own_keys: tuple = ()   # [objective] keys only this kind reads, added after checkpoints
+                           # existed: other kinds' checkpoints do not fingerprint them
 
     @classmethod
     def from_config(cls, cfg: dict, d: int) -> "Objective":
@@ -234,7 +236,12 @@ class L2(Objective):
 
 def pair_sums(x: np.ndarray, y: np.ndarray, c: np.ndarray, kernel, chunk_mb: float = 8.0) -> np.ndarray:
     """sum_j kernel(|x_i - y_j|^2) c_j for every x_i, in row chunks of about ``chunk_mb``
-    megabytes (``kernel`` maps an array of squared distances to kernel values)."""
+    megabytes (``kernel`` maps an array of squared distances to kernel values). The
+    distances |x|^2 + |y|^2 - 2<x, y> are taken about the mean of y (no cancellation for
+    points far from the origin)."""
+    if len(y):
+        centre = y.mean(axis=0)
+        x, y = x - centre, y - centre
     out = np.empty(x.shape[0])
     rows = max(1, int(chunk_mb * 2**20 / (8 * max(len(y), 1))))
     y2 = np.sum(y * y, axis=1)
@@ -248,7 +255,10 @@ def pair_sums(x: np.ndarray, y: np.ndarray, c: np.ndarray, kernel, chunk_mb: flo
 
 def pair_gradients(x: np.ndarray, y: np.ndarray, c: np.ndarray, slope, chunk_mb: float = 8.0) -> np.ndarray:
     """sum_j grad W(x_i - y_j) c_j for a radial W with grad W(r) = slope(|r|^2) r:
-    x_i sum_j s_ij c_j - sum_j s_ij c_j y_j."""
+    x_i sum_j s_ij c_j - sum_j s_ij c_j y_j, about the mean of y."""
+    if len(y):
+        centre = y.mean(axis=0)
+        x, y = x - centre, y - centre
     sc = pair_sums(x, y, c, slope, chunk_mb)
     scy = np.stack([pair_sums(x, y, c * y[:, a], slope, chunk_mb) for a in range(x.shape[1])], 1)
     return x * sc[:, None] - scy
@@ -358,6 +368,7 @@ class Interaction(Objective):
 
     kind = "interaction"
     adjoint_knob = "objective.weight"
+    own_keys = ("interaction", "softening")
 
     def __init__(self, interaction: str = "gaussian", weight: float = 1.0, width: float = 1.0,
                  softening: float = 0.1, chunk_mb: float = 8.0):

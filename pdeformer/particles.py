@@ -36,6 +36,7 @@ from .errors import ConfigError, SolverBreakdown
 from .frames import Frame, Tracker, located
 from .heads import Gradient
 from .march import FixedSteps, march, sweep_back
+from .objectives import OBJECTIVES
 from .parallel import Timer, allgather_rows, any_rank, moment_sums, on_root
 from .timestepping import SCHEMES, ssp_step, ssp_step_vjp
 from .velocity import AttentionVelocity
@@ -208,10 +209,12 @@ class ParticleAdjoint:
 
     def __init__(self, solver: ParticleSolver, objective, targets: list):
         if not hasattr(objective, "particle_value_and_gradient"):
+            tokens = [k for k, c in OBJECTIVES.items() if hasattr(c, "particle_value_and_gradient")]
             raise ConfigError("objective.kind", f"{objective.kind!r} needs a density; tokens support "
-                              "potential, moments and mmd")
-        from .adjoint import check_on_mesh
-        check_on_mesh(objective, solver.comm, solver.problem.mesh)   # the tokens' domain
+                              f"{', '.join(tokens)}")
+        if objective.checks_mesh:   # e.g. an mmd bandwidth on the scale of the tokens' domain
+            from .adjoint import check_on_mesh
+            check_on_mesh(objective, solver.comm, solver.problem.mesh)
         self.solver = solver
         self.objective = objective
         self.targets = [self._prepare(t, i) for i, t in enumerate(targets)]

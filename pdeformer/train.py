@@ -135,8 +135,12 @@ def fingerprint(cfg: dict) -> dict:
             if "path" in table:
                 table["sha256"] = _file_digest(table["path"])
         prompts.append(p)
+    from .objectives import OBJECTIVES
+    kind = cfg["objective"]["kind"]
+    foreign = {k for name, c in OBJECTIVES.items() if name != kind for k in c.own_keys}
+    objective = {k: v for k, v in cfg["objective"].items() if k not in foreign}
     parts = {"mesh": mesh, "model": model, "prompts": prompts,
-             "discretisation": cfg["discretisation"], "objective": cfg["objective"],
+             "discretisation": cfg["discretisation"], "objective": objective,
              "optimizer": cfg["train"]["optimizer"]}
     return {k: json.dumps(v, sort_keys=True, default=str) for k, v in parts.items()}
 

@@ -54,19 +54,25 @@ def _in_process(args: list, cwd: str) -> subprocess.CompletedProcess:
     import io
     import logging
     import traceback
+    import warnings
     from pdeformer.cli import main
     logger = logging.getLogger("pdeformer")
     saved = (list(logger.handlers), logger.propagate, logger.level,
              [(h, h.level) for h in logging.root.handlers])
     out, err = io.StringIO(), io.StringIO()
+
+    def show(message, category, filename, lineno, file=None, line=None):   # as Python would: on stderr
+        err.write(warnings.formatwarning(message, category, filename, lineno, line))
     here = os.getcwd()
     os.chdir(cwd)
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
             try:
                 status = main(args)
             except SystemExit as e:
-                status = e.code if isinstance(e.code, int) else 1
+                status = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
             except Exception:
                 traceback.print_exc()
                 status = 1
@@ -74,6 +80,7 @@ def _in_process(args: list, cwd: str) -> subprocess.CompletedProcess:
         os.chdir(here)
         logger.handlers[:] = saved[0]
         logger.propagate, logger.level = saved[1], saved[2]
+        logging.root.handlers[:] = [h for h, _ in saved[3]]
         for h, level in saved[3]:
             h.setLevel(level)
     return subprocess.CompletedProcess(["pdeformer", *args], status, out.getvalue(), err.getvalue())

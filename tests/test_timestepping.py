@@ -57,8 +57,10 @@ def test_march_lands_on_every_frame_end_and_counts_the_steps():
 
 
 def test_march_with_steps_chosen_as_it_goes():
-    """A controller whose steps shrink (as CFL steps do when the velocity grows): each
-    frame still ends exactly on its end, and the last step is shortened to land there."""
+    """A controller whose steps shrink (as CFL steps do when the velocity grows) and whose
+    last step of a frame is cut short: every step starts where the last ended, no step
+    passes its frame's end, each frame's steps add up to its length and the frames end
+    exactly on (layer + 1) / L."""
     from pdeformer.march import march
 
     class Shrinking:
@@ -70,17 +72,22 @@ def test_march_with_steps_chosen_as_it_goes():
 
         def next_step(self, t, t_end):
             self.dt *= 0.7
-            n_left = int(np.ceil((t_end - t) / self.dt - 1e-9))
-            return (t_end - t) / n_left, n_left == 1
+            last = self.dt >= t_end - t
+            return (t_end - t if last else self.dt), last
 
         def took(self, dt):
             pass
 
-    ends, starts = [], []
-    march(2, 1, Shrinking(), lambda t, dt, layer: starts.append(t + dt),
+    ends, steps = [], []
+    march(2, 1, Shrinking(), lambda t, dt, layer: steps.append((t, dt, layer)),
           lambda t, layer, boundary: ends.append(t))
     assert ends == [0.0, 0.5, 1.0]
-    assert max(starts) == pytest.approx(1.0, abs=1e-15)
+    for layer in (0, 1):
+        mine = [(t, dt) for t, dt, l in steps if l == layer]
+        assert mine[0][0] == layer / 2 and all(t + dt <= (layer + 1) / 2 + 1e-15 for t, dt in mine)
+        assert all(abs(a[0] + a[1] - b[0]) < 1e-15 for a, b in zip(mine, mine[1:]))
+        assert sum(dt for _, dt in mine) == pytest.approx(0.5, abs=1e-15)
+        assert mine[-1][1] < mine[-2][1] * 0.7     # the last one cut short
 
 
 def test_sweep_back_visits_the_tape_last_first():
