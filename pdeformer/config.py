@@ -218,7 +218,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
                      "random heads independent per layer, or linear in depth per head"),
     },
     "attention": {
-        "backend": Key(string(("direct", "laplace", "auto")), "auto",
+        "backend": Key(string(lambda: tuple(_backends())), "auto",
                        "direct summation, a log-Laplace table (d <= 2), or auto"),
         "tol": Key(number(positive=True, lo=TOL_MIN, hi=1e-1, why=TOL_WHY), 1e-8,
                    "accuracy of the laplace table (relative to its values' size)"),
@@ -478,6 +478,13 @@ def _check_mesh(m: dict) -> None:
 
 
 MAX_HEADS_TOTAL = 10**7
+
+def _backends() -> dict:
+    """The attention backends' registry (pdeformer.velocity), imported when a config is
+    checked."""
+    from .velocity import BACKENDS
+    return BACKENDS
+
 
 def _objectives() -> dict:
     """The objective registry, imported when a config is checked (it needs mpi4py; reading

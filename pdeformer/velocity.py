@@ -49,6 +49,91 @@ class TableSum(NamedTuple):
         return self.table.nbytes + (0 if self.interp is self.table else self.interp.nbytes)
 
 
+BACKENDS: dict[str, type] = {}
+
+
+def register_backend(cls):
+    """Make a way to sum known by its ``name`` (``[attention] backend``)."""
+    BACKENDS[cls.name] = cls
+    return cls
+
+
+@register_backend
+class DirectBackend:
+    """Direct summation for every evaluation: every target meets every source; exact."""
+
+    name = "direct"
+
+    def check(self, dim: int) -> None:
+        """ConfigError where this way cannot sum tokens of dimension ``dim``."""
+
+    def table_velocity(self, field, points, weights, x, A, V, key, signed):
+        """(v, plan, bound) through a table, or None: direct summation does it."""
+        return None
+
+
+@register_backend
+class LaplaceBackend:
+    """A log-Laplace table for every evaluation (d <= 2), up to N_MAX_FORCED points per
+    axis; where none meets tol, or none can be built, the run stops (a breakdown)."""
+
+    name = "laplace"
+
+    def check(self, dim: int) -> None:
+        if dim > 2:
+            raise ConfigError("attention.backend", f"'laplace' is implemented for d = 1 and 2, "
+                              f"these tokens have d = {dim}: use 'auto' or 'direct'")
+
+    def n_max(self, field, points, A, x, key) -> int | None:
+        return N_MAX_FORCED
+
+    def table_velocity(self, field, points, weights, x, A, V, key, signed):
+        if points.shape[1] > 2:
+            raise ValueError("backend 'laplace' is implemented for d = 1 and 2")
+        try:
+            n_max = self.n_max(field, points, A, x, key)
+            found = None if n_max is None else \
+                field.planner.velocity(points, weights, x, A, V, key, n_max, signed)
+        except FloatingPointError as e:
+            return self.cannot_build(e)
+        return found if found is not None else self.out_of_reach(field)
+
+    def cannot_build(self, error):
+        raise SolverBreakdown(f"attention backend 'laplace': {error}; use 'auto' or 'direct'") from None
+
+    def out_of_reach(self, field):
+        est = field.planner.last_estimate
+        raise SolverBreakdown(f"attention backend 'laplace' cannot reach tol = {field.tol:g} "
+                              f"(estimate {est:.2g} with grids up to {N_MAX_FORCED}); use "
+                              "'auto' or 'direct', or raise attention.tol")
+
+
+@register_backend
+class AutoBackend(LaplaceBackend):
+    """The table where its error estimate meets tol and its flop count is below direct
+    summation's (the largest size worth building, kept per key); direct summation
+    otherwise, and always for d > 2."""
+
+    name = "auto"
+
+    def check(self, dim: int) -> None:
+        pass
+
+    def n_max(self, field, points, A, x, key) -> int | None:
+        return field.worthwhile_size(points, A, x, key)
+
+    def table_velocity(self, field, points, weights, x, A, V, key, signed):
+        if points.shape[1] > 2:
+            return None
+        return super().table_velocity(field, points, weights, x, A, V, key, signed)
+
+    def cannot_build(self, error):
+        return None
+
+    def out_of_reach(self, field):
+        return None
+
+
 class AttentionVelocity:
     """The attention velocity of a head measure at this rank's targets: the nodes of a
     velocity space (:meth:`on_space`), or points given per call (particles)."""
@@ -58,9 +143,8 @@ class AttentionVelocity:
         self.targets = targets
         self.heads = heads  # read at every call: training updates it in place
         self.backend = attention.get("backend", "direct")
-        if self.backend == "laplace" and heads.dim > 2:
-            raise ConfigError("attention.backend", f"'laplace' is implemented for d = 1 and 2, "
-                              f"these tokens have d = {heads.dim}: use 'auto' or 'direct'")
+        self.summation = BACKENDS[self.backend]()
+        self.summation.check(heads.dim)
         self.tol = attention.get("tol", 1e-8)
         self.chunk_mb = attention.get("chunk_mb", 2.0)
         self.tape_mb = attention.get("tape_mb", 256.0)   # tables kept for an adjoint (forward.py)
@@ -98,12 +182,10 @@ class AttentionVelocity:
                               slice(start, start + len(points)))
         return self._gathered[1], self._gathered[2]
 
-    def _n_max(self, points, A, x, key) -> int | None:
-        """The largest table size worth building: for ``auto`` the largest whose flop
-        count (table and interpolation) is below direct summation's (None: none is), for
-        ``laplace`` N_MAX_FORCED. Kept per key while heads, sources and targets stay."""
-        if self.backend == "laplace":
-            return N_MAX_FORCED
+    def worthwhile_size(self, points, A, x, key) -> int | None:
+        """The largest table size worth building (``auto``): the largest whose flop count
+        (table and interpolation) is below direct summation's (None: none is). Kept per
+        key while heads, sources and targets stay."""
         cached = self._limits.get(key)
         if cached is not None and cached[1] is points and cached[2] is x and np.array_equal(cached[0], A):
             return cached[3]
@@ -124,25 +206,8 @@ class AttentionVelocity:
 
     def _laplace(self, points, weights, x, A, V, key, signed=None):
         """(v, plan) through a laplace table, or None where direct must (or should) do."""
-        d = points.shape[1]
-        if self.backend == "direct" or (d > 2 and self.backend == "auto"):
-            return None
-        if d > 2:
-            raise ValueError("backend 'laplace' is implemented for d = 1 and 2")
-        try:
-            n_max = self._n_max(points, A, x, key)
-            found = None if n_max is None else \
-                self.planner.velocity(points, weights, x, A, V, key, n_max, signed)
-        except FloatingPointError as e:
-            if self.backend == "laplace":
-                raise SolverBreakdown(f"attention backend 'laplace': {e}; use 'auto' or 'direct'") from None
-            return None
+        found = self.summation.table_velocity(self, points, weights, x, A, V, key, signed)
         if found is None:
-            if self.backend == "laplace":
-                est = self.planner.last_estimate
-                raise SolverBreakdown(f"attention backend 'laplace' cannot reach tol = {self.tol:g} "
-                                      f"(estimate {est:.2g} with grids up to {N_MAX_FORCED}); use "
-                                      "'auto' or 'direct', or raise attention.tol")
             return None
         v, plan, bound = found
         # a bound on this velocity's error relative to its largest value (direct sums: exact)
