@@ -234,34 +234,42 @@ class L2(Objective):
         return float(_sum(comm, 0.5 * measure @ (diff * diff))), measure * diff
 
 
-def pair_sums(x: np.ndarray, y: np.ndarray, c: np.ndarray, kernel, chunk_mb: float = 8.0) -> np.ndarray:
-    """sum_j kernel(|x_i - y_j|^2) c_j for every x_i, in row chunks of about ``chunk_mb``
-    megabytes (``kernel`` maps an array of squared distances to kernel values). The
-    distances |x|^2 + |y|^2 - 2<x, y> are taken about the mean of y (no cancellation for
-    points far from the origin)."""
-    if len(y):
-        centre = y.mean(axis=0)
-        x, y = x - centre, y - centre
-    out = np.empty(x.shape[0])
+def _kernel_products(x: np.ndarray, y: np.ndarray, C: np.ndarray, kernel, chunk_mb: float) -> np.ndarray:
+    """sum_j kernel(|x_i - y_j|^2) C[j, :] for every x_i (C: (M, k)), the kernel evaluated
+    once per chunk of about ``chunk_mb`` megabytes of rows; x and y already centred."""
+    out = np.empty((x.shape[0], C.shape[1]))
     rows = max(1, int(chunk_mb * 2**20 / (8 * max(len(y), 1))))
     y2 = np.sum(y * y, axis=1)
     for i0 in range(0, x.shape[0], rows):
         xi = x[i0:i0 + rows]
         D = np.sum(xi * xi, axis=1)[:, None] + y2[None, :] - 2 * xi @ y.T
         np.maximum(D, 0, out=D)
-        out[i0:i0 + rows] = kernel(D) @ c
+        out[i0:i0 + rows] = kernel(D) @ C
     return out
+
+
+def _centred(x: np.ndarray, y: np.ndarray):
+    """x and y about the mean of y: the distances |x|^2 + |y|^2 - 2<x, y> then do not
+    cancel for points far from the origin."""
+    if not len(y):
+        return x, y
+    centre = y.mean(axis=0)
+    return x - centre, y - centre
+
+
+def pair_sums(x: np.ndarray, y: np.ndarray, c: np.ndarray, kernel, chunk_mb: float = 8.0) -> np.ndarray:
+    """sum_j kernel(|x_i - y_j|^2) c_j for every x_i, in row chunks of about ``chunk_mb``
+    megabytes (``kernel`` maps an array of squared distances to kernel values)."""
+    x, y = _centred(x, y)
+    return _kernel_products(x, y, c[:, None], kernel, chunk_mb)[:, 0]
 
 
 def pair_gradients(x: np.ndarray, y: np.ndarray, c: np.ndarray, slope, chunk_mb: float = 8.0) -> np.ndarray:
     """sum_j grad W(x_i - y_j) c_j for a radial W with grad W(r) = slope(|r|^2) r:
-    x_i sum_j s_ij c_j - sum_j s_ij c_j y_j, about the mean of y."""
-    if len(y):
-        centre = y.mean(axis=0)
-        x, y = x - centre, y - centre
-    sc = pair_sums(x, y, c, slope, chunk_mb)
-    scy = np.stack([pair_sums(x, y, c * y[:, a], slope, chunk_mb) for a in range(x.shape[1])], 1)
-    return x * sc[:, None] - scy
+    x_i sum_j s_ij c_j - sum_j s_ij c_j y_j (one kernel evaluation for both sums)."""
+    x, y = _centred(x, y)
+    s = _kernel_products(x, y, np.column_stack([c, c[:, None] * y]), slope, chunk_mb)
+    return x * s[:, :1] - s[:, 1:]
 
 
 @register
