@@ -47,7 +47,7 @@ covs = [2.0]
 def pdeformer(*args, nprocs=1):
     cmd = [sys.executable, "-m", "pdeformer", *args]
     if nprocs > 1:
-        from pdeformer.parallel import mpirun_command
+        from pdeformer.tools.parallel import mpirun_command
         cmd = mpirun_command(nprocs) + cmd
     return cmd
 

@@ -31,7 +31,7 @@ def train(cells: int, degree: int, ranks: int, folder: str, extra=()) -> tuple[d
            f"output.dir={folder}", *extra]
     if ranks > 1:
         sys.path.insert(0, ROOT)
-        from pdeformer.parallel import mpirun_command
+        from pdeformer.tools.parallel import mpirun_command
         cmd = mpirun_command(ranks) + cmd
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,

@@ -17,8 +17,8 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from pdeformer.output import read_diagnostics  # noqa: E402
-from pdeformer.parallel import mpirun_command  # noqa: E402
+from pdeformer.tools.output import read_diagnostics  # noqa: E402
+from pdeformer.tools.parallel import mpirun_command  # noqa: E402
 
 
 def run(backend, ranks, extra, folder):

@@ -32,7 +32,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from pdeformer.parallel import mpirun_command  # noqa: E402
+from pdeformer.tools.parallel import mpirun_command  # noqa: E402
 
 DEFAULT = os.path.join(ROOT, "runs", "default.toml")
 

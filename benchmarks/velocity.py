@@ -35,9 +35,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from pdeformer.attention import Sources, attention_matrices, attention_velocity  # noqa: E402
-from pdeformer._kernels import KERNEL_DEGREE, VECTOR_C, _compile  # noqa: E402
-from pdeformer.laplace import N_MAX_FORCED, b_range, choose_table, fine_grid  # noqa: E402
+from pdeformer.attention.softmax import Sources, attention_matrices, attention_velocity  # noqa: E402
+from pdeformer.attention.compiled import KERNEL_DEGREE, VECTOR_C, _compile  # noqa: E402
+from pdeformer.attention.laplace import N_MAX_FORCED, b_range, choose_table, fine_grid  # noqa: E402
 
 SUBSET = 2000
 REPEAT = 3       # laplace times: the best of three calls (a call takes 0.02-0.5 s)

@@ -8,23 +8,25 @@ calls::
     from pdeformer import load_config, run_forward
     result = run_forward(load_config("runs/default.toml"))
 
-Parts that import without dolfinx or PETSc: the kernel and head measure
-(``pdeformer.attention``, ``pdeformer.heads``, ``pdeformer.laplace``,
-``pdeformer.velocity``), prompts, objectives, timestepping, the particle model
-(``pdeformer.particles``), ``pdeformer.frames`` and ``pdeformer.config``.
+The package is in layers, each a subpackage that imports only its own layer or lower ones
+(docs/architecture.md): ``tools`` (errors, config, MPI, output files); the core, which
+imports neither dolfinx nor PETSc: ``integrator`` (schemes, the march through depth),
+``attention`` (softmax sums, the log-Laplace table) and ``model`` (heads, velocity,
+prompts, objectives, the particle model); ``fem`` (dolfinx: meshes, DG transport);
+``solvers`` (forward, adjoint, training); ``commands`` (the CLI, runs, studies).
 """
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "load_config": ("config", "load_config"),
-    "run_forward": ("run", "run_forward"),
-    "HeadMeasure": ("heads", "HeadMeasure"),
-    "attention_velocity": ("attention", "attention_velocity"),
-    "tilted_moments": ("attention", "tilted_moments"),
-    "Sources": ("attention", "Sources"),
-    "ForwardSolver": ("forward", "ForwardSolver"),
-    "build_problem": ("forward", "build_problem"),
+    "load_config": ("tools.config", "load_config"),
+    "run_forward": ("commands.run", "run_forward"),
+    "HeadMeasure": ("model.heads", "HeadMeasure"),
+    "attention_velocity": ("attention.softmax", "attention_velocity"),
+    "tilted_moments": ("attention.softmax", "tilted_moments"),
+    "Sources": ("attention.softmax", "Sources"),
+    "ForwardSolver": ("solvers.forward", "ForwardSolver"),
+    "build_problem": ("solvers.forward", "build_problem"),
 }
 
 

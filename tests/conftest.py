@@ -27,7 +27,7 @@ def run_cli(args, nprocs: int = 1, cwd: str | None = None, timeout: int = 600,
             check: bool = True, isolated: bool = False) -> subprocess.CompletedProcess:
     """``pdeformer ARGS``: under ``mpirun -n nprocs`` when nprocs > 1 (or ``isolated``: a
     fresh process, where its peak memory or environment is the point), else in this
-    process through ``pdeformer.cli.main`` (what the command runs, without the start-up of
+    process through ``pdeformer.commands.cli.main`` (what the command runs, without the start-up of
     a Python and dolfinx per call). Either way a CompletedProcess: exit status, stdout,
     stderr."""
     if nprocs == 1 and not isolated:
@@ -35,7 +35,7 @@ def run_cli(args, nprocs: int = 1, cwd: str | None = None, timeout: int = 600,
     else:
         cmd = [sys.executable, "-m", "pdeformer", *map(str, args)]
         if nprocs > 1:
-            from pdeformer.parallel import mpirun_command
+            from pdeformer.tools.parallel import mpirun_command
             cmd = mpirun_command(nprocs) + cmd
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         proc = subprocess.run(cmd, cwd=cwd or ROOT, capture_output=True, text=True,
@@ -55,7 +55,7 @@ def _in_process(args: list, cwd: str) -> subprocess.CompletedProcess:
     import logging
     import traceback
     import warnings
-    from pdeformer.cli import main
+    from pdeformer.commands.cli import main
     logger = logging.getLogger("pdeformer")
     saved = (list(logger.handlers), logger.propagate, logger.level,
              [(h, h.level) for h in logging.root.handlers])

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from pdeformer.attention import Sources, attention_matrices, attention_velocity, attention_velocity_vjp
-from pdeformer.objectives import L2, MMD, Interaction, Moments, Potential
-from pdeformer.prompts import GaussianMixture, UniformBox
+from pdeformer.attention.softmax import Sources, attention_matrices, attention_velocity, attention_velocity_vjp
+from pdeformer.model.objectives import L2, MMD, Interaction, Moments, Potential
+from pdeformer.model.prompts import GaussianMixture, UniformBox
 
 from conftest import requires_dolfinx
 
@@ -122,8 +122,8 @@ def test_velocity_reverse_mode_by_finite_differences():
 def gradient_problem(tmp_path, kind="moments", cells=8, heads=None, disc=None, means=None, covs=None,
                      attention=None):
     from test_transport import make_solver
-    from pdeformer.adjoint import AdjointSolver
-    from pdeformer.heads import HeadMeasure
+    from pdeformer.solvers.adjoint import AdjointSolver
+    from pdeformer.model.heads import HeadMeasure
     heads = heads or HeadMeasure.random(2, 2, 2, 2, seed=3, scale=0.8)
     solver = make_solver(tmp_path, lower=[-3.0, -3.0], upper=[3.0, 3.0], cells=[cells, cells],
                          degree=1, heads=heads,
@@ -205,8 +205,8 @@ def test_tables_kept_on_the_tape_give_the_rebuilt_gradient(tmp_path, tape_mb, mo
     with the default budget the adjoint builds no table, with 0 it rebuilds each one,
     with 5 MB some of each; the gradient is the same to the last bit (one rank: the
     rebuilt tables are the same arithmetic)."""
-    from pdeformer import laplace
-    from pdeformer.velocity import TableSum
+    from pdeformer.attention import laplace
+    from pdeformer.model.velocity import TableSum
     att = {"backend": "laplace", "tol": 1e-9}
     built = []
     monkeypatch.setattr(laplace.LaplaceTable, "_build", lambda self, f=laplace.LaplaceTable._build:
@@ -252,9 +252,9 @@ def test_frozen_step_plan_without_steps_per_layer(tmp_path):
 @requires_dolfinx
 def test_uniform_attention_closed_form_gradient(tmp_path):
     """Q = 0 with the moments objective: dR/dQ, dR/dV in closed form
-    (pdeformer.exact). The discrete gradient converges to it at second order."""
-    from pdeformer.exact import uniform_attention_moments_gradient
-    from pdeformer.heads import HeadMeasure
+    (pdeformer.model.exact). The discrete gradient converges to it at second order."""
+    from pdeformer.model.exact import uniform_attention_moments_gradient
+    from pdeformer.model.heads import HeadMeasure
     heads = HeadMeasure.random(2, 3, 2, 2, seed=5, scale=0.6)
     heads.Q[:] = 0.0
     m0, C0 = np.array([0.4, -0.2]), np.array([[0.3, 0.05], [0.05, 0.2]])
@@ -283,7 +283,7 @@ def test_limiter_jacobian_against_finite_differences(tmp_path, degree):
     of negative mean (flattened to its mean), <bar, dLimit(c) d> by central differences
     equals <limit_vjp(bar), d>."""
     from test_transport import make_solver
-    from pdeformer.heads import HeadMeasure
+    from pdeformer.model.heads import HeadMeasure
     s = make_solver(tmp_path, lower=[-2.0, -2.0], upper=[2.0, 2.0], cells=[10, 10], degree=degree,
                     heads=HeadMeasure.random(1, 2, 2, 2, seed=3),
                     prompt={"kind": "uniform", "lower": [-0.73, -0.61], "upper": [0.52, 0.68]},
@@ -329,7 +329,7 @@ def test_frozen_plans_keep_the_stability_limit_and_replays_say_why_they_do_not(t
     passes the stability limit, so the gradient warns of nothing; a risk evaluated for
     faster heads (V doubled) replays the gradient's plan, and its warning says so and
     what to do."""
-    from pdeformer.heads import HeadMeasure
+    from pdeformer.model.heads import HeadMeasure
     adj = gradient_problem(tmp_path, "moments", heads=HeadMeasure.random(2, 2, 2, 2, seed=3, scale=1.5),
                            disc={"cfl": 0.95, "limiter": True})
     with caplog.at_level("WARNING", logger="pdeformer"):
@@ -398,7 +398,7 @@ def test_frozen_plans_are_made_again_when_the_velocity_grows(tmp_path, caplog):
     for it: central differences agree to 1e-5 relative with a step of 1e-6 (the limiter
     acts in many cells here and switches within 1e-5 in some directions: kinks, see
     docs/training.md)."""
-    from pdeformer.heads import HeadMeasure
+    from pdeformer.model.heads import HeadMeasure
     adj = gradient_problem(tmp_path, "moments", heads=HeadMeasure.random(2, 2, 2, 2, seed=3, scale=1.5),
                            disc={"cfl": 0.5, "limiter": True})
     with caplog.at_level("WARNING", logger="pdeformer"):

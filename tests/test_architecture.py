@@ -9,27 +9,49 @@ import pytest
 
 from conftest import ROOT
 
-LAYERS = {
-    "core": ["__init__", "errors", "attention", "laplace", "_kernels", "velocity", "heads", "prompts",
-             "objectives", "exact", "timestepping", "march", "frames", "particles", "config",
-             "parallel", "budget", "output", "outdir"],
-    "finite elements": ["_dolfinx", "mesh", "transport"],
-    "solvers": ["forward", "adjoint", "trackers", "train"],
-    "application": ["run", "cli", "converge", "ntk", "__main__"],
+LAYERS = {   # subpackages by layer; the core (CORE) does not import the finite-element stack
+    "tools": 0,
+    "integrator": 1, "attention": 1, "model": 2,
+    "fem": 3,
+    "solvers": 4,
+    "commands": 5,
 }
-RANK = {m: i for i, (_, mods) in enumerate(LAYERS.items()) for m in mods}
+CORE = ("tools", "integrator", "attention", "model")
 FEM_STACK = ("dolfinx", "petsc4py", "ufl", "basix", "ffcx")
 PACKAGE = os.path.join(ROOT, "pdeformer")
 
 
+def package_modules() -> dict:
+    """{dotted name below pdeformer: subpackage} of every module of the package."""
+    out = {}
+    for dp, dn, fn in os.walk(PACKAGE):
+        dn[:] = [d for d in dn if d != "__pycache__"]
+        rel = os.path.relpath(dp, PACKAGE)
+        for f in fn:
+            if f.endswith(".py"):
+                parts = [] if rel == "." else rel.split(os.sep)
+                out[".".join(parts + [f[:-3]])] = parts[0] if parts else None
+    return out
+
+
+MODULES = package_modules()
+
+
 def top_level_imports(module: str) -> tuple[set, set]:
-    """(package modules, outside packages) imported at the top of pdeformer/<module>.py."""
-    with open(os.path.join(PACKAGE, module + ".py")) as f:
+    """(subpackages, outside packages) imported at the top of pdeformer/<module as path>.py."""
+    path = os.path.join(PACKAGE, *module.split(".")) + ".py"
+    with open(path) as f:
         tree = ast.parse(f.read())
+    here = module.split(".")[:-1]
     ours, outside = set(), set()
     for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            ours.update([node.module] if node.module else [a.name for a in node.names])
+        if isinstance(node, ast.ImportFrom) and node.level >= 1:
+            base = here[:len(here) - (node.level - 1)] if node.level > 1 else here
+            target = base + (node.module.split(".") if node.module else [])
+            if target:
+                ours.add(target[0])
+            else:   # from . import x at the top of the package
+                ours.update(a.name for a in node.names if a.name in LAYERS)
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             outside.add(node.module.split(".")[0])
         elif isinstance(node, ast.Import):
@@ -37,18 +59,32 @@ def top_level_imports(module: str) -> tuple[set, set]:
     return ours, outside
 
 
-def test_every_module_has_a_layer():
-    modules = {f[:-3] for f in os.listdir(PACKAGE) if f.endswith(".py")}
-    assert modules == set(RANK), (modules ^ set(RANK))
+def test_every_module_is_in_a_layer():
+    """Only the facade (__init__, __main__) sits at the top; every subpackage has a layer."""
+    top = {m for m, sub in MODULES.items() if sub is None}
+    assert top == {"__init__", "__main__"}, top
+    assert {sub for sub in MODULES.values() if sub} == set(LAYERS)
 
 
-@pytest.mark.parametrize("module", sorted(RANK))
+@pytest.mark.parametrize("module", sorted(m for m, sub in MODULES.items() if sub))
 def test_modules_import_only_their_layer_or_lower(module):
+    sub = MODULES[module]
     ours, outside = top_level_imports(module)
-    above = [m for m in ours if m in RANK and RANK[m] > RANK[module]]
-    assert not above, f"{module} ({list(LAYERS)[RANK[module]]}) imports {above} at its top"
-    if RANK[module] == 0:
+    above = [m for m in ours if m in LAYERS and LAYERS[m] > LAYERS[sub]]
+    assert not above, f"{module} ({sub}, layer {LAYERS[sub]}) imports {above} at its top"
+    if sub in CORE:
         assert not outside & set(FEM_STACK), f"{module} is core but imports {outside & set(FEM_STACK)}"
+
+
+def test_the_layer_check_sees_a_violation(tmp_path, monkeypatch):
+    """The import reader resolves relative imports: a core module importing the solvers
+    at its top is caught."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "bad.py").write_text("from ..solvers.forward import ForwardSolver\n"
+                                               "from .heads import HeadMeasure\nimport dolfinx\n")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", str(tmp_path))
+    ours, outside = top_level_imports("model.bad")
+    assert ours == {"solvers", "model"} and outside == {"dolfinx"}
 
 
 def test_the_core_imports_without_the_finite_element_stack():
@@ -56,7 +92,7 @@ def test_the_core_imports_without_the_finite_element_stack():
     PETSc and the FEniCS form stack made unimportable, and none of them gets loaded."""
     import subprocess
     import sys
-    core = [f"pdeformer.{m}" if m != "__init__" else "pdeformer" for m in LAYERS["core"]]
+    core = ["pdeformer"] + [f"pdeformer.{m}" for m, sub in MODULES.items() if sub in CORE]
     code = f"""
 import importlib, importlib.abc, sys
 class Blocked(importlib.abc.MetaPathFinder):

@@ -7,7 +7,7 @@ from decimal import Decimal, getcontext
 import numpy as np
 import pytest
 
-from pdeformer.attention import (Sources, attention_matrices, attention_velocity,
+from pdeformer.attention.softmax import (Sources, attention_matrices, attention_velocity,
                                  tilted_moments)
 
 

@@ -44,7 +44,7 @@ upper = [0.5, 1.0]
 
 
 def outputs(folder):
-    from pdeformer.output import read_diagnostics
+    from pdeformer.tools.output import read_diagnostics
     out = os.path.join(str(folder), "out")
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
@@ -52,7 +52,7 @@ def outputs(folder):
 
 
 def assert_same_diagnostics(file_a, file_b, tol=1e-10):
-    from pdeformer.output import read_diagnostics
+    from pdeformer.tools.output import read_diagnostics
     a, b = read_diagnostics(str(file_a)), read_diagnostics(str(file_b))
     assert len(a) == len(b) > 0
     for ra, rb in zip(a, b):
@@ -132,7 +132,7 @@ def test_forward_2d_outputs_read_back(tmp_path):
     assert final["box"]["mass"] == pytest.approx(rows[-1]["mass"], rel=1e-15)
     assert summary["prompts"][1]["truncated_mass"] == 0.0
     # field series: frames at t = 0, 0.5, 1, and the density integrates to the mass
-    from pdeformer.output import read_pvd, read_vtu
+    from pdeformer.tools.output import read_pvd, read_vtu
     for name in ("blob", "box"):
         frames = read_pvd(os.path.join(out, f"density_{name}.pvd"))
         assert [t for t, _ in frames] == [0.0, 0.5, 1.0]
@@ -154,12 +154,12 @@ def test_uniform_attention_velocity_read_back(tmp_path):
     cfg = write_config(tmp_path, CONFIG_2D.replace("layers = 2\nheads = 3", 'params = "heads.npz"'))
     run_cli(["forward", cfg, "--set", "output.frames_per_layer=2", "discretisation.quadrature_degree=2"])
     out, rows, summary = outputs(tmp_path)
-    from pdeformer.output import read_pvd, read_vtu
+    from pdeformer.tools.output import read_pvd, read_vtu
     frames = read_pvd(os.path.join(out, "velocity_blob.pvd"))
     assert [t for t, _ in frames] == [0.0, 0.25, 0.5, 0.75, 1.0]
     means = {r["t"]: [r["mean_0"], r["mean_1"]] for r in rows if r["prompt"] == "blob"}
     assert sorted(means) == [0.0, 0.25, 0.5, 0.75, 1.0]   # a diagnostics row at every frame
-    from pdeformer.exact import expm
+    from pdeformer.model.exact import expm
     for t, path in frames:
         layer = min(int(np.floor(t * 2 + 1e-9)), 1)       # the layer holding t (t = 1: the last)
         v = read_vtu(path)["point_data"]["velocity"][:, :2]
@@ -195,7 +195,7 @@ def test_serial_and_two_ranks_agree(tmp_path):
     with open(tmp_path / "par" / "summary.json") as f:
         assert json.load(f)["ranks"] == 2
     # the parallel VTK output (.pvtu pieces) still integrates to the mass
-    from pdeformer.output import read_pvd, read_vtu
+    from pdeformer.tools.output import read_pvd, read_vtu
     t, path = read_pvd(str(tmp_path / "par" / "density_blob.pvd"))[-1]
     assert path.endswith(".pvtu")
     assert vtu_integral(read_vtu(path), "density") == pytest.approx(b[2]["mass"], abs=1e-12)
@@ -245,7 +245,7 @@ def test_forward_1d_with_file_prompt(tmp_path):
     assert abs(summary["prompts"][1]["mass_on_mesh"] - np.sqrt(np.pi)) < 1e-2
     for r in rows:
         assert abs(r["mass"] + r["outflow"] - 1.0) < 1e-12
-    from pdeformer.output import read_pvd, read_vtu
+    from pdeformer.tools.output import read_pvd, read_vtu
     t, path = read_pvd(os.path.join(out, "density_data.pvd"))[0]
     assert read_vtu(path)["point_data"]["density"].size > 0
 
@@ -361,7 +361,7 @@ def bad_input_cases(tmp_path):
 
 
 def _has_vtx():
-    from pdeformer._dolfinx import has_vtx
+    from pdeformer.fem._dolfinx import has_vtx
     return has_vtx()
 
 

@@ -6,10 +6,10 @@ import re
 import numpy as np
 import pytest
 
-from pdeformer.config import check_config, load_config, parse_override
-from pdeformer.errors import ConfigError, InputError
-from pdeformer.heads import HeadMeasure
-from pdeformer.prompts import make_prompt
+from pdeformer.tools.config import check_config, load_config, parse_override
+from pdeformer.tools.errors import ConfigError, InputError
+from pdeformer.model.heads import HeadMeasure
+from pdeformer.model.prompts import make_prompt
 
 from conftest import ROOT, write_config
 
@@ -112,7 +112,7 @@ def test_too_many_heads(tmp_path):
 
 
 def test_file_errors(tmp_path):
-    from pdeformer.converge import load_study
+    from pdeformer.commands.converge import load_study
     with pytest.raises(ConfigError, match="no such config file"):
         load_config(str(tmp_path / "missing.toml"))
     with pytest.raises(ConfigError, match="is a folder, not a config file"):
@@ -179,8 +179,8 @@ def test_params_file_errors(tmp_path):
 def test_tol_floor_is_the_tables_rounding():
     """attention.tol >= TOL_MIN: a laplace table's values carry its panel sums' rounding,
     up to PANEL_ROUNDING of their size, so no smaller error can be certified."""
-    from pdeformer.config import TOL_MIN
-    from pdeformer.laplace import PANEL_ROUNDING
+    from pdeformer.tools.config import TOL_MIN
+    from pdeformer.attention.laplace import PANEL_ROUNDING
     assert PANEL_ROUNDING <= TOL_MIN < 2 * PANEL_ROUNDING
 
 
@@ -212,7 +212,7 @@ def test_mmd_bandwidth_out_of_range(tmp_path, bandwidth, words):
 def test_mmd_bandwidth_limits_in_double_precision():
     """The limits of check_bandwidth are where the kernel degenerates in float64."""
     import math
-    from pdeformer.objectives import KERNEL_FLAT, KERNEL_REACH, check_bandwidth
+    from pdeformer.model.objectives import KERNEL_FLAT, KERNEL_REACH, check_bandwidth
     bw = 0.01
     assert math.exp(-(1.001 * KERNEL_REACH * bw) ** 2 / (2 * bw**2)) == 0.0     # one cell away
     assert math.exp(-(0.99 * KERNEL_REACH * bw) ** 2 / (2 * bw**2)) > 0.0

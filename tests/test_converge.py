@@ -21,8 +21,8 @@ def table(folder):
 
 
 def test_shipped_studies_load():
-    from pdeformer.config import load_config
-    from pdeformer.converge import load_study
+    from pdeformer.tools.config import load_config
+    from pdeformer.commands.converge import load_study
     names = [n for n in os.listdir(STUDIES) if n.endswith(".toml")]
     studies = [n for n in names if "[study]" in open(os.path.join(STUDIES, n)).read()]
     assert {"mesh.toml", "degree.toml", "layers.toml", "heads.toml", "particles.toml"} <= set(studies)
@@ -90,7 +90,7 @@ def test_walltime_formats():
     """--walltime takes seconds, MM:SS, HH:MM:SS and SLURM's D-HH:MM:SS; NaN, infinity,
     negative values and malformed days are refused (NaN used to turn the guard off)."""
     import argparse
-    from pdeformer.cli import _duration
+    from pdeformer.commands.cli import _duration
     assert [_duration(t) for t in ("90", "0.5", "03:04", "02:03:04", "1-02:03:04")] == \
         [90.0, 0.5, 184.0, 7384.0, 93784.0]
     for text in ("nan", "inf", "-5", "1:nan", "1-02:03", "1.5-00:00:00", "1:2:3:4", "a"):

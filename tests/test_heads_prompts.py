@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from pdeformer.errors import InputError
-from pdeformer.exact import expm, uniform_attention_mean
-from pdeformer.heads import HeadMeasure
-from pdeformer.prompts import GaussianMixture, PointDensity, UniformBox
+from pdeformer.tools.errors import InputError
+from pdeformer.model.exact import expm, uniform_attention_mean
+from pdeformer.model.heads import HeadMeasure
+from pdeformer.model.prompts import GaussianMixture, PointDensity, UniformBox
 
 
 def test_random_heads_are_reproducible_and_nested():

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from pdeformer.attention import Sources, attention_matrices, tilted_moments
-from pdeformer.laplace import (LaplaceTable, b_range, barycentric_weights, chebyshev_lobatto,
+from pdeformer.attention.softmax import Sources, attention_matrices, tilted_moments
+from pdeformer.attention.laplace import (LaplaceTable, b_range, barycentric_weights, chebyshev_lobatto,
                                choose_table, differentiation_matrix, grid_box)
 
 COMM = MPI.COMM_SELF
@@ -135,7 +135,7 @@ def test_two_level_interpolation_accuracy_and_reverse_mode():
     """The fine uniform grid with local degree-5 interpolation stays within tol/2 of the
     Chebyshev interpolant at every target (its sampled check within tol/4), and its
     reverse mode is the derivative of its own map."""
-    from pdeformer.laplace import FineGrid, fine_grid
+    from pdeformer.attention.laplace import FineGrid, fine_grid
     x, y, w, A = case("two_blobs", 0.5, seed=9, heads=2)
     lo, hi = grid_box(*b_range(x, A, COMM))
     table = LaplaceTable(y, w, lo, hi, 129, COMM)
@@ -169,30 +169,30 @@ def test_panel_node_limit_is_the_compiled_one():
     from pathlib import Path
 
     import pdeformer
-    from pdeformer import _kernels
-    from pdeformer.laplace import Panels
-    package = Path(pdeformer.__file__).resolve().parent
-    files = _kernels.kernel_files()
+    from pdeformer.attention import compiled
+    from pdeformer.attention.laplace import Panels
+    package = Path(pdeformer.__file__).resolve().parent / "attention"
+    files = compiled.kernel_files()
     assert {f.name for f in files} >= {"laplace_kernels.c", "fine_loops.h", "vector.h"}
     assert all(f.parent == package / "kernels" for f in files)
     pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
-    shipped = pyproject["tool"]["setuptools"]["package-data"]["pdeformer"]
+    shipped = pyproject["tool"]["setuptools"]["package-data"]["pdeformer.attention"]
     assert all(any(fnmatch(f.relative_to(package).as_posix(), g) for g in shipped) for f in files)
-    assert "#define QMAX" not in _kernels.KERNEL_SOURCE.read_text()
+    assert "#define QMAX" not in compiled.KERNEL_SOURCE.read_text()
     if NO_COMPILED:
         pytest.skip("no C compiler, or PDEFORMER_NO_KERNEL set")
-    lib = _kernels.kernels()
+    lib = compiled.kernels()
     assert lib is not None, "the C loops did not compile here"
-    assert lib.panel_qmax() == _kernels.PANEL_QMAX
+    assert lib.panel_qmax() == compiled.PANEL_QMAX
     rng = np.random.default_rng(2)
     y, cols = rng.uniform(0.0, 1.0, (50, 2)), rng.normal(size=(50, 2))
-    for q in (_kernels.PANEL_QMAX, _kernels.PANEL_QMAX + 1):
+    for q in (compiled.PANEL_QMAX, compiled.PANEL_QMAX + 1):
         panels = [Panels(0.0, 1.0, 1.0, q) for a in range(2)]
-        if q > _kernels.PANEL_QMAX:
+        if q > compiled.PANEL_QMAX:
             with pytest.raises(MemoryError):       # the loops' refusal (status -1)
-                _kernels.panel_spread(lib, panels, y, cols)
+                compiled.panel_spread(lib, panels, y, cols)
         else:                                     # Lagrange weights sum to 1
-            W = _kernels.panel_spread(lib, panels, y, cols)
+            W = compiled.panel_spread(lib, panels, y, cols)
             np.testing.assert_allclose(W.sum(axis=(1, 2)), cols.sum(axis=0), rtol=1e-10)
 
 
@@ -201,7 +201,7 @@ NO_COMPILED = (shutil.which(os.environ.get("CC", "cc")) is None
 needs_compiled = pytest.mark.skipif(NO_COMPILED, reason="no C compiler, or PDEFORMER_NO_KERNEL set")
 
 def _fine_case(heads=5, seed=11):
-    from pdeformer.laplace import FineGrid
+    from pdeformer.attention.laplace import FineGrid
     x, y, w, A = case("skewed", 0.5, seed=seed, heads=heads)
     lo, hi = grid_box(*b_range(x, A, COMM))
     table = LaplaceTable(y, w, lo, hi, 65, COMM)
@@ -213,15 +213,15 @@ def _fine_case(heads=5, seed=11):
 def kernel_build(request, tmp_path, monkeypatch):
     """The C loop built for this CPU (-march=native: AVX vectors where there are) and
     without CPU-specific flags (two-double vectors on x86-64), each fresh."""
-    from pdeformer import _kernels
-    saved = dict(_kernels._loaded)
+    from pdeformer.attention import compiled
+    saved = dict(compiled._loaded)
     monkeypatch.setenv("PDEFORMER_CACHE", str(tmp_path / "cache"))
     if request.param == "portable":
-        monkeypatch.setattr(_kernels, "HOST_FLAGS", [])
-    _kernels._loaded.clear()
+        monkeypatch.setattr(compiled, "HOST_FLAGS", [])
+    compiled._loaded.clear()
     yield request.param
-    _kernels._loaded.clear()
-    _kernels._loaded.update(saved)
+    compiled._loaded.clear()
+    compiled._loaded.update(saved)
 
 
 @needs_compiled
@@ -230,8 +230,8 @@ def test_compiled_fine_grid_loop_is_the_numpy_map_and_its_exact_reverse(kernel_b
     whose b lies outside the grid (the clamped stencil extrapolates) and without a crash
     for a NaN target; its reverse mode -- dA, dV and the table cotangent -- is the
     derivative of that map."""
-    from pdeformer._kernels import kernels
-    from pdeformer.laplace import FineGrid, HeadSums
+    from pdeformer.attention.compiled import kernels
+    from pdeformer.attention.laplace import FineGrid, HeadSums
     assert kernels() is not None, "the C loop did not compile here"
     x, y, w, A, V, lo, hi, fg = _fine_case()
     v = fg.velocity(x, A, V)
@@ -270,22 +270,22 @@ def test_compiled_fine_grid_loop_is_the_numpy_map_and_its_exact_reverse(kernel_b
 def test_without_a_compiler_the_numpy_loop_is_used(tmp_path, monkeypatch):
     """No compiler (and an empty kernel cache): kernels() is None, the fine grid still
     gives the same velocities through numpy."""
-    from pdeformer import _kernels
-    from pdeformer.laplace import FineGrid
+    from pdeformer.attention import compiled
+    from pdeformer.attention.laplace import FineGrid
     x, y, w, A, V, lo, hi, fg = _fine_case(heads=2)
-    saved = dict(_kernels._loaded)
+    saved = dict(compiled._loaded)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("PDEFORMER_CACHE", str(tmp_path / "cache"))
     try:
-        _kernels._loaded.clear()
-        assert _kernels.kernels() is None
+        compiled._loaded.clear()
+        assert compiled.kernels() is None
         numpy_fg = FineGrid(fg.table, fg.nf)
         assert numpy_fg.lib is None
         v = numpy_fg.velocity(x, A, V)
         empty = numpy_fg.velocity(x[:0], A, V)
     finally:
-        _kernels._loaded.clear()
-        _kernels._loaded.update(saved)
+        compiled._loaded.clear()
+        compiled._loaded.update(saved)
     np.testing.assert_allclose(v, fg.velocity(x, A, V), rtol=0, atol=1e-13 * np.abs(v).max())
     assert empty.shape == (0, 2) and fg.velocity(x[:0], A, V).shape == (0, 2)
 
@@ -294,7 +294,7 @@ def test_without_a_compiler_the_numpy_loop_is_used(tmp_path, monkeypatch):
 def test_compiled_loops_that_fail_their_check_are_not_used(tmp_path, monkeypatch, caplog):
     """A library whose fine-grid loop does not reproduce a linear m (here: one that
     writes nothing) fails self_check; kernels() then warns and returns None."""
-    from pdeformer import _kernels
+    from pdeformer.attention import compiled
 
     class Broken:
         def fine_velocity2(self, *args):
@@ -302,17 +302,17 @@ def test_compiled_loops_that_fail_their_check_are_not_used(tmp_path, monkeypatch
 
         fine_velocity4 = fine_velocity2
 
-    assert not _kernels.self_check(Broken())
-    saved = dict(_kernels._loaded)
+    assert not compiled.self_check(Broken())
+    saved = dict(compiled._loaded)
     monkeypatch.setenv("PDEFORMER_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(_kernels, "self_check", lambda lib: False)
+    monkeypatch.setattr(compiled, "self_check", lambda lib: False)
     try:
-        _kernels._loaded.clear()
+        compiled._loaded.clear()
         with caplog.at_level("WARNING", logger="pdeformer"):
-            assert _kernels.kernels() is None
+            assert compiled.kernels() is None
     finally:
-        _kernels._loaded.clear()
-        _kernels._loaded.update(saved)
+        compiled._loaded.clear()
+        compiled._loaded.update(saved)
     assert "fail their check" in caplog.text
 
 
@@ -325,7 +325,7 @@ def test_a_rank_without_targets_takes_part():
 
 
 def test_fine_grid_refuses_fewer_points_than_its_stencil():
-    from pdeformer.laplace import FineGrid
+    from pdeformer.attention.laplace import FineGrid
     x, y, w, A, V, lo, hi, fg = _fine_case(heads=1)
     with pytest.raises(ValueError, match="stencil needs 6"):
         FineGrid(fg.table, 5)
@@ -350,15 +350,15 @@ def test_fine_grid_derivative_is_exact_on_grid_nodes():
 
 # ---------------------------------------------------------------- the backends of AttentionVelocity
 def _field(backend, tol, d=2, heads=4, scale=0.4, seed=0):
-    from pdeformer.heads import HeadMeasure
-    from pdeformer.velocity import AttentionVelocity
+    from pdeformer.model.heads import HeadMeasure
+    from pdeformer.model.velocity import AttentionVelocity
     hm = HeadMeasure.random(1, heads, d, d, seed=seed, scale=scale)
     rng = np.random.default_rng(seed)
     return AttentionVelocity(rng.uniform(-2, 2, (300, d)), hm, {"backend": backend, "tol": tol}, COMM), hm
 
 
 def attention_velocity_direct(x, y, w, hm):
-    from pdeformer.attention import attention_velocity
+    from pdeformer.attention.softmax import attention_velocity
     return attention_velocity(x, Sources.from_arrays(y, w), hm.attention_matrices(0), hm.values(0))
 
 
@@ -404,9 +404,9 @@ def test_reported_estimate_bounds_the_velocity_error(kind):
     in summary.json was the table's coefficient tail alone, 1.7e-13. Now the reported
     estimate (stats["largest_estimate"]) bounds the error of every evaluation: also for
     signed weights (mu / zeta) and in 1-D (barycentric, no fine grid)."""
-    from pdeformer.heads import HeadMeasure
-    from pdeformer.prompts import GaussianMixture
-    from pdeformer.velocity import AttentionVelocity
+    from pdeformer.model.heads import HeadMeasure
+    from pdeformer.model.prompts import GaussianMixture
+    from pdeformer.model.velocity import AttentionVelocity
     d = 1 if kind == "1-D" else 2
     rng = np.random.default_rng(0)
     g = GaussianMixture([1, 1], [[0.5, 0.2][:d], [-0.6, 0.1][:d]], [np.eye(d) * 0.2, np.eye(d) * 0.3])
@@ -447,7 +447,7 @@ def test_auto_falls_back_to_direct_and_laplace_refuses(why):
     gives the direct result; backend 'laplace' raises a SolverBreakdown (a ConfigError
     for d = 3, at once) that names the reason instead of returning a less accurate
     velocity."""
-    from pdeformer.errors import ConfigError, SolverBreakdown
+    from pdeformer.tools.errors import ConfigError, SolverBreakdown
     d = 3 if why == "d = 3" else 2
     rng = np.random.default_rng(5)
     y = rng.uniform(-3, 3, (2000, d))
@@ -475,8 +475,8 @@ PARTITION_SCRIPT = '''
 import json, sys
 import numpy as np
 from mpi4py import MPI
-from pdeformer.heads import HeadMeasure
-from pdeformer.velocity import AttentionVelocity
+from pdeformer.model.heads import HeadMeasure
+from pdeformer.model.velocity import AttentionVelocity
 
 world = MPI.COMM_WORLD
 rng = np.random.default_rng(0)
@@ -508,7 +508,7 @@ v, wbar, dA, dV, plan = run(world, y[r::P], w[r::P], x[r::P], g[r::P])
 v, wbar = gather(v, len(x)), gather(wbar, len(y))
 v1, wbar1, dA1, dV1, plan1 = run(MPI.COMM_SELF, y, w, x, g)
 rel = lambda a, b: float(np.abs(a - b).max() / np.abs(b).max())
-from pdeformer.laplace import LaplaceTable
+from pdeformer.attention.laplace import LaplaceTable
 panels = all(t[1] is not None for t in LaplaceTable(y[r::P], w[r::P], plan.lo, plan.hi, plan.n, world).tile_data)
 if r == 0:
     json.dump({"n": [plan.n, plan1.n], "nf": [plan.nf, plan1.nf], "panels": panels,
@@ -524,7 +524,7 @@ def test_two_ranks_give_the_serial_velocity_and_cotangents(tmp_path):
     import json
     import subprocess
     import sys
-    from pdeformer.parallel import mpirun_command
+    from pdeformer.tools.parallel import mpirun_command
     script, out = tmp_path / "partition.py", tmp_path / "out.json"
     script.write_text(PARTITION_SCRIPT)
     subprocess.run(mpirun_command(2) + [sys.executable, str(script), str(out)], check=True,
@@ -540,7 +540,7 @@ def test_size_search_survives_a_subsample_without_positive_mass():
     """Signed weights (DG undershoots) near a corner whose one positive source the
     coordinate-hash subsample leaves out: the trial tables' Z vanishes there, the search
     falls back to the full sources and still finds a size that meets tol."""
-    from pdeformer.laplace import SUBSAMPLE, subsample
+    from pdeformer.attention.laplace import SUBSAMPLE, subsample
     rng = np.random.default_rng(2)
     y = rng.random((20000, 2))
     w = np.where(y.sum(axis=1) > 1.8, -0.02, 1.0)
@@ -558,7 +558,7 @@ def test_position_cotangents_are_the_derivative_of_the_table_map(compiled):
     """Particles move sources and targets: with the grid fixed, d<g, v>/dx (targets,
     through the interpolant) and d<g, v>/dy (sources, through the table sums) match
     central differences, with the compiled loop and with numpy."""
-    from pdeformer.laplace import FineGrid, HeadSums
+    from pdeformer.attention.laplace import FineGrid, HeadSums
     rng = np.random.default_rng(21)
     y = rng.normal(size=(300, 2)) * [1.0, 0.6]
     w = rng.uniform(0.5, 1.5, 300) / 300
@@ -598,7 +598,7 @@ def test_panel_tables_are_the_direct_sums(d, loops, extent, monkeypatch):
     the spread and gather done by numpy and (d = 2) by the compiled loops, the products
     keeping either axis between their steps (the one with fewer panel nodes: axis 1 for
     sources wider along axis 0)."""
-    import pdeformer.laplace as laplace
+    import pdeformer.attention.laplace as laplace
     if loops == "numpy":
         monkeypatch.setattr(laplace, "kernels_on", lambda comm: None)
     elif NO_COMPILED:
@@ -628,7 +628,7 @@ def test_panel_tables_are_the_direct_sums(d, loops, extent, monkeypatch):
 def test_shell_maxima_are_the_max_over_each_shell_also_from_row_blocks():
     """shell_maxima(c)[k] = max of c over the indices whose larger entry is k; the maxima
     of row blocks (as each rank computes them) combine by max into those of the whole."""
-    from pdeformer.laplace import shell_maxima
+    from pdeformer.attention.laplace import shell_maxima
     c = np.random.default_rng(3).random((11, 11))
     k = np.indices(c.shape).max(axis=0)
     expected = [c[k == s].max() for s in range(11)]
@@ -642,7 +642,7 @@ def test_chebyshev_coefficients_reproduce_the_table():
     Lobatto nodes x_j = cos(pi j / (n - 1)) (the first and last halved in the sum; the
     grid's increasing order flips the odd ones' signs, which the decay does not see),
     in 1-D and as a tensor."""
-    from pdeformer.laplace import chebyshev_coefficients
+    from pdeformer.attention.laplace import chebyshev_coefficients
     rng = np.random.default_rng(4)
     n = 13
     T = np.cos(np.outer(np.pi * np.arange(n) / (n - 1), np.arange(n)))   # T_k(x_j)
@@ -658,7 +658,7 @@ def test_hull_candidates_keep_every_extreme_of_every_linear_map(kind):
     """min and max of A x over the candidates equal those over all points (the same
     floating-point values: the extreme points themselves are kept), for 400 random A;
     and b_range with many heads equals the brute-force range."""
-    from pdeformer.laplace import hull_candidates
+    from pdeformer.attention.laplace import hull_candidates
     rng = np.random.default_rng(7)
     n = 20000
     if kind == "uniform":
@@ -694,8 +694,8 @@ def test_hull_candidates_keep_every_extreme_of_every_linear_map(kind):
 def test_compiled_panel_loops_match_numpy_on_edges_nodes_and_repeats():
     """Sources on panel edges, on Chebyshev nodes, repeated, at the ends of the tile and
     in a tile of zero width: the compiled spread and gather equal the numpy ones."""
-    from pdeformer import _kernels
-    from pdeformer.laplace import Panels, panel_degree
+    from pdeformer.attention import compiled
+    from pdeformer.attention.laplace import Panels, panel_degree
     rng = np.random.default_rng(5)
     q = panel_degree()
     # the last: one panel pair holding more sources than the loops take at a time
@@ -711,13 +711,13 @@ def test_compiled_panel_loops_match_numpy_on_edges_nodes_and_repeats():
         table = LaplaceTable(y, np.ones(len(y)), [-1.0, -1.0], [1.0, 1.0], 17, COMM)
         table.lib = None
         want = table._spread(panels, y, cols)
-        got = _kernels.panel_spread(_kernels.kernels(), panels, y, cols)
+        got = compiled.panel_spread(compiled.kernels(), panels, y, cols)
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-13 * np.abs(want).max())
         G = rng.normal(size=(2,) + want.shape[1:])
-        gathered = _kernels.panel_gather(_kernels.kernels(), panels, y, G)
+        gathered = compiled.panel_gather(compiled.kernels(), panels, y, G)
         # the gather is the transpose of the spread: <G_i, spread(cols)> = sum_j cols_j . gathered_j
         for i in range(2):
-            spread_i = _kernels.panel_spread(_kernels.kernels(), panels, y, cols[:, i:i + 1])[0]
+            spread_i = compiled.panel_spread(compiled.kernels(), panels, y, cols[:, i:i + 1])[0]
             assert abs(np.sum(G[i] * spread_i) - np.sum(cols[:, i] * gathered[:, i])) \
                 < 1e-12 * np.abs(G[i]).sum() * np.abs(cols).max()
 
@@ -732,7 +732,7 @@ def signed_case(delta=1e-7, scale=0.8, n=40, seed=0):
     y = np.stack(np.meshgrid(g, g, indexing="ij"), -1).reshape(-1, 2)
     i, j = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
     w = (DENSITIES["two_blobs"](y) + delta * np.where((i + j).ravel() % 2, 1.0, -1.0)) * (8 / n) ** 2
-    from pdeformer.heads import HeadMeasure
+    from pdeformer.model.heads import HeadMeasure
     heads = HeadMeasure.random(1, 6, 2, 2, seed=seed, scale=scale)
     x = np.random.default_rng(seed).uniform(-3, 3, (600, 2))
     return x, y, w, heads
@@ -744,8 +744,8 @@ def test_signed_weights_meet_tol_against_direct(loops, tol, monkeypatch):
     """Negative weights: a table of m itself is refused (Z <= 0 at some grid nodes); the
     table of mu = S_y/N and zeta = Z/N (N = sum |w| e^{<b,y>}) with m = mu/zeta taken at
     each point meets tol against direct summation, with the compiled loops and numpy."""
-    import pdeformer.laplace as laplace
-    from pdeformer.velocity import AttentionVelocity
+    import pdeformer.attention.laplace as laplace
+    from pdeformer.model.velocity import AttentionVelocity
     if loops == "numpy":
         monkeypatch.setattr(laplace, "kernels_on", lambda comm: None)
     elif NO_COMPILED:
@@ -774,7 +774,7 @@ def test_signed_weights_meet_tol_against_direct(loops, tol, monkeypatch):
 def test_signed_weights_with_zeta_through_zero_at_targets():
     """Larger negative parts: Z(b) changes sign at some targets (m has poles there). The
     pairs near them are summed exactly, so the velocity is still direct summation's."""
-    from pdeformer.velocity import AttentionVelocity
+    from pdeformer.model.velocity import AttentionVelocity
     x, y, w, heads = signed_case(delta=1e-6)
     b = np.einsum("hij,nj->hni", heads.attention_matrices(0), x).reshape(-1, 2)
     s = b @ y.T
@@ -791,9 +791,9 @@ def test_signed_reverse_mode_is_the_derivative_and_near_direct(loops, monkeypatc
     """For signed weights the cotangents of <g, v> through the table -- weights (the
     nonlocal source term), A and V -- are the derivative of the table's map (central
     differences, plan fixed) and agree with those of direct summation to about tol."""
-    import pdeformer.laplace as laplace
-    from pdeformer.attention import attention_velocity_vjp
-    from pdeformer.velocity import AttentionVelocity
+    import pdeformer.attention.laplace as laplace
+    from pdeformer.attention.softmax import attention_velocity_vjp
+    from pdeformer.model.velocity import AttentionVelocity
     if loops == "numpy":
         monkeypatch.setattr(laplace, "kernels_on", lambda comm: None)
     elif NO_COMPILED:
@@ -829,8 +829,8 @@ def test_compiled_signed_loop_is_the_numpy_map(kernel_build):
     """The 4-wide compiled loops (mu_0, mu_1, zeta, 0 per node; m = mu/zeta per point)
     give the numpy two-level map and its reverse mode to round-off, and report the
     conditioning (largest 1/|zeta| and |m|) the numpy map sees."""
-    from pdeformer._kernels import kernels
-    from pdeformer.laplace import FineGrid, HeadSums
+    from pdeformer.attention.compiled import kernels
+    from pdeformer.attention.laplace import FineGrid, HeadSums
     assert kernels() is not None
     x, y, w, heads = signed_case()
     A, V = heads.attention_matrices(0), heads.values(0)

@@ -199,8 +199,8 @@ def _mesh_copy(tmp_path, name="disk", h5=None):
 
 def test_damaged_h5_is_one_line_naming_the_file(tmp_path):
     pytest.importorskip("dolfinx")
-    from pdeformer.errors import InputError
-    from pdeformer.mesh import check_xdmf
+    from pdeformer.tools.errors import InputError
+    from pdeformer.fem.mesh import check_xdmf
     good = open(os.path.join(MESH_DIR, "disk.h5"), "rb").read()
     ball = open(os.path.join(MESH_DIR, "ball.h5"), "rb").read()
     cases = [(bytes(range(256)) * 12, "disk.h5: not an HDF5 file"),
@@ -225,8 +225,8 @@ def test_hdf5_error_stack_is_silenced_while_dolfinx_reads(tmp_path, capfd, monke
     error printing is off during the read and on again after it."""
     pytest.importorskip("dolfinx")
     from mpi4py import MPI
-    import pdeformer.mesh as mesh
-    from pdeformer.errors import InputError
+    import pdeformer.fem.mesh as mesh
+    from pdeformer.tools.errors import InputError
     path = _mesh_copy(tmp_path, h5=bytes(range(256)) * 12)
     monkeypatch.setattr(mesh, "check_hdf5", lambda *args: None)
     with pytest.raises(InputError, match="dolfinx cannot read it"):
@@ -271,7 +271,7 @@ def test_a_rank_without_cells(tmp_path):
     over the empty rank adds nothing)."""
     pytest.importorskip("dolfinx")
     from conftest import ROOT, run_cli
-    from pdeformer.output import read_diagnostics
+    from pdeformer.tools.output import read_diagnostics
     config = os.path.join(ROOT, "runs", "interval.toml")
     # one cell of width 10 resolves only Gaussians wider than 10/8 (narrower: bad input)
     small = ["mesh.cells=[1]", "model.layers=2", "model.heads=4", "prompts[0].covs=[2.0,3.0]"]
@@ -296,7 +296,7 @@ def test_a_rank_without_cells(tmp_path):
 def test_shortest_edge():
     pytest.importorskip("dolfinx")
     from mpi4py import MPI
-    from pdeformer.mesh import make_mesh, shortest_edge
+    from pdeformer.fem.mesh import make_mesh, shortest_edge
     comm = MPI.COMM_WORLD
     for cells, cell, lower, upper, h in (([7], "interval", [0.0], [1.0], 1 / 7),
                                          ([14, 10], "triangle", [-3.5, -3.5], [3.5, 3.5], 0.5),

@@ -1,4 +1,4 @@
-"""NTK injectivity (pdeformer.ntk): closed forms against quadrature, the known families,
+"""NTK injectivity (pdeformer.commands.ntk): closed forms against quadrature, the known families,
 the Jacobians against finite differences, mesh densities, and `pdeformer ntk`."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, requires_dolfinx, run_cli, write_config
-from pdeformer.heads import HeadMeasure
-from pdeformer.ntk import head_jacobians, lse_test, log_laplace, ntk_gram, sample_points
-from pdeformer.prompts import GaussianMixture, PointCloud, UniformBox
+from pdeformer.model.heads import HeadMeasure
+from pdeformer.commands.ntk import head_jacobians, lse_test, log_laplace, ntk_gram, sample_points
+from pdeformer.model.prompts import GaussianMixture, PointCloud, UniformBox
 
 TOL = 1e-6   # the default ntk.tol: LSE ratio > TOL, Gram ratio > TOL^2
 
@@ -250,8 +250,8 @@ CLOUD = {"kind": "points", "points": [[-1.0], [0.2], [1.0]], "weights": [1, 2, 1
 
 def ntk_problem(tmp_path, cells=100, degree=1, **ntk):
     from mpi4py import MPI
-    from pdeformer.config import check_config
-    from pdeformer.forward import build_problem
+    from pdeformer.tools.config import check_config
+    from pdeformer.solvers.forward import build_problem
     raw = {"mesh": {"lower": [-8.0], "upper": [8.0], "cells": [cells]},
            "discretisation": {"degree": degree, "limiter": False},
            "model": {"layers": 2, "heads": 3, "seed": 1, "query_scale": 0.0},
@@ -261,8 +261,8 @@ def ntk_problem(tmp_path, cells=100, degree=1, **ntk):
 
 
 def lambda_error(problem, index, exact_measure, shift=None):
-    from pdeformer.ntk import prompt_measures
-    from pdeformer.parallel import Timer
+    from pdeformer.commands.ntk import prompt_measures
+    from pdeformer.tools.parallel import Timer
     measures, how = prompt_measures(problem, Timer())
     b = sample_points(3.0, 64, 1, 0)
     want = log_laplace(exact_measure, b)[0] + (0 if shift is None else b @ shift)
@@ -286,11 +286,11 @@ def test_mesh_quadrature_of_projected_prompt_superconverges(tmp_path, degree):
 
 @requires_dolfinx
 def test_densities_at_depth_under_uniform_attention_are_translates(tmp_path):
-    """Uniform attention translates rho rigidly by m_t - m_0 (pdeformer.exact), so
+    """Uniform attention translates rho rigidly by m_t - m_0 (pdeformer.model.exact), so
     Lambda_t(b) = Lambda_0(b) + <b, m_t - m_0>: for the mesh density (DG-1 transport,
     converging at about order 2) and for the point cloud (the particle model, SSPRK2:
     order 2 in the step)."""
-    from pdeformer.exact import uniform_attention_shift
+    from pdeformer.model.exact import uniform_attention_shift
     errs = []
     for cells in (100, 200):
         p = ntk_problem(tmp_path, cells, depth=1.0)
@@ -311,7 +311,7 @@ def test_densities_at_depth_under_uniform_attention_are_translates(tmp_path):
 
 @requires_dolfinx
 def test_run_heads_of_a_layer(tmp_path):
-    from pdeformer.ntk import analyse
+    from pdeformer.commands.ntk import analyse
     p = ntk_problem(tmp_path, 20, heads="run", layer=1, params="all")
     res = analyse(["a", "b"], [exact_gm(), PointCloud(CLOUD["points"], CLOUD["weights"])], p)
     h = p.heads
@@ -397,8 +397,8 @@ def test_ntk_bad_input_ends_the_mpi_job(tmp_path):
 def test_a_signed_measure_without_log_laplace_is_a_breakdown(tmp_path):
     """A DG density may dip below zero; where its Laplace transform is not positive the
     tests are undefined, and the run says so instead of writing NaN spectra."""
-    from pdeformer.errors import SolverBreakdown
-    from pdeformer.ntk import analyse
+    from pdeformer.tools.errors import SolverBreakdown
+    from pdeformer.commands.ntk import analyse
     p = ntk_problem(tmp_path, 20)
     signed = (np.array([[0.0], [1.0]]), np.array([1.0, -0.9]))   # Z(b) = 1 - 0.9 e^b
     with pytest.raises(SolverBreakdown, match="not finite"):

@@ -89,9 +89,9 @@ target = { mean = [0.1, 0.1], cov = 0.35 }
 DRIVER = r'''
 import logging, sys
 from mpi4py import MPI
-from pdeformer.config import load_config
-from pdeformer.parallel import setup_logging
-from pdeformer import run
+from pdeformer.tools.config import load_config
+from pdeformer.tools.parallel import setup_logging
+from pdeformer.commands import run
 
 config, groups = sys.argv[1], [int(g) for g in sys.argv[2:]]
 comm = MPI.COMM_WORLD
@@ -121,7 +121,7 @@ def _launch(tmp_path, cfg, P, groups):
     script.write_text(DRIVER)
     cmd = [sys.executable, str(script), cfg, *map(str, groups)]
     if P > 1:
-        from pdeformer.parallel import mpirun_command
+        from pdeformer.tools.parallel import mpirun_command
         cmd = mpirun_command(P) + cmd
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
@@ -129,7 +129,7 @@ def _launch(tmp_path, cfg, P, groups):
 
 
 def _read(folder):
-    from pdeformer.output import read_diagnostics
+    from pdeformer.tools.output import read_diagnostics
     out = {}
     with open(folder / "summary.json") as f:
         out["summary"] = json.load(f)
@@ -194,7 +194,7 @@ def test_ranks_and_prompt_groups_give_the_same_results(tmp_path):
             if P > 1:
                 assert min(par["comm_bytes"]) > 0 and min(par["comm_s"]) > 0, par
             # each prompt's field series: written by its group, one piece per rank of it
-            from pdeformer.output import read_pvd
+            from pdeformer.tools.output import read_pvd
             for p in PROMPTS:
                 frames = read_pvd(str(tmp_path / f"forward_{tag}" / f"density_{p}.pvd"))
                 assert len(frames) == 3, (tag, p)
@@ -315,7 +315,7 @@ def test_a_failure_in_one_group_ends_every_rank(tmp_path):
     with open(tmp_path / "out" / "summary.json") as f:
         summary = json.load(f)
     assert summary["status"] == "breakdown" and summary["parallel"]["groups"] == 2
-    from pdeformer.output import read_diagnostics
+    from pdeformer.tools.output import read_diagnostics
     rows = read_diagnostics(str(tmp_path / "out" / "diagnostics.csv"))
     assert [(r["prompt"], r["t"]) for r in rows] == [("centred", 0.0), ("centred", 1.0), ("far", 0.0)]
     proc = run_cli(["forward", cfg, "--prompt-groups", "2", "--set", "prompts[1].means=[[9.0, 9.0]]",

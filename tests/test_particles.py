@@ -20,14 +20,14 @@ RAW = {"mesh": {"lower": [-3.5, -3.5], "upper": [3.5, 3.5], "cells": [32, 32]},
 
 
 def problem(tmp_path, **particles):
-    from pdeformer.config import check_config
-    from pdeformer.forward import build_problem
+    from pdeformer.tools.config import check_config
+    from pdeformer.solvers.forward import build_problem
     cfg = check_config(dict(RAW, particles=particles), str(tmp_path))
     return build_problem(cfg, MPI.COMM_WORLD)
 
 
 def test_sampling_matches_the_prompts():
-    from pdeformer.prompts import GaussianMixture, PointDensity, UniformBox
+    from pdeformer.model.prompts import GaussianMixture, PointDensity, UniformBox
     rng = np.random.default_rng(0)
     g = GaussianMixture([1, 3], [[0, 1], [1, -1]], [np.eye(2) * 0.3, [[0.5, 0.1], [0.1, 0.2]]])
     u = UniformBox([-1, 0], [1, 0.5])
@@ -45,8 +45,8 @@ def test_particle_moments_agree_with_the_eulerian_solver(tmp_path):
     """Mean and covariance at t = 1 of 8 independent 2000-token runs against DG-1 on
     32^2 cells: within 3 standard errors of the mean over the runs (the DG error of
     these moments is ~1e-3, far below 3 SE ~ 1e-2)."""
-    from pdeformer.forward import ForwardSolver
-    from pdeformer.particles import ParticleSolver, weighted_moments
+    from pdeformer.solvers.forward import ForwardSolver
+    from pdeformer.model.particles import ParticleSolver, weighted_moments
     fw = ForwardSolver(problem(tmp_path))
     coeffs, _ = fw.solve_prompt(0)
     _, mean_e, cov_e = fw.transport.moments(coeffs, np.zeros(2))
@@ -79,9 +79,9 @@ def assert_taylor_order_two(adj, g, heads, rng):
 
 
 def test_particle_gradient_is_exact_and_approaches_the_eulerian_one(tmp_path):
-    from pdeformer.adjoint import AdjointSolver
-    from pdeformer.forward import ForwardSolver
-    from pdeformer.particles import ParticleAdjoint, ParticleSolver
+    from pdeformer.solvers.adjoint import AdjointSolver
+    from pdeformer.solvers.forward import ForwardSolver
+    from pdeformer.model.particles import ParticleAdjoint, ParticleSolver
     p = problem(tmp_path)
     ge = AdjointSolver(ForwardSolver(p), p.objective, p.targets).gradient()
     ref = np.concatenate([ge.dQ.ravel(), ge.dK.ravel(), ge.dV.ravel()])
@@ -106,7 +106,7 @@ def test_particle_gradient_through_the_laplace_table(tmp_path):
     forward stage used (positions of targets and sources, heads), so the gradient is the
     exact derivative of that risk (Taylor remainder of order 2) and within 1e-6 of the
     direct-summation gradient (tol 1e-8)."""
-    from pdeformer.particles import ParticleAdjoint, ParticleSolver
+    from pdeformer.model.particles import ParticleAdjoint, ParticleSolver
     pp = problem(tmp_path, tokens=1500, seed=0)
     adj = ParticleAdjoint(ParticleSolver(pp, backend="laplace"), pp.objective, pp.targets)
     g = adj.gradient()
@@ -151,7 +151,7 @@ covs = [0.3]
 
 @pytest.mark.mpi
 def test_particles_command_same_on_one_and_two_ranks(tmp_path):
-    from pdeformer.output import read_pvd, read_vtu
+    from pdeformer.tools.output import read_pvd, read_vtu
     from test_cli import assert_same_diagnostics
     cfg = write_config(tmp_path, CONFIG)
     run_cli(["particles", cfg, "--gradient", "--set", "output.dir=s"], cwd=str(tmp_path))
@@ -184,13 +184,13 @@ def test_particles_refuse_l2(tmp_path):
 def test_point_cloud_prompt_is_its_own_tokens(tmp_path):
     """A kind = "points" prompt enters the particle model as exactly its points and
     weights (3 tokens split over 2 ranks); under uniform attention they translate by the
-    exact shift m_t - m_0 (pdeformer.exact), up to the SSPRK2 error, O(dt^2)."""
+    exact shift m_t - m_0 (pdeformer.model.exact), up to the SSPRK2 error, O(dt^2)."""
     import json
     import os
     from conftest import ROOT
-    from pdeformer.exact import uniform_attention_shift
-    from pdeformer.heads import HeadMeasure
-    from pdeformer.output import read_diagnostics
+    from pdeformer.model.exact import uniform_attention_shift
+    from pdeformer.model.heads import HeadMeasure
+    from pdeformer.tools.output import read_diagnostics
     cfg = os.path.join(ROOT, "runs", "ntk", "prompts.toml")
     errors = []
     for steps in (10, 20):
@@ -216,9 +216,9 @@ def test_point_cloud_prompt_is_its_own_tokens(tmp_path):
 def test_log_counts_the_tokens_of_a_point_cloud(tmp_path):
     """Issue 13, item 9: a points prompt is its own tokens; the log line (describe) said
     "10000 tokens", the unused [particles] tokens default, while 4 ran."""
-    from pdeformer.config import check_config
-    from pdeformer.forward import build_problem
-    from pdeformer.particles import ParticleSolver
+    from pdeformer.tools.config import check_config
+    from pdeformer.solvers.forward import build_problem
+    from pdeformer.model.particles import ParticleSolver
     cloud = {"kind": "points", "points": [[0.0, 0.0], [1.0, 0.5], [-0.5, 0.3], [0.2, -0.7]]}
     raw = dict(RAW, mesh=dict(RAW["mesh"], cells=[4, 4]), objective={}, prompts=[cloud])
     p = build_problem(check_config(raw, str(tmp_path)), MPI.COMM_WORLD)
@@ -232,11 +232,11 @@ def test_an_overflowing_objective_is_named(tmp_path):
     (exit status 2). A weight of 1e307 keeps U finite, and the adjoint's overflow is put
     down to the objective's scale; 1e305 gives finite gradients and a finite |gradient|
     (the norm is scaled: it overflowed past 1e154)."""
-    from pdeformer.adjoint import AdjointSolver
-    from pdeformer.config import check_config
-    from pdeformer.errors import ConfigError, SolverBreakdown
-    from pdeformer.forward import ForwardSolver, build_problem
-    from pdeformer.particles import ParticleAdjoint, ParticleSolver
+    from pdeformer.solvers.adjoint import AdjointSolver
+    from pdeformer.tools.config import check_config
+    from pdeformer.tools.errors import ConfigError, SolverBreakdown
+    from pdeformer.solvers.forward import ForwardSolver, build_problem
+    from pdeformer.model.particles import ParticleAdjoint, ParticleSolver
 
     def problem_with(weight, **particles):
         raw = dict(RAW, mesh=dict(RAW["mesh"], cells=[16, 16]), particles=particles,
@@ -267,8 +267,8 @@ def test_an_overflowing_objective_is_named(tmp_path):
 def test_adjoint_overflow_says_where_it_comes_from():
     """The breakdown of an adjoint sweep names its cause: an objective of huge scale
     (its dF/drho at t = 1) or growth through the layers (sharp attention)."""
-    from pdeformer.adjoint import adjoint_cause
-    from pdeformer.objectives import Moments, Potential
+    from pdeformer.solvers.adjoint import adjoint_cause
+    from pdeformer.model.objectives import Moments, Potential
     huge = adjoint_cause(3e200, Potential("quadratic", [0.0, 0.0], 1e200))
     assert "dF/drho up to 3e+200, the objective's own scale" in huge and "objective.weight" in huge
     assert "the objective's target" in adjoint_cause(1e160, Moments())

@@ -15,9 +15,9 @@ import pytest
 from conftest import ROOT, check_one_line_error, run_cli, write_config
 from test_train import CONFIG
 
-from pdeformer.errors import InputError, OutputError
-from pdeformer.outdir import LOCK, PREVIOUS, STALE_AFTER, OutputFolder
-from pdeformer.output import atomic_write, read_diagnostics
+from pdeformer.tools.errors import InputError, OutputError
+from pdeformer.tools.outdir import LOCK, PREVIOUS, STALE_AFTER, OutputFolder
+from pdeformer.tools.output import atomic_write, read_diagnostics
 
 
 def summary_of(folder) -> dict:
@@ -270,7 +270,8 @@ def test_outflow_beyond_the_tail_tolerance_is_warned_once_per_prompt(tmp_path):
 SLOW_RANK_0 = '''
 import sys, time
 from mpi4py import MPI
-from pdeformer import output, train
+from pdeformer.tools import output
+from pdeformer.solvers import train
 if MPI.COMM_WORLD.rank == 0:   # rank 0's writes take long, as on a busy shared file system
     slow = train.write_checkpoint
     def write_checkpoint(*args, **kwargs):
@@ -282,7 +283,7 @@ if MPI.COMM_WORLD.rank == 0:   # rank 0's writes take long, as on a busy shared 
         time.sleep(1.0)
         return csv(*args, **kwargs)
     train.write_csv = write_csv
-from pdeformer.cli import main
+from pdeformer.commands.cli import main
 sys.exit(main(sys.argv[1:]))
 '''
 
@@ -294,7 +295,7 @@ def test_walltime_stop_with_a_slow_rank_0(tmp_path):
     each rank decided) and a restart reaches the uninterrupted history."""
     cfg = write_config(tmp_path, CONFIG)
     (tmp_path / "slow.py").write_text(SLOW_RANK_0)
-    from pdeformer.parallel import mpirun_command
+    from pdeformer.tools.parallel import mpirun_command
     cmd = mpirun_command(2) + [sys.executable, str(tmp_path / "slow.py"), "train", cfg,
                                "--set", "train.steps=4", "--walltime", "4"]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
@@ -324,9 +325,9 @@ def test_bad_input_found_after_the_folder_exists_is_in_the_summary(tmp_path):
 def test_a_bug_still_leaves_a_summary(tmp_path, monkeypatch):
     """An unexpected exception (here planted in the forward pass) is not bad input: the
     rank it happened on writes summary.json with status "failed" before the job aborts."""
-    from pdeformer import run
-    from pdeformer.config import load_config
-    from pdeformer.forward import ForwardSolver
+    from pdeformer.commands import run
+    from pdeformer.tools.config import load_config
+    from pdeformer.solvers.forward import ForwardSolver
 
     def broken(self, trackers=()):
         raise RuntimeError("planted")
@@ -415,7 +416,7 @@ def test_a_rank_that_dies_ends_the_job(tmp_path):
     (tmp_path / "die.py").write_text('''
 import os, signal, sys
 from mpi4py import MPI
-from pdeformer import adjoint
+from pdeformer.solvers import adjoint
 if MPI.COMM_WORLD.rank == 1:
     gradient = adjoint.AdjointSolver.gradient
     calls = []
@@ -425,10 +426,10 @@ if MPI.COMM_WORLD.rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         return gradient(self, *args, **kwargs)
     adjoint.AdjointSolver.gradient = dying
-from pdeformer.cli import main
+from pdeformer.commands.cli import main
 sys.exit(main(sys.argv[1:]))
 ''')
-    from pdeformer.parallel import mpirun_command
+    from pdeformer.tools.parallel import mpirun_command
     cmd = mpirun_command(2) + [sys.executable, str(tmp_path / "die.py"), "train", cfg]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     t0 = time.perf_counter()

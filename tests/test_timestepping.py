@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from pdeformer.timestepping import SCHEMES, ssp_step
+from pdeformer.integrator.schemes import SCHEMES, ssp_step
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMES))
@@ -46,7 +46,7 @@ def test_limiter_applied_to_every_stage():
 def test_march_lands_on_every_frame_end_and_counts_the_steps():
     """3 layers of 2 frames, 4 fixed steps per frame: 24 steps, frames emitted at t = 0 and
     exactly at (layer + f/F)/L, layer boundaries flagged; the steps cover [0, 1] in order."""
-    from pdeformer.march import FixedSteps, march
+    from pdeformer.integrator.march import FixedSteps, march
     frames, steps = [], []
     n = march(3, 2, FixedSteps(4, 1 / 24), lambda t, dt, layer: steps.append((t, dt, layer)),
               lambda t, layer, boundary: frames.append((t, layer, boundary)))
@@ -61,7 +61,7 @@ def test_march_with_steps_chosen_as_it_goes():
     last step of a frame is cut short: every step starts where the last ended, no step
     passes its frame's end, each frame's steps add up to its length and the frames end
     exactly on (layer + 1) / L."""
-    from pdeformer.march import march
+    from pdeformer.integrator.march import march
 
     class Shrinking:
         def start_layer(self, layer):
@@ -91,7 +91,7 @@ def test_march_with_steps_chosen_as_it_goes():
 
 
 def test_sweep_back_visits_the_tape_last_first():
-    from pdeformer.march import sweep_back
+    from pdeformer.integrator.march import sweep_back
     seen = []
     out = sweep_back([("a", 1), ("b", 2), ("c", 3)], 0, lambda lam, name, k: seen.append(name) or lam * 10 + k)
     assert seen == ["c", "b", "a"] and out == 321

@@ -119,7 +119,7 @@ def test_restart_extends_and_repeats_the_history(tmp_path):
             assert a[k] == b[k], (k, a, b)                 # bit for bit
     assert summary(tmp_path / "part")["restarted_at"] == 3
     # the params files and head points agree too; heads.pvd lists every output step
-    from pdeformer.output import read_pvd, read_vtu
+    from pdeformer.tools.output import read_pvd, read_vtu
     p_full, p_part = np.load(tmp_path / "full" / "params_0005.npz"), np.load(tmp_path / "part" / "params_0005.npz")
     assert all(np.array_equal(p_full[n], p_part[n]) for n in "QKV")
     frames = read_pvd(str(tmp_path / "part" / "heads.pvd"))
@@ -166,10 +166,10 @@ def test_restart_refuses_checkpoints_of_another_shape_or_without_metadata(tmp_pa
     """Wrong shapes (Q of one layer, Adam moments of another size), wrong kinds (a float
     step count, integer heads), non-finite heads, no fingerprint, a step that is not a count, a missing array: each an InputError naming
     the file and what is wrong; the checkpoint as written is read back."""
-    from pdeformer.config import load_config
-    from pdeformer.errors import InputError
-    from pdeformer.heads import HeadMeasure
-    from pdeformer import train
+    from pdeformer.tools.config import load_config
+    from pdeformer.tools.errors import InputError
+    from pdeformer.model.heads import HeadMeasure
+    from pdeformer.solvers import train
     cfg = load_config(write_config(tmp_path, CONFIG))
     cfg["train"]["optimizer"] = "adam"
     heads = HeadMeasure.random(2, 2, 2, 2, seed=0)
@@ -212,9 +212,9 @@ def test_restart_from_a_checkpoint_of_one_layer_ends_with_one_line(tmp_path):
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     """A failure (a kill) during the write leaves the previous checkpoint readable."""
-    from pdeformer.config import load_config
-    from pdeformer.heads import HeadMeasure
-    from pdeformer import train
+    from pdeformer.tools.config import load_config
+    from pdeformer.model.heads import HeadMeasure
+    from pdeformer.solvers import train
     cfg = load_config(write_config(tmp_path, CONFIG))
     heads = HeadMeasure.random(2, 2, 2, 2, seed=0)
     opt = train.make_optimizer(cfg["train"], heads)
@@ -304,8 +304,8 @@ def test_checkpoints_of_other_objectives_keep_their_fingerprint(tmp_path):
     do not enter the fingerprint of other objectives: a checkpoint written before them
     still restarts. With kind = interaction they do (changing them is another problem)."""
     import json
-    from pdeformer.config import load_config
-    from pdeformer.train import fingerprint
+    from pdeformer.tools.config import load_config
+    from pdeformer.solvers.train import fingerprint
     cfg = load_config(write_config(tmp_path, CONFIG))
     before = {k: v for k, v in cfg["objective"].items() if k not in ("interaction", "softening")}
     assert fingerprint(cfg)["objective"] == json.dumps(before, sort_keys=True, default=str)

@@ -14,10 +14,10 @@ pytestmark = [requires_dolfinx]
 def make_solver(tmp_path, *, lower, upper, cells, cell=None, degree=1, heads=None,
                 prompt=None, disc=None, attention=None):
     from mpi4py import MPI
-    from pdeformer.config import check_config
-    from pdeformer.forward import ForwardSolver, Problem
-    from pdeformer.mesh import make_mesh
-    from pdeformer.prompts import make_prompt
+    from pdeformer.tools.config import check_config
+    from pdeformer.solvers.forward import ForwardSolver, Problem
+    from pdeformer.fem.mesh import make_mesh
+    from pdeformer.model.prompts import make_prompt
     d = len(lower)
     raw = {"mesh": {"lower": lower, "upper": upper, "cells": cells},
            "discretisation": {"degree": degree, **(disc or {})},
@@ -38,7 +38,7 @@ def make_solver(tmp_path, *, lower, upper, cells, cell=None, degree=1, heads=Non
 def uniform_attention_heads(d, layers=2, heads=1):
     """Q = 0 (uniform attention): the exact solution is a translation. V: an expansion
     with a rotation, then a contraction with a rotation, alternating over layers."""
-    from pdeformer.heads import HeadMeasure
+    from pdeformer.model.heads import HeadMeasure
     h = HeadMeasure.random(layers, heads, 1, d, seed=0)
     h.Q[:] = 0.0
     R = np.triu(np.ones((d, d)), 1) - np.tril(np.ones((d, d)), -1)
@@ -50,8 +50,8 @@ def uniform_attention_heads(d, layers=2, heads=1):
 def translation_error(tmp_path, dim, cell, degree, n, half_width=3.5, variance=0.25):
     """L2 error at t = 1 of a Gaussian translated by uniform attention."""
     import ufl
-    from pdeformer.exact import uniform_attention_shift
-    from pdeformer.transport import l2_norm
+    from pdeformer.model.exact import uniform_attention_shift
+    from pdeformer.fem.transport import l2_norm
     mean = [0.6, 0.3, -0.2][:dim]
     lo, hi = -half_width, half_width
     heads = uniform_attention_heads(dim)
@@ -139,7 +139,7 @@ class TestQuadrilateralDG3(TranslationConvergence):
 def test_mass_plus_outflow_is_conserved(tmp_path):
     """Expanding uniform attention (V = 2 I) pushes a third of the mass out of the box:
     mass + accumulated outflow stays 1 to round-off, at every layer boundary."""
-    from pdeformer.forward import Tracker
+    from pdeformer.solvers.forward import Tracker
     heads = uniform_attention_heads(2, layers=3)
     heads.V[:] = 2.0 * np.eye(2)
     solver = make_solver(tmp_path, lower=[-2.0, -2.0], upper=[2.0, 2.0], cells=[12, 12],
@@ -165,7 +165,7 @@ def test_mass_plus_outflow_is_conserved(tmp_path):
 def test_limiter_keeps_means_and_positivity(tmp_path):
     """A uniform prompt (discontinuous) projected on DG-2 undershoots; the limiter
     removes every negative nodal value without changing the mass."""
-    from pdeformer.heads import HeadMeasure
+    from pdeformer.model.heads import HeadMeasure
     heads = HeadMeasure.random(1, 2, 2, 2, seed=3)
     kw = dict(lower=[-2.0, -2.0], upper=[2.0, 2.0], cells=[10, 10], degree=2, heads=heads,
               prompt={"kind": "uniform", "lower": [-0.73, -0.61], "upper": [0.52, 0.68]})
@@ -206,7 +206,7 @@ def record_steps(solver):
 
 
 def frame_times(solver):
-    from pdeformer.forward import Tracker
+    from pdeformer.solvers.forward import Tracker
     seen = []
 
     class Times(Tracker):
@@ -245,10 +245,10 @@ def test_fixed_steps_per_layer(tmp_path):
     assert [t for t, _ in frame_times(solver)] == pytest.approx([0, 1 / 6, 1 / 3, 1 / 2, 2 / 3, 5 / 6, 1])
     assert len(steps) == 24
     assert all(abs(dt - 1 / 24) < 1e-15 for _, dt, _ in steps)
-    from pdeformer.errors import ConfigError
+    from pdeformer.tools.errors import ConfigError
     with pytest.raises(ConfigError, match="^output.frames_per_layer: 5 does not divide"):
-        from pdeformer.config import check_config
-        from pdeformer.forward import build_problem
+        from pdeformer.tools.config import check_config
+        from pdeformer.solvers.forward import build_problem
         from mpi4py import MPI
         raw = {"mesh": {"lower": [-1.0], "upper": [1.0], "cells": [4]},
                "discretisation": {"steps_per_layer": 12}, "model": {"layers": 1, "heads": 1},
@@ -263,8 +263,8 @@ def test_velocity_degree_above_density_degree(tmp_path):
     errors = []
     for n in (16, 32):
         import ufl
-        from pdeformer.exact import uniform_attention_shift
-        from pdeformer.transport import l2_norm
+        from pdeformer.model.exact import uniform_attention_shift
+        from pdeformer.fem.transport import l2_norm
         solver = make_solver(tmp_path, lower=[-3.5] * 2, upper=[3.5] * 2, cells=[n, n], degree=1,
                              heads=heads, disc={"velocity_degree": 2, "limiter": False},
                              prompt={"kind": "gaussian_mixture", "means": [[0.6, 0.3]], "covs": [0.25]})

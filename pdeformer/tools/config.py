@@ -4,7 +4,7 @@ A run is described by a TOML file (see ``runs/default.toml`` and the README's to
 :func:`load_config` reads it, applies ``--set section.key=value`` overrides, checks
 every key against :data:`SCHEMA`, fills defaults and resolves paths relative to the
 config file. The result is a plain nested ``dict`` that is written verbatim into
-``summary.json``. Every problem is a :class:`~pdeformer.errors.ConfigError` whose
+``summary.json``. Every problem is a :class:`~pdeformer.tools.errors.ConfigError` whose
 message starts with the offending key (``mesh.cells: ...``). User strings are data
 only: nothing here is evaluated.
 
@@ -166,7 +166,7 @@ class Key:
 
 # The smallest attention.tol: a laplace table's values carry the rounding of its panel
 # sums, amplified by the variation e^{2 beta} = e^6 of e^{b y} over a panel: up to
-# 400 x 2^-52 = 9e-14 of their size (pdeformer.laplace.PANEL_ROUNDING), which its error
+# 400 x 2^-52 = 9e-14 of their size (pdeformer.attention.laplace.PANEL_ROUNDING), which its error
 # estimate (the Chebyshev coefficients' tail) does not see. A smaller tol cannot be
 # certified; asked for one, 'laplace' stopped with status 3 after tables up to n = 1025
 # (estimates bottom out at 1e-14..5e-10 there: the tail of round-off coefficients) and
@@ -239,7 +239,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
     },
     "objective": {
         "kind": Key(string(lambda: tuple(_objectives())), None,
-                    "risk per prompt: a registered objective (pdeformer.objectives: potential, ...)"),
+                    "risk per prompt: a registered objective (pdeformer.model.objectives: potential, ...)"),
         "potential": Key(string(("quadratic", "linear", "gaussian")), "quadratic", "named potential U"),
         "center": Key(number_list(), None, "centre of the quadratic/gaussian potential (default 0)"),
         "weight": Key(number(), 1.0, "strength of the quadratic/gaussian potential or of W (interaction)"),
@@ -480,16 +480,16 @@ def _check_mesh(m: dict) -> None:
 MAX_HEADS_TOTAL = 10**7
 
 def _backends() -> dict:
-    """The attention backends' registry (pdeformer.velocity), imported when a config is
+    """The attention backends' registry (pdeformer.model.velocity), imported when a config is
     checked."""
-    from .velocity import BACKENDS
+    from ..model.velocity import BACKENDS
     return BACKENDS
 
 
 def _objectives() -> dict:
     """The objective registry, imported when a config is checked (it needs mpi4py; reading
     this module must not start MPI)."""
-    from .objectives import OBJECTIVES
+    from ..model.objectives import OBJECTIVES
     return OBJECTIVES
 
 

@@ -21,7 +21,7 @@ import os
 
 import numpy as np
 
-from .errors import ConfigError, InputError
+from ..tools.errors import ConfigError, InputError
 
 
 def normalised(weights) -> np.ndarray:

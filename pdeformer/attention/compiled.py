@@ -1,7 +1,7 @@
 r"""Compiled loops of the laplace backend (d = 2): fine-grid interpolation and panel sums.
 
 For each head h and target x_i, with b = A_h x_i and m(b) the tensor Lagrange
-interpolant of degree p on the uniform fine grid (:class:`pdeformer.laplace.FineGrid`):
+interpolant of degree p on the uniform fine grid (:class:`pdeformer.attention.laplace.FineGrid`):
 
 * ``fine_velocity``:  v_i = (1/H) sum_h V_h m(A_h x_i)
 * ``fine_velocity_vjp``: for cotangents g_i of v_i, with u = V_h^T g_i / H,
@@ -9,7 +9,7 @@ interpolant of degree p on the uniform fine grid (:class:`pdeformer.laplace.Fine
   cotangent mbar_k[node] += L(node; b) u_k (the transposed interpolation) and, for
   moving targets (particles), xbar_i = sum_h A_h^T (dm/db)^T u.
 
-For sources y_j on panels (:class:`pdeformer.laplace.Panels`) with Lagrange weights
+For sources y_j on panels (:class:`pdeformer.attention.laplace.Panels`) with Lagrange weights
 L0_j, L1_j on their panels' nodes:
 
 * ``panel_spread``: W[c] = sum_j cols[j, c] L0_j (x) L1_j (the sources on the nodes)
@@ -18,7 +18,7 @@ L0_j, L1_j on their panels' nodes:
 both one pair of panels at a time (a counting sort of the sources, then one
 register-blocked product per pair).
 
-The loops are C, shipped as package data in ``pdeformer/kernels/``: ``laplace_kernels.c``
+The loops are C, shipped as package data in ``pdeformer/attention/kernels/``: ``laplace_kernels.c``
 includes ``fine_loops.h`` once per NC in FINE_WIDTHS (the fine-grid loops for NC values
 per node) and ``vector.h`` (the vector type). Constants shared with Python are defined
 here only and passed as ``-D`` flags (DEFINES: QMAX = PANEL_QMAX, NP = KERNEL_DEGREE + 1;

@@ -5,14 +5,14 @@ quadrature points on every rank's owned cells; targets are the rank's own nodes 
 Lagrange velocity space. Two ways to sum (``[attention] backend``):
 
 * ``direct``: the sources of all ranks are gathered on every rank and every target meets
-  every source (pdeformer.attention); exact.
+  every source (pdeformer.attention.softmax); exact.
 * ``laplace``: Lambda_rho's gradient tabulated once on a Chebyshev grid in b, summed over
   each rank's own sources and all-reduced, then interpolated for every head and target
-  (pdeformer.laplace); accurate to ``tol``.
+  (pdeformer.attention.laplace); accurate to ``tol``.
 * ``auto``: laplace where its error estimate meets ``tol`` and it is cheaper than direct,
   direct otherwise (sharp attention, d = 3). Every choice is counted in :attr:`stats`;
   ``stats["largest_estimate"]`` is the largest bound on a table velocity's error relative
-  to its largest value (:func:`pdeformer.laplace.velocity_bound`), over all evaluations.
+  to its largest value (:func:`pdeformer.attention.laplace.velocity_bound`), over all evaluations.
 
 Either way the result depends on the partition only through summation order.
 """
@@ -25,13 +25,13 @@ from typing import NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-from .attention import (Sources, VelocityCotangent, attention_velocity, attention_velocity_vjp,
+from ..attention.softmax import (Sources, VelocityCotangent, attention_velocity, attention_velocity_vjp,
                         partial_sums)
-from .errors import ConfigError, SolverBreakdown
+from ..tools.errors import ConfigError, SolverBreakdown
 from .heads import HeadMeasure
-from .laplace import (N_MAX, N_MAX_FORCED, SIZES, LaplaceTable, TablePlan, TablePlanner,
+from ..attention.laplace import (N_MAX, N_MAX_FORCED, SIZES, LaplaceTable, TablePlan, TablePlanner,
                       direct_estimate, exact_pair_vjp, flops_estimate, panel_nodes, source_extent)
-from .parallel import allgather_rows, any_rank
+from ..tools.parallel import allgather_rows, any_rank
 
 log = logging.getLogger("pdeformer")
 
@@ -170,7 +170,7 @@ class AttentionVelocity:
 
     @classmethod
     def on_space(cls, W, heads: HeadMeasure, attention: dict | None = None, comm=None):
-        from ._dolfinx import owned_node_coordinates   # the finite-element layer, only here
+        from ..fem._dolfinx import owned_node_coordinates   # the finite-element layer, only here
         return cls(owned_node_coordinates(W), heads, attention, comm or W.mesh.comm)
 
     # ------------------------------------------------------------------ helpers

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .attention import attention_matrices
-from .errors import InputError
+from ..attention.softmax import attention_matrices
+from ..tools.errors import InputError
 
 
 @dataclass
@@ -131,7 +131,7 @@ class HeadMeasure:
         return cls(Q, K, V)
 
     def save(self, filename: str) -> None:
-        from .output import write_npz
+        from ..tools.output import write_npz
         write_npz(filename, Q=self.Q, K=self.K, V=self.V)
 
 

@@ -38,8 +38,8 @@ import dolfinx.fem
 import dolfinx.fem.petsc
 
 from . import _dolfinx as dfx
-from .errors import ConfigError, InputError, SolverBreakdown
-from .parallel import any_rank, ghost_update_add, moment_sums, scatter_forward
+from ..tools.errors import ConfigError, InputError, SolverBreakdown
+from ..tools.parallel import any_rank, ghost_update_add, moment_sums, scatter_forward
 
 MASS_PREFIX = "pdeformer_mass_"
 MASS_DEFAULTS = {"ksp_type": "preonly", "pc_type": "bjacobi", "sub_pc_type": "lu"}
@@ -77,7 +77,7 @@ def reference_facet_points(mesh, degree: int) -> np.ndarray:
 
 def add_ghost_contributions(b) -> None:
     """Sum the contributions assembled on other ranks into the owned entries (counted
-    as communication, see pdeformer.parallel.METER)."""
+    as communication, see pdeformer.tools.parallel.METER)."""
     ghost_update_add(b)
 
 
@@ -144,7 +144,7 @@ class DGTransport:
     """Spaces, forms and solvers of the DG transport step (one instance per run).
 
     ``comm`` (default ``mesh.comm``) is the communicator of pdeformer's own collectives
-    (the mesh's, possibly a :class:`~pdeformer.parallel.MeteredComm` of it); PETSc gets
+    (the mesh's, possibly a :class:`~pdeformer.tools.parallel.MeteredComm` of it); PETSc gets
     ``mesh.comm``."""
 
     def __init__(self, mesh, degree: int, velocity_degree: int, source_degree: int,

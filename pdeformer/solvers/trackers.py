@@ -19,11 +19,11 @@ import time
 
 import dolfinx.fem
 
-from . import _dolfinx as dfx
+from ..fem import _dolfinx as dfx
 from .forward import Frame, ForwardSolver, Tracker
-from .output import diagnostics_header, diagnostics_row, write_csv
-from .errors import OutputError
-from .parallel import any_rank, on_root, scatter_forward
+from ..tools.output import diagnostics_header, diagnostics_row, write_csv
+from ..tools.errors import OutputError
+from ..tools.parallel import any_rank, on_root, scatter_forward
 
 log = logging.getLogger("pdeformer")
 

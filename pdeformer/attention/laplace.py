@@ -53,9 +53,9 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from .attention import Sources, moments_from_sums, partial_sums, value_gain
-from .parallel import allgather_rows, any_rank
-from ._kernels import (KERNEL_DEGREE, PANEL_QMAX, fine_velocity, fine_velocity_vjp, kernels_on,
+from .softmax import Sources, moments_from_sums, partial_sums, value_gain
+from ..tools.parallel import allgather_rows, any_rank
+from .compiled import (KERNEL_DEGREE, PANEL_QMAX, fine_velocity, fine_velocity_vjp, kernels_on,
                        panel_gather, panel_spread)
 
 N_MIN, N_MAX = 17, 257
@@ -1251,7 +1251,7 @@ def exact_sums(points, weights, b, comm, order: int = 1):
     """Exact log-domain sums at this rank's points b (P, d) for the density whose sources
     are spread over the ranks (each rank's own points and weights), without gathering the
     sources: the ranks' b are gathered (they are few), each rank sums its own sources
-    (:func:`pdeformer.attention.partial_sums`) about a centre common to all, the shifts
+    (:func:`pdeformer.attention.softmax.partial_sums`) about a centre common to all, the shifts
     are agreed (Allreduce MAX) and the rescaled sums added (Allreduce SUM). Returns
     (all ranks' b, shift, sums, centre, this rank's slice of them)."""
     lo, hi = coordinate_range(points, comm)

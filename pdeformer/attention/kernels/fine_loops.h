@@ -8,7 +8,7 @@
 #error "define NC (values per fine-grid node) before including fine_loops.h"
 #endif
 /* the names of this instance carry NC: fine_velocity2, fine_velocity_vjp4, ... (the
-   symbols pdeformer._kernels calls) */
+   symbols pdeformer.attention.compiled calls) */
 #define PASTE_(a, b) a##b
 #define PASTE(a, b) PASTE_(a, b)
 #define WITH_NC(name) PASTE(name, NC)

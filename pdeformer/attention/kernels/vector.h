@@ -1,6 +1,6 @@
 /* Vectors of VW doubles: 4 where AVX is there (the kernels are compiled for the host
    CPU), else 2 (SSE2, NEON). Shared by laplace_kernels.c and the FMA probe of
-   benchmarks/velocity.py (pdeformer._kernels.VECTOR_C is this file). */
+   benchmarks/velocity.py (pdeformer.attention.compiled.VECTOR_C is this file). */
 #ifndef PDEFORMER_VECTOR_H
 #define PDEFORMER_VECTOR_H
 #if defined(__AVX__)

@@ -7,7 +7,7 @@ Per prompt s, on t in [0, 1] (design §1):
     \partial_t \rho + \nabla\cdot(\rho\, v_t[\rho]) = 0, \qquad
     v_t[\rho](x) = \frac1H \sum_h V_h \nabla\Lambda_\rho(A_h x), \qquad \rho(0) = \rho_0^s,
 
-discretised by :class:`~pdeformer.transport.DGTransport` in space and an SSP
+discretised by :class:`~pdeformer.fem.transport.DGTransport` in space and an SSP
 Runge-Kutta scheme in depth. The step is either CFL-based (recomputed every step
 from the current velocity, then shortened so that steps land exactly on every frame
 and layer boundary) or fixed (``steps_per_layer``, so the discrete solution is a
@@ -25,19 +25,19 @@ import numpy as np
 import ufl
 from mpi4py import MPI
 
-from .config import section
-from .errors import ConfigError, InputError, SolverBreakdown
-from .frames import Frame, Tracker, located  # noqa: F401  (Tracker: the base of the trackers)
-from .march import march
-from .attention import value_gain
-from .heads import HeadMeasure
-from .mesh import bounding_box, make_mesh, shortest_edge
-from .parallel import PromptGroups, Timer, any_rank, on_root
-from .objectives import make_objective, make_target
-from .prompts import make_prompt
-from .timestepping import SCHEMES, ssp_step
-from .transport import DGTransport
-from .velocity import AttentionVelocity, TableSum
+from ..tools.config import section
+from ..tools.errors import ConfigError, InputError, SolverBreakdown
+from ..integrator.frames import Frame, Tracker, located  # noqa: F401  (Tracker: the base of the trackers)
+from ..integrator.march import march
+from ..attention.softmax import value_gain
+from ..model.heads import HeadMeasure
+from ..fem.mesh import bounding_box, make_mesh, shortest_edge
+from ..tools.parallel import PromptGroups, Timer, any_rank, on_root
+from ..model.objectives import make_objective, make_target
+from ..model.prompts import make_prompt
+from ..integrator.schemes import SCHEMES, ssp_step
+from ..fem.transport import DGTransport
+from ..model.velocity import AttentionVelocity, TableSum
 
 log = logging.getLogger("pdeformer")
 
@@ -63,7 +63,7 @@ class Problem:
 
     ``comm`` is the communicator of this rank's prompt group (the world without prompt
     groups): the mesh is partitioned over it and every collective of the group's work
-    uses it. ``groups`` (:class:`~pdeformer.parallel.PromptGroups`) says which prompts
+    uses it. ``groups`` (:class:`~pdeformer.tools.parallel.PromptGroups`) says which prompts
     this group solves (``groups.owned``) and combines results over the world."""
 
     comm: object
@@ -71,7 +71,7 @@ class Problem:
     mesh: object
     heads: HeadMeasure
     prompts: list  # [(name, density object)]
-    objective: object = None   # pdeformer.objectives.* or None
+    objective: object = None   # pdeformer.model.objectives.* or None
     targets: list = None       # per prompt (None where the objective needs none)
     groups: PromptGroups = None  # default: one group of all ranks of comm
 
@@ -167,7 +167,7 @@ class FramePlan:
 
 
 class PromptMarch:
-    """One prompt's march through depth on the mesh (a :class:`~pdeformer.march.StepController`
+    """One prompt's march through depth on the mesh (a :class:`~pdeformer.integrator.march.StepController`
     with the step and the frames' output): the state (coefficients, outflow), the
     velocity of the state that the next step's first stage reuses, the step plan of the
     frame (CFL steps chosen every step, fixed, or frozen), and per layer the largest

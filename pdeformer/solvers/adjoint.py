@@ -25,14 +25,14 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from .errors import SolverBreakdown
+from ..tools.errors import SolverBreakdown
 from .forward import ForwardSolver, located
-from .heads import Gradient
-from .march import sweep_back
-from .objectives import default_quadrature_degree
-from .parallel import any_rank
-from .timestepping import ssp_step_vjp
-from .transport import CellQuadrature
+from ..model.heads import Gradient
+from ..integrator.march import sweep_back
+from ..model.objectives import default_quadrature_degree
+from ..tools.parallel import any_rank
+from ..integrator.schemes import ssp_step_vjp
+from ..fem.transport import CellQuadrature
 
 
 HUGE_COSTATE = 1e150   # an adjoint starting this large overflows from its own size
@@ -55,7 +55,7 @@ def check_on_mesh(objective, comm, mesh) -> None:
     Collective over ``comm``."""
     if not getattr(objective, "checks_mesh", False):
         return
-    from .mesh import bounding_box, shortest_edge
+    from ..fem.mesh import bounding_box, shortest_edge
     lo, hi = bounding_box(comm, mesh)
     objective.check_mesh(float(np.linalg.norm(hi - lo)), shortest_edge(comm, mesh))
 

@@ -19,8 +19,8 @@ import numpy as np
 import dolfinx.io
 import dolfinx.mesh
 
-from .errors import InputError
-from .parallel import on_root
+from ..tools.errors import InputError
+from ..tools.parallel import on_root
 
 CELL_TYPES = {
     "interval": dolfinx.mesh.CellType.interval,

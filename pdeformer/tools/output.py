@@ -23,10 +23,10 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from . import __version__
+from .. import __version__
 from .errors import InputError, OutputError
 
-PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # pdeformer/
 
 
 def diagnostics_header(d: int) -> list[str]:
@@ -129,7 +129,7 @@ def git_commit() -> dict:
 
 def provenance(comm) -> dict:
     """Who ran what where: versions, ranks, host, commit, time."""
-    from ._dolfinx import versions
+    from ..fem._dolfinx import versions
     return {"pdeformer": __version__, "python": sys.version.split()[0], **versions(),
             "ranks": comm.size, "host": socket.gethostname(), "platform": platform.platform(),
             "git": git_commit(), "argv": sys.argv,

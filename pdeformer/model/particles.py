@@ -31,14 +31,14 @@ import math
 import numpy as np
 from mpi4py import MPI
 
-from .config import section
-from .errors import ConfigError, SolverBreakdown
-from .frames import Frame, Tracker, located
+from ..tools.config import section
+from ..tools.errors import ConfigError, SolverBreakdown
+from ..integrator.frames import Frame, Tracker, located
 from .heads import Gradient
-from .march import FixedSteps, march, sweep_back
+from ..integrator.march import FixedSteps, march, sweep_back
 from .objectives import OBJECTIVES
-from .parallel import Timer, allgather_rows, any_rank, moment_sums, on_root
-from .timestepping import SCHEMES, ssp_step, ssp_step_vjp
+from ..tools.parallel import Timer, allgather_rows, any_rank, moment_sums, on_root
+from ..integrator.schemes import SCHEMES, ssp_step, ssp_step_vjp
 from .velocity import AttentionVelocity
 
 log = logging.getLogger("pdeformer")
@@ -193,7 +193,7 @@ class TokenOutput(Tracker):
 
     def _write(self, frame, x, w):
         import os
-        from .output import write_points, write_pvd
+        from ..tools.output import write_points, write_pvd
         k = len(self.frames.setdefault(frame.prompt, []))
         name = f"tokens_{frame.prompt}_{k:04d}.vtu"
         write_points(os.path.join(self.folder, name), x, {"weight": w})
@@ -213,7 +213,7 @@ class ParticleAdjoint:
             raise ConfigError("objective.kind", f"{objective.kind!r} needs a density; tokens support "
                               f"{', '.join(tokens)}")
         if objective.checks_mesh:   # e.g. an mmd bandwidth on the scale of the tokens' domain
-            from .adjoint import check_on_mesh
+            from ..solvers.adjoint import check_on_mesh
             check_on_mesh(objective, solver.comm, solver.problem.mesh)
         self.solver = solver
         self.objective = objective

@@ -34,12 +34,12 @@ import math
 
 import numpy as np
 
-from .attention import Sources, tilted_moments
-from .errors import ConfigError, SolverBreakdown
-from .frames import Tracker
-from .heads import HeadMeasure
-from .parallel import allgather_rows, on_root
-from .prompts import GaussianMixture, PointCloud, UniformBox
+from ..attention.softmax import Sources, tilted_moments
+from ..tools.errors import ConfigError, SolverBreakdown
+from ..integrator.frames import Tracker
+from ..model.heads import HeadMeasure
+from ..tools.parallel import allgather_rows, on_root
+from ..model.prompts import GaussianMixture, PointCloud, UniformBox
 
 log = logging.getLogger("pdeformer")
 
@@ -239,9 +239,9 @@ def prompt_measures(problem, timer) -> tuple[list, list]:
     projection. With a depth t: the state of a forward run at t -- mesh densities by
     quadrature (DG, ``ntk.quadrature_degree``), point clouds as tokens of the particle
     model."""
-    from .forward import ForwardSolver
-    from .particles import ParticleSolver
-    from .transport import CellQuadrature
+    from ..solvers.forward import ForwardSolver
+    from ..model.particles import ParticleSolver
+    from ..fem.transport import CellQuadrature
     cfg, comm = problem.cfg, problem.comm
     t = cfg["ntk"]["depth"]
     disc = cfg["discretisation"]
@@ -294,7 +294,7 @@ def ntk_heads(problem) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
 
 def query_points(ntk: dict, d: int, prompts: int) -> np.ndarray:
     """The query points x_p (P, d); with ``pairing = "matched"`` one per prompt."""
-    from .prompts import vector_list
+    from ..model.prompts import vector_list
     if ntk["queries"] is None:
         x = np.full((1, d), 1 / math.sqrt(d))
         return np.repeat(x, prompts, axis=0) if ntk["pairing"] == "matched" else x
@@ -362,7 +362,7 @@ def plot_spectra(filename: str, result: dict) -> bool:
         ax.set_ylabel(label)
         ax.set_xticks(np.arange(1, len(v) + 1) if len(v) <= 12 else ax.get_xticks())
     fig.tight_layout()
-    from .output import save_figure
+    from ..tools.output import save_figure
     save_figure(filename, fig, dpi=120)
     plt.close(fig)
     return True

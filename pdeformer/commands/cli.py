@@ -20,8 +20,8 @@ import os
 import re
 import sys
 
-from . import __version__
-from .errors import ConfigError, PdeformerError
+from .. import __version__
+from ..tools.errors import ConfigError, PdeformerError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -158,8 +158,8 @@ def _config_and_overrides(args) -> tuple[str, list[str]]:
 
 def _run(args, comm) -> int:
     import logging
-    from .config import load_config
-    from .parallel import setup_logging
+    from ..tools.config import load_config
+    from ..tools.parallel import setup_logging
     setup_logging(comm, logging.WARNING if args.quiet else logging.INFO)
     if args.command == "converge":
         from .converge import load_study, run_study
@@ -220,7 +220,7 @@ def _train_report(summary, files) -> list[str]:
 
 
 def _launch(name: str, **flags):
-    """cfg, comm, args -> summary: pdeformer.run.run_<name>, with these flags read from args."""
+    """cfg, comm, args -> summary: pdeformer.commands.run.run_<name>, with these flags read from args."""
     def launch(cfg, comm, args):
         from . import run
         return getattr(run, f"run_{name}")(cfg, comm, **{k: getattr(args, a) for k, a in flags.items()})
@@ -237,7 +237,7 @@ COMMANDS = {   # command: (run it, the lines rank 0 prints about its output)
 
 
 def _info(args, comm) -> int:
-    from ._dolfinx import versions
+    from ..fem._dolfinx import versions
     if comm.rank == 0:
         print(f"pdeformer {__version__}")
         for k, v in versions().items():
@@ -256,7 +256,7 @@ def main(argv=None) -> int:
     try:
         return _info(args, comm) if args.command == "info" else _run(args, comm)
     except PdeformerError as e:
-        # raised on every rank at once (see pdeformer.errors): rank 0 reports
+        # raised on every rank at once (see pdeformer.tools.errors): rank 0 reports
         if comm.rank == 0:
             print(f"pdeformer: error: {e}", file=sys.stderr, flush=True)
         return e.exit_status

@@ -29,10 +29,10 @@ import time
 
 import numpy as np
 
-from .errors import InputError
-from .heads import HeadMeasure
-from .output import write_csv, write_head_points, write_npz, write_pvd
-from .parallel import on_root
+from ..tools.errors import InputError
+from ..model.heads import HeadMeasure
+from ..tools.output import write_csv, write_head_points, write_npz, write_pvd
+from ..tools.parallel import on_root
 
 log = logging.getLogger("pdeformer")
 
@@ -135,7 +135,7 @@ def fingerprint(cfg: dict) -> dict:
             if "path" in table:
                 table["sha256"] = _file_digest(table["path"])
         prompts.append(p)
-    from .objectives import OBJECTIVES
+    from ..model.objectives import OBJECTIVES
     kind = cfg["objective"]["kind"]
     foreign = {k for name, c in OBJECTIVES.items() if name != kind for k in c.own_keys}
     objective = {k: v for k, v in cfg["objective"].items() if k not in foreign}

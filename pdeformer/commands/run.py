@@ -11,7 +11,7 @@ commit, wall time per phase, results) besides its own files:
 * ntk:      ntk.json (both injectivity tests), ntk.png (their spectra)
 
 Prompt groups (``[parallel] prompt_groups``, ``--prompt-groups``; see
-pdeformer.parallel.PromptGroups): every group builds the mesh on its own communicator and
+pdeformer.tools.parallel.PromptGroups): every group builds the mesh on its own communicator and
 solves its block of the prompts; the groups meet (agree on failure, then combine) after
 the set-up, after the forward pass (diagnostics rows, risks, field file names), inside
 every gradient (risks, the world-wide sum of dQ, dK, dV) and in the summary (prompt info,
@@ -29,15 +29,15 @@ from contextlib import contextmanager
 import numpy as np
 from mpi4py import MPI
 
-from . import _dolfinx as dfx
-from .budget import check_memory, peak_memory
-from .errors import ConfigError, PdeformerError, SolverBreakdown, status_of
-from .forward import ForwardSolver, Tracker, build_problem
-from .outdir import TRAINING_STATE, OutputFolder
-from .output import provenance, write_json, write_npz
-from .parallel import (METER, PromptGroups, Timer, add_log_file, describe_parallel, metered, on_root,
+from ..fem import _dolfinx as dfx
+from ..tools.budget import check_memory, peak_memory
+from ..tools.errors import ConfigError, PdeformerError, SolverBreakdown, status_of
+from ..solvers.forward import ForwardSolver, Tracker, build_problem
+from ..tools.outdir import TRAINING_STATE, OutputFolder
+from ..tools.output import provenance, write_json, write_npz
+from ..tools.parallel import (METER, PromptGroups, Timer, add_log_file, describe_parallel, metered, on_root,
                        parallel_report, remove_log_file)
-from .trackers import DiagnosticsTable, FieldOutput, ProgressLog, log_other_groups
+from ..solvers.trackers import DiagnosticsTable, FieldOutput, ProgressLog, log_other_groups
 
 log = logging.getLogger("pdeformer")
 
@@ -45,7 +45,7 @@ log = logging.getLogger("pdeformer")
 @contextmanager
 def output_session(command: str, outdir: str, comm, announce: str, on_error, on_bug=None, keep=()):
     """The inside of a command in its output folder: the folder created and locked,
-    earlier files moved aside (but those matching ``keep``: see pdeformer.outdir), the
+    earlier files moved aside (but those matching ``keep``: see pdeformer.tools.outdir), the
     log file open and ``announce`` logged. A PdeformerError raised inside (on every rank)
     calls ``on_error(e)`` (which writes the summary; a second error there, e.g. a disk
     still full, is dropped: the first one's line says what happened); anything else
@@ -200,7 +200,7 @@ def _risk_of(solver: ForwardSolver, problem, coeffs: dict) -> dict | None:
     combination point."""
     if problem.objective is None:
         return None
-    from .adjoint import AdjointSolver
+    from ..solvers.adjoint import AdjointSolver
     adj = AdjointSolver(solver, problem.objective, problem.targets,
                         problem.cfg["objective"]["quadrature_degree"])
     groups = problem.groups
@@ -215,7 +215,7 @@ def run_forward(cfg: dict, comm=None) -> dict:
 
     After a breakdown (NaN, overflow) the diagnostics so far and a summary with
     ``"status": "breakdown"`` and the error are still written, then the error is raised."""
-    from .adjoint import check_on_mesh
+    from ..solvers.adjoint import check_on_mesh
     run = Run("forward", cfg, comm or MPI.COMM_WORLD,   # the objective's risk comes at the end
               check=lambda p: check_on_mesh(p.objective, p.comm, p.mesh))
     out = cfg["output"]
@@ -268,7 +268,7 @@ class FinalStates(Tracker):
 
 def run_gradient(cfg: dict, comm=None) -> dict:
     """Risk and its exact derivatives dR/dQ, dR/dK, dR/dV -> gradient.npz, summary.json."""
-    from .adjoint import AdjointSolver
+    from ..solvers.adjoint import AdjointSolver
     run = Run("gradient", cfg, comm or MPI.COMM_WORLD, differentiable=True)
     p = run.problem
     adj = AdjointSolver(run.solver, p.objective, p.targets, cfg["objective"]["quadrature_degree"])
@@ -299,11 +299,11 @@ def _counts(solver) -> dict:
 
 
 def run_train(cfg: dict, comm=None, restart: bool = False, walltime: float | None = None) -> dict:
-    """Gradient-flow training (see pdeformer.train); returns the summary. With
+    """Gradient-flow training (see pdeformer.solvers.train); returns the summary. With
     ``walltime`` (seconds) training stops, with a checkpoint, before a step that would
     end past it (status "walltime"; continue with restart)."""
-    from .adjoint import AdjointSolver
-    from .train import Trainer
+    from ..solvers.adjoint import AdjointSolver
+    from ..solvers.train import Trainer
     run = Run("train", cfg, comm or MPI.COMM_WORLD, differentiable=True)
     p = run.problem
     adj = AdjointSolver(run.solver, p.objective, p.targets, cfg["objective"]["quadrature_degree"])
@@ -331,7 +331,7 @@ def run_train(cfg: dict, comm=None, restart: bool = False, walltime: float | Non
 
 
 def run_ntk(cfg: dict, comm=None) -> dict:
-    """The NTK injectivity tests of the run's prompts (see pdeformer.ntk): ntk.json,
+    """The NTK injectivity tests of the run's prompts (see pdeformer.commands.ntk): ntk.json,
     ntk.png, summary.json. With ``[ntk] depth`` the prompts first go through a forward
     run (point clouds through the particle model) to that depth."""
     from .ntk import check_inputs, plot_spectra, prompt_measures, run_analysis
@@ -373,7 +373,7 @@ def run_particles(cfg: dict, comm=None, gradient: bool = False) -> dict:
     """The particle model: tokens of every prompt through the layers (diagnostics.csv,
     tokens_<prompt>.pvd); with an [objective] its risk, and with ``gradient`` the exact
     gradient of the particle risk (gradient.npz; through the configured attention backend)."""
-    from .particles import ParticleAdjoint, ParticleSolver, TokenOutput
+    from ..model.particles import ParticleAdjoint, ParticleSolver, TokenOutput
 
     run = Run("particles", cfg, comm or MPI.COMM_WORLD, solver=ParticleSolver, differentiable=gradient)
     p = run.problem

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import SolverBreakdown
+from ..tools.errors import SolverBreakdown
 
 
 @contextmanager

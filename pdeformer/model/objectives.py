@@ -28,8 +28,8 @@ import math
 import numpy as np
 from mpi4py import MPI
 
-from .errors import ConfigError
-from .parallel import allgather_rows, moment_sums
+from ..tools.errors import ConfigError
+from ..tools.parallel import allgather_rows, moment_sums
 
 POTENTIALS = ("quadratic", "linear", "gaussian")
 
@@ -427,7 +427,7 @@ def default_quadrature_degree(kind: str, degree: int) -> int:
 def make_target(spec: dict | None, d: int, index: int):
     """The target of ``prompts[index]`` for dimension d: {"kind": "moments", "mean", "cov"},
     {"kind": <density kind>, "density"} or {"kind": "points", "points", "weights"}."""
-    from .errors import ConfigError
+    from ..tools.errors import ConfigError
     from .prompts import is_rectangular, spd_matrix, make_prompt
     if spec is None:
         return None

@@ -32,7 +32,7 @@ for other parameters the value itself.
 
 Every case runs on all ranks together: prompt groups (``[parallel] prompt_groups`` > 1
 in a case's run configuration) are refused. summary.json has the ``parallel`` accounting
-of the whole study (see pdeformer.parallel.Meter).
+of the whole study (see pdeformer.tools.parallel.Meter).
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ import time
 import numpy as np
 import ufl
 
-from .budget import check_memory
-from .config import Key, check_table, load_config, number, path, string
-from .errors import ConfigError, InputError, status_of
-from .output import atomic_write, provenance, save_figure, write_csv, write_json
-from .parallel import (METER, Timer, allgather_rows, describe_parallel, metered, on_root,
+from ..tools.budget import check_memory
+from ..tools.config import Key, check_table, load_config, number, path, string
+from ..tools.errors import ConfigError, InputError, status_of
+from ..tools.output import atomic_write, provenance, save_figure, write_csv, write_json
+from ..tools.parallel import (METER, Timer, allgather_rows, describe_parallel, metered, on_root,
                        parallel_report)
 
 log = logging.getLogger("pdeformer")
@@ -97,7 +97,7 @@ def _quantities(key, v):
 
 def load_study(filename: str, overrides=()) -> dict:
     """Read and check a study file (the [study] and an optional [output] table)."""
-    from .config import apply_override, parse_override, read_toml
+    from ..tools.config import apply_override, parse_override, read_toml
     raw = read_toml(filename, "study file")
     base = os.path.dirname(os.path.abspath(filename))
     for text in overrides:
@@ -144,7 +144,7 @@ class Case:
     """The outcome of one run: per prompt mean, cov (and risk, gradient, density)."""
 
     def __init__(self, command: str, cfg: dict, comm, timer: Timer, gradient: bool):
-        from .forward import ForwardSolver, build_problem
+        from ..solvers.forward import ForwardSolver, build_problem
         self.command, self.cfg = command, cfg
         if cfg["parallel"]["prompt_groups"] > 1:
             raise ConfigError("parallel.prompt_groups", "converge runs every case as one group of "
@@ -157,7 +157,7 @@ class Case:
         p = self.problem
         self.means, self.covs, self.risks, self.grad = [], [], [], None
         if command == "particles":
-            from .particles import ParticleAdjoint, ParticleSolver, weighted_moments
+            from ..model.particles import ParticleAdjoint, ParticleSolver, weighted_moments
             self.solver = ParticleSolver(p, timer)
             self.tokens = []
             for s in range(len(p.prompts)):
@@ -173,7 +173,7 @@ class Case:
                 if gradient:
                     self.grad = adj.gradient()
         else:
-            from .adjoint import AdjointSolver
+            from ..solvers.adjoint import AdjointSolver
             self.solver = ForwardSolver(p, timer)
             adj = AdjointSolver(self.solver, p.objective, p.targets,
                                 cfg["objective"]["quadrature_degree"]) if p.objective else None
@@ -193,7 +193,7 @@ class Case:
     def density_rule(self, s: int):
         """(points, measure, values) of prompt s's final density on this rank's cells,
         by a quadrature of degree 2k + 2."""
-        from .transport import CellQuadrature
+        from ..fem.transport import CellQuadrature
         tr = self.solver.transport
         tr.set_state(self.coeffs[s])
         rule = CellQuadrature(tr.mesh, 2 * tr.degree + 2, tr.u)
@@ -206,8 +206,8 @@ class Case:
 
 def _exact(case: Case):
     """Exact final mean and cov (and density expression) of uniform attention."""
-    from .exact import uniform_attention_mean
-    from .prompts import GaussianMixture
+    from ..model.exact import uniform_attention_mean
+    from ..model.prompts import GaussianMixture
     p = case.problem
     if np.any(p.heads.Q != 0):
         raise ConfigError("study.reference", "'exact' needs uniform attention (Q = 0: model.query_scale = 0)")
@@ -258,7 +258,7 @@ def _density_error(case, ref, exact, s, q):
     """L2 or L1 norm of rho_case - rho_ref: against the exact translated prompt on the
     case's mesh, or on the reference's quadrature with rho_case evaluated there."""
     from mpi4py import MPI
-    from . import _dolfinx as dfx
+    from ..fem import _dolfinx as dfx
     if exact:
         tr = case.solver.transport
         tr.set_state(case.coeffs[s])
@@ -288,7 +288,7 @@ def _density_error(case, ref, exact, s, q):
 
 def _mmd(case, ref, s, bandwidth, comm):
     """MMD between the case's tokens and the reference's final density (or tokens)."""
-    from .objectives import MMD
+    from ..model.objectives import MMD
     if case.command != "particles":
         raise ConfigError("study.quantities", "'mmd' is measured for particles")
     x, w = case.tokens[s]
