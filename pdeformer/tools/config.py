@@ -233,6 +233,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "velocity": Key(boolean, True, "also write the velocity fields"),
         "format": Key(string(("vtk", "vtx")), "vtk", "field format: vtk (.pvd) or vtx (.bp, dolfinx with ADIOS2)"),
         "frames_per_layer": Key(integer(1, 10**4), 1, "field and diagnostics frames per layer"),
+        "plots": Key(boolean, True, "draw the run's pictures (PNG) into the output folder when it "
+                     "ends, and write paraview.py; `pdeformer plot DIR` draws them again"),
+        "plot_format": Key(string(("png", "svg")), "png", "image format of the pictures"),
         "max_memory_gb": Key(number(positive=True), None,
                              "refuse runs whose memory estimate for the ranks of a node exceeds "
                              "this (default: the node's available memory)"),
