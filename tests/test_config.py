@@ -239,3 +239,51 @@ def test_gaussian_too_narrow_for_the_mesh():
     assert g.unresolved(0.08, "prompts[0]") is None          # sigma = h/8 exactly: resolved
     rotated = make_prompt(dict(spec, covs=[0.2, [[0.5, 0.49], [0.49, 0.5]]]), 2, 0)   # sigma_min = 0.1
     assert rotated.unresolved(0.8, "prompts[0]") is None and rotated.unresolved(0.81, "prompts[0]")
+
+
+# ---------------------------------------------------------------- typed options
+def test_options_are_the_checked_config_as_frozen_sections(tmp_path):
+    """options(cfg) has one frozen dataclass per schema section with the checked values;
+    a section made directly takes the schema's defaults for the keys not given."""
+    import dataclasses
+
+    from pdeformer.tools.config import SCHEMA, SECTIONS, AttentionOptions, Options, options
+    cfg = load_config(write_config(tmp_path, BASE))
+    opts = options(cfg)
+    assert {f.name for f in dataclasses.fields(Options)} == set(SCHEMA) | {"prompts"}
+    for name in SECTIONS:
+        assert dataclasses.asdict(getattr(opts, name)) == cfg[name], name
+    assert opts.mesh.cells == [8, 8] and opts.model.heads == 3 and opts.prompts[0]["name"] == "prompt0"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.discretisation.cfl = 2.0
+    made = AttentionOptions(backend="laplace")
+    assert made.backend == "laplace" and made.tol == SCHEMA["attention"]["tol"].default
+    assert options(opts) is opts
+
+
+class _Untouchable(dict):
+    def __getitem__(self, key):
+        raise AssertionError(f"a solver read the config dict: [{key!r}]")
+
+    def get(self, key, default=None):
+        raise AssertionError(f"a solver read the config dict: .get({key!r})")
+
+
+def test_solvers_read_options_not_the_dict(tmp_path):
+    """Once the problem is built, the forward solver, the adjoint and the trainer read
+    only its typed options: with the dict made unreadable, a gradient still runs."""
+    pytest.importorskip("dolfinx")
+    from mpi4py import MPI
+
+    from pdeformer.solvers.adjoint import AdjointSolver
+    from pdeformer.solvers.forward import ForwardSolver, build_problem
+    from pdeformer.solvers.train import Trainer
+    text = BASE + '\n[objective]\nkind = "moments"\n[prompts.target]\nmean = [0.1, 0.0]\ncov = 0.3\n'
+    cfg = load_config(write_config(tmp_path, text))
+    problem = build_problem(cfg, MPI.COMM_WORLD, differentiable=True)
+    problem.cfg = _Untouchable(cfg)
+    forward = ForwardSolver(problem)
+    adjoint = AdjointSolver(forward, problem.objective, problem.targets)
+    g = adjoint.gradient()
+    assert np.isfinite(g.risk) and g.risk > 0
+    assert Trainer(adjoint, problem.opts, str(tmp_path)).train.steps == cfg["train"]["steps"]

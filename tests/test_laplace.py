@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from pdeformer.tools.config import AttentionOptions
 from pdeformer.attention.softmax import Sources, attention_matrices, tilted_moments
 from pdeformer.attention.laplace import (LaplaceTable, b_range, barycentric_weights, chebyshev_lobatto,
                                choose_table, differentiation_matrix, grid_box)
@@ -354,7 +355,7 @@ def _field(backend, tol, d=2, heads=4, scale=0.4, seed=0):
     from pdeformer.model.velocity import AttentionVelocity
     hm = HeadMeasure.random(1, heads, d, d, seed=seed, scale=scale)
     rng = np.random.default_rng(seed)
-    return AttentionVelocity(rng.uniform(-2, 2, (300, d)), hm, {"backend": backend, "tol": tol}, COMM), hm
+    return AttentionVelocity(rng.uniform(-2, 2, (300, d)), hm, AttentionOptions(backend=backend, tol=tol), COMM), hm
 
 
 def attention_velocity_direct(x, y, w, hm):
@@ -415,7 +416,7 @@ def test_reported_estimate_bounds_the_velocity_error(kind):
     if kind == "signed":
         w[rng.random(len(x)) < 0.1] *= -0.05
     heads = HeadMeasure.random(2, 8, d, d, seed=3)
-    field = AttentionVelocity(None, heads, {"backend": "auto", "tol": 1e-8}, COMM)
+    field = AttentionVelocity(None, heads, AttentionOptions(backend="auto", tol=1e-8), COMM)
     for layer in range(2):
         before = field.stats["largest_estimate"]
         v = field(x, w, layer, targets=x)
@@ -476,6 +477,7 @@ import json, sys
 import numpy as np
 from mpi4py import MPI
 from pdeformer.model.heads import HeadMeasure
+from pdeformer.tools.config import AttentionOptions
 from pdeformer.model.velocity import AttentionVelocity
 
 world = MPI.COMM_WORLD
@@ -488,7 +490,7 @@ heads = HeadMeasure.random(1, 6, 2, 2, seed=3, scale=1.2)
 
 
 def run(comm, ys, ws, xs, gs):
-    field = AttentionVelocity(xs, heads, {"backend": "laplace", "tol": 1e-9}, comm)
+    field = AttentionVelocity(xs, heads, AttentionOptions(backend="laplace", tol=1e-9), comm)
     v = field(ys, ws, 0)
     ct = field.vjp(ys, ws, 0, gs, field.last_plan)
     dA, dV = comm.allreduce(ct.A), comm.allreduce(ct.V)
@@ -551,6 +553,27 @@ def test_size_search_survives_a_subsample_without_positive_mass():
     assert not subsample(y, SUBSAMPLE / len(y))[-1]
     table, est = choose_table(y, w, np.array([-50.0, -50.0]), np.array([50.0, 50.0]), COMM, 1e-4)
     assert est <= 1e-4 and np.all(np.isfinite(table.m))
+
+
+def test_subsample_is_a_uniform_draw_the_same_on_any_rank():
+    """The trial tables' subsample keeps each point with probability ``fraction``,
+    independently of where it lies (binomial counts within 5 sigma, overall and per
+    quadrant, on random points and on a regular grid like quadrature points), and keeps
+    the same points whatever their order or the rank that holds them."""
+    from pdeformer.attention.laplace import subsample
+    rng = np.random.default_rng(5)
+    side = np.linspace(-4, 4, 400)
+    grid = np.stack(np.meshgrid(side, side), -1).reshape(-1, 2)
+    for pts in (rng.normal(size=(160000, 2)), grid, rng.normal(size=(50000, 1))):
+        for f in (0.02, 0.3):
+            keep = subsample(pts, f)
+            quadrants = [np.all(pts >= 0, 1), np.all(pts < 0, 1), pts[:, 0] >= 0]
+            for part in [np.ones(len(pts), bool)] + quadrants:
+                n = part.sum()
+                assert abs(keep[part].sum() - f * n) <= 5 * np.sqrt(n * f * (1 - f)), (f, n)
+            order = rng.permutation(len(pts))
+            assert np.array_equal(subsample(pts[order], f), keep[order])
+    assert subsample(grid, 1.0).all()
 
 
 @pytest.mark.parametrize("compiled", [True, False])
@@ -760,7 +783,7 @@ def test_signed_weights_meet_tol_against_direct(loops, tol, monkeypatch):
     e = np.exp(s - s.max(axis=1, keepdims=True))
     zeta = (e @ w) / (e @ np.abs(w))
     assert 0.2 < zeta.min() < 0.5            # well away from zero where it is needed
-    field = AttentionVelocity(x, heads, {"backend": "laplace", "tol": tol}, COMM)
+    field = AttentionVelocity(x, heads, AttentionOptions(backend="laplace", tol=tol), COMM)
     v = field(y, w, 0)
     assert field.last_plan.signed and field.stats["laplace"] == 1
     ref = attention_velocity_direct(x, y, w, heads)
@@ -780,7 +803,7 @@ def test_signed_weights_with_zeta_through_zero_at_targets():
     s = b @ y.T
     e = np.exp(s - s.max(axis=1, keepdims=True))
     assert (e @ w).min() < 0 < (e @ w).max()
-    field = AttentionVelocity(x, heads, {"backend": "laplace", "tol": 1e-8}, COMM)
+    field = AttentionVelocity(x, heads, AttentionOptions(backend="laplace", tol=1e-8), COMM)
     v = field(y, w, 0)
     ref = attention_velocity_direct(x, y, w, heads)
     assert field.stats["laplace"] == 1 and np.abs(v - ref).max() <= 1e-8 * np.abs(ref).max()
@@ -800,7 +823,7 @@ def test_signed_reverse_mode_is_the_derivative_and_near_direct(loops, monkeypatc
         pytest.skip("no C compiler, or PDEFORMER_NO_KERNEL set")
     x, y, w, heads = signed_case()
     tol = 1e-9
-    field = AttentionVelocity(x, heads, {"backend": "laplace", "tol": tol}, COMM)
+    field = AttentionVelocity(x, heads, AttentionOptions(backend="laplace", tol=tol), COMM)
     field(y, w, 0)
     plan = field.last_plan
     assert plan.signed

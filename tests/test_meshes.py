@@ -297,13 +297,14 @@ def test_shortest_edge():
     pytest.importorskip("dolfinx")
     from mpi4py import MPI
     from pdeformer.fem.mesh import make_mesh, shortest_edge
+    from pdeformer.tools.config import MeshOptions
     comm = MPI.COMM_WORLD
     for cells, cell, lower, upper, h in (([7], "interval", [0.0], [1.0], 1 / 7),
                                          ([14, 10], "triangle", [-3.5, -3.5], [3.5, 3.5], 0.5),
                                          ([4, 4, 3], "hexahedron", [0, 0, 0], [1, 2, 0.6], 0.2)):
-        mesh = make_mesh(comm, {"file": None, "lower": lower, "upper": upper, "cells": cells, "cell": cell})
+        mesh = make_mesh(comm, MeshOptions(lower=lower, upper=upper, cells=cells, cell=cell))
         assert shortest_edge(comm, mesh) == pytest.approx(h, rel=1e-12)
-    disk = make_mesh(comm, {"file": os.path.join(MESH_DIR, "disk.xdmf"), "name": "mesh"})
+    disk = make_mesh(comm, MeshOptions(file=os.path.join(MESH_DIR, "disk.xdmf"), name="mesh"))
     x, cells = _read_h5("disk")
     edges = [np.linalg.norm(x[cells[:, i]] - x[cells[:, j]], axis=1).min() for i, j in ((0, 1), (1, 2), (0, 2))]
     assert shortest_edge(comm, disk) == pytest.approx(min(edges), rel=1e-12)

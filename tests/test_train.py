@@ -166,14 +166,14 @@ def test_restart_refuses_checkpoints_of_another_shape_or_without_metadata(tmp_pa
     """Wrong shapes (Q of one layer, Adam moments of another size), wrong kinds (a float
     step count, integer heads), non-finite heads, no fingerprint, a step that is not a count, a missing array: each an InputError naming
     the file and what is wrong; the checkpoint as written is read back."""
-    from pdeformer.tools.config import load_config
+    from pdeformer.tools.config import load_config, options
     from pdeformer.tools.errors import InputError
     from pdeformer.model.heads import HeadMeasure
     from pdeformer.solvers import train
     cfg = load_config(write_config(tmp_path, CONFIG))
     cfg["train"]["optimizer"] = "adam"
     heads = HeadMeasure.random(2, 2, 2, 2, seed=0)
-    opt = train.make_optimizer(cfg["train"], heads)
+    opt = train.make_optimizer(options(cfg).train, heads)
     like = {n: getattr(heads, n) for n in "QKV"} | opt.state()
     good = str(tmp_path / "checkpoint.npz")
     train.write_checkpoint(good, heads, opt, 4, [{"step": 0}], np.random.default_rng(0), cfg)
@@ -212,12 +212,12 @@ def test_restart_from_a_checkpoint_of_one_layer_ends_with_one_line(tmp_path):
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     """A failure (a kill) during the write leaves the previous checkpoint readable."""
-    from pdeformer.tools.config import load_config
+    from pdeformer.tools.config import load_config, options
     from pdeformer.model.heads import HeadMeasure
     from pdeformer.solvers import train
     cfg = load_config(write_config(tmp_path, CONFIG))
     heads = HeadMeasure.random(2, 2, 2, 2, seed=0)
-    opt = train.make_optimizer(cfg["train"], heads)
+    opt = train.make_optimizer(options(cfg).train, heads)
     rng = np.random.default_rng(0)
     path = str(tmp_path / "checkpoint.npz")
     train.write_checkpoint(path, heads, opt, 4, [{"step": 0}], rng, cfg)
@@ -304,7 +304,7 @@ def test_checkpoints_of_other_objectives_keep_their_fingerprint(tmp_path):
     do not enter the fingerprint of other objectives: a checkpoint written before them
     still restarts. With kind = interaction they do (changing them is another problem)."""
     import json
-    from pdeformer.tools.config import load_config
+    from pdeformer.tools.config import load_config, options
     from pdeformer.solvers.train import fingerprint
     cfg = load_config(write_config(tmp_path, CONFIG))
     before = {k: v for k, v in cfg["objective"].items() if k not in ("interaction", "softening")}

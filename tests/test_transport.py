@@ -14,7 +14,7 @@ pytestmark = [requires_dolfinx]
 def make_solver(tmp_path, *, lower, upper, cells, cell=None, degree=1, heads=None,
                 prompt=None, disc=None, attention=None):
     from mpi4py import MPI
-    from pdeformer.tools.config import check_config
+    from pdeformer.tools.config import check_config, options
     from pdeformer.solvers.forward import ForwardSolver, Problem
     from pdeformer.fem.mesh import make_mesh
     from pdeformer.model.prompts import make_prompt
@@ -29,7 +29,7 @@ def make_solver(tmp_path, *, lower, upper, cells, cell=None, degree=1, heads=Non
     if attention:
         raw["attention"] = attention
     cfg = check_config(raw, str(tmp_path))
-    mesh = make_mesh(MPI.COMM_WORLD, cfg["mesh"])
+    mesh = make_mesh(MPI.COMM_WORLD, options(cfg).mesh)
     problem = Problem(MPI.COMM_WORLD, cfg, mesh, heads,
                       [(p["name"], make_prompt(p, d, i)) for i, p in enumerate(cfg["prompts"])])
     return ForwardSolver(problem)

@@ -221,11 +221,11 @@ def check_depth(t: float, layers: int, frames_per_layer: int) -> None:
 
 def check_inputs(problem) -> None:
     """Everything in [ntk] that can be wrong for this problem, before anything runs."""
-    ntk, d, S = problem.cfg["ntk"], problem.dim, len(problem.prompts)
-    if ntk["depth"] is not None:
-        check_depth(ntk["depth"], problem.heads.layers, problem.cfg["output"]["frames_per_layer"])
-    if ntk["b_count"] <= S + d + 1:
-        raise ConfigError("ntk.b_count", f"{ntk['b_count']} sample points cannot separate {S} "
+    ntk, d, S = problem.opts.ntk, problem.dim, len(problem.prompts)
+    if ntk.depth is not None:
+        check_depth(ntk.depth, problem.heads.layers, problem.opts.output.frames_per_layer)
+    if ntk.b_count <= S + d + 1:
+        raise ConfigError("ntk.b_count", f"{ntk.b_count} sample points cannot separate {S} "
                           f"prompt(s) from the {d + 1} affine functions: use more than {S + d + 1}")
     query_points(ntk, d, S)
     ntk_heads(problem)
@@ -242,10 +242,10 @@ def prompt_measures(problem, timer) -> tuple[list, list]:
     from ..solvers.forward import ForwardSolver
     from ..model.particles import ParticleSolver
     from ..fem.transport import CellQuadrature
-    cfg, comm = problem.cfg, problem.comm
-    t = cfg["ntk"]["depth"]
-    disc = cfg["discretisation"]
-    qdeg = cfg["ntk"]["quadrature_degree"] or 2 * disc["degree"] + 2
+    opts, comm = problem.opts, problem.comm
+    t = opts.ntk.depth
+    disc = opts.discretisation
+    qdeg = opts.ntk.quadrature_degree or 2 * disc.degree + 2
     prompts = problem.prompts
     measures: list = [m for _, m in prompts]
     how = ["closed form"] * len(prompts)
@@ -262,7 +262,7 @@ def prompt_measures(problem, timer) -> tuple[list, list]:
                 coeffs = solver.initial_coeffs[j] if not t else _solve_to(solver, j, t)[0]
             tr.set_state(coeffs)
             measures[i] = (allgather_rows(comm, quad.points), allgather_rows(comm, quad.weights()))
-            how[i] = f"DG-{disc['degree']} density at t = {t or 0:g}, quadrature degree {qdeg}"
+            how[i] = f"DG-{disc.degree} density at t = {t or 0:g}, quadrature degree {qdeg}"
     if as_tokens:
         sub = dataclasses.replace(problem, prompts=[prompts[i] for i in as_tokens], groups=None)
         solver = ParticleSolver(sub, timer)
@@ -276,30 +276,30 @@ def prompt_measures(problem, timer) -> tuple[list, list]:
 
 def ntk_heads(problem) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
     """Q, K, V of the head measure in the Gram matrix, and a description of it."""
-    ntk = problem.cfg["ntk"]
+    ntk = problem.opts.ntk
     heads, d = problem.heads, problem.dim
-    if ntk["heads"] == "sampled":
-        h = HeadMeasure.random(1, ntk["head_count"], heads.key_dim, d, seed=ntk["seed"],
-                               scale=ntk["head_scale"])
-        return h.Q[0], h.K[0], h.V[0], {"heads": "sampled", "count": ntk["head_count"],
-                                        "scale": ntk["head_scale"], "seed": ntk["seed"]}
-    layer = ntk["layer"]
+    if ntk.heads == "sampled":
+        h = HeadMeasure.random(1, ntk.head_count, heads.key_dim, d, seed=ntk.seed,
+                               scale=ntk.head_scale)
+        return h.Q[0], h.K[0], h.V[0], {"heads": "sampled", "count": ntk.head_count,
+                                        "scale": ntk.head_scale, "seed": ntk.seed}
+    layer = ntk.layer
     if layer is None:
-        layer = heads.layer_of(ntk["depth"]) if ntk["depth"] is not None else 0
+        layer = heads.layer_of(ntk.depth) if ntk.depth is not None else 0
     if layer >= heads.layers:
         raise ConfigError("ntk.layer", f"{layer} is not a layer of the model (0..{heads.layers - 1})")
     return heads.Q[layer], heads.K[layer], heads.V[layer], \
         {"heads": "run", "layer": layer, "count": heads.heads}
 
 
-def query_points(ntk: dict, d: int, prompts: int) -> np.ndarray:
+def query_points(ntk, d: int, prompts: int) -> np.ndarray:
     """The query points x_p (P, d); with ``pairing = "matched"`` one per prompt."""
     from ..model.prompts import vector_list
-    if ntk["queries"] is None:
+    if ntk.queries is None:
         x = np.full((1, d), 1 / math.sqrt(d))
-        return np.repeat(x, prompts, axis=0) if ntk["pairing"] == "matched" else x
-    x = vector_list("ntk.queries", ntk["queries"], d)
-    if ntk["pairing"] == "matched" and len(x) != prompts:
+        return np.repeat(x, prompts, axis=0) if ntk.pairing == "matched" else x
+    x = vector_list("ntk.queries", ntk.queries, d)
+    if ntk.pairing == "matched" and len(x) != prompts:
         raise ConfigError("ntk.queries", f"pairing = 'matched' needs one query point per prompt "
                                          f"({prompts}), got {len(x)}")
     return x
@@ -307,26 +307,26 @@ def query_points(ntk: dict, d: int, prompts: int) -> np.ndarray:
 
 def analyse(names: list, measures: list, problem) -> dict:
     """Both tests on the measures of a run: what ntk.json holds."""
-    ntk = problem.cfg["ntk"]
+    ntk = problem.opts.ntk
     check_inputs(problem)
     x = query_points(ntk, problem.dim, len(measures))
     Q, K, V, head_info = ntk_heads(problem)
-    b = sample_points(ntk["b_range"], ntk["b_count"], problem.dim, ntk["seed"])
+    b = sample_points(ntk.b_range, ntk.b_count, problem.dim, ntk.seed)
     lse = lse_test(measures, b)
-    gram = ntk_gram(measures, x, Q, K, V, ntk["params"], ntk["pairing"] == "matched")
+    gram = ntk_gram(measures, x, Q, K, V, ntk.params, ntk.pairing == "matched")
     for what, values in (("Lambda", lse["singular_values"]), ("NTK Gram", gram["eigenvalues"])):
         if not np.all(np.isfinite(values)):
             raise SolverBreakdown(f"ntk: {what} is not finite (a density with negative values "
                                   "has no log-Laplace transform at some b: turn on "
                                   "discretisation.limiter, or lower ntk.b_range)")
-    tol = ntk["tol"]
+    tol = ntk.tol
     return {
         "tol": tol,
-        "lse": {"b_range": ntk["b_range"], "b_count": ntk["b_count"], "seed": ntk["seed"],
+        "lse": {"b_range": ntk.b_range, "b_count": ntk.b_count, "seed": ntk.seed,
                 "singular_values": lse["singular_values"], "ratio": lse["ratio"],
                 "independent": bool(lse["ratio"] > tol),
                 "weakest_combination": dict(zip(names, lse["weakest"]))},
-        "ntk": {**head_info, "params": ntk["params"], "queries": x, "pairing": ntk["pairing"],
+        "ntk": {**head_info, "params": ntk.params, "queries": x, "pairing": ntk.pairing,
                 "size": gram["size"],
                 "eigenvalues": gram["eigenvalues"], "ratio": gram["ratio"],
                 "injective": bool(gram["ratio"] > tol * tol)},

@@ -173,13 +173,13 @@ def read_mesh(comm, filename: str, name: str = "mesh"):
     return mesh
 
 
-def make_mesh(comm, cfg: dict):
-    """The mesh of a checked ``[mesh]`` table."""
-    if cfg["file"] is not None:
-        mesh = read_mesh(comm, cfg["file"], cfg["name"])
-        where = f"mesh.file: {cfg['file']}"
+def make_mesh(comm, opts):
+    """The mesh of the ``[mesh]`` options (config.SECTIONS["mesh"])."""
+    if opts.file is not None:
+        mesh = read_mesh(comm, opts.file, opts.name)
+        where = f"mesh.file: {opts.file}"
     else:
-        mesh = box_mesh(comm, cfg["lower"], cfg["upper"], cfg["cells"], cfg["cell"])
+        mesh = box_mesh(comm, opts.lower, opts.upper, opts.cells, opts.cell)
         where = "mesh"
     tdim, gdim = mesh.topology.dim, mesh.geometry.dim
     if gdim != tdim:

@@ -97,8 +97,8 @@ class Objective:
                            # existed: other kinds' checkpoints do not fingerprint them
 
     @classmethod
-    def from_config(cls, cfg: dict, d: int) -> "Objective":
-        """The objective of a checked ``[objective]`` table for tokens in R^d."""
+    def from_config(cls, opts, d: int) -> "Objective":
+        """The objective of the ``[objective]`` options (config.SECTIONS) for tokens in R^d."""
         return cls()
 
     @classmethod
@@ -137,9 +137,9 @@ class Potential(Objective):
         self.width = float(width)
 
     @classmethod
-    def from_config(cls, cfg: dict, d: int) -> "Potential":
-        center = cfg["center"] if cfg["center"] is not None else np.zeros(d)
-        return cls(cfg["potential"], center, cfg["weight"], cfg["direction"], cfg["width"])
+    def from_config(cls, opts, d: int) -> "Potential":
+        center = opts.center if opts.center is not None else np.zeros(d)
+        return cls(opts.potential, center, opts.weight, opts.direction, opts.width)
 
     @classmethod
     def check_config(cls, cfg: dict, mesh: dict) -> None:
@@ -287,8 +287,8 @@ class MMD(Objective):
         self._self_term = {}  # target id -> 1/2 b^T K b (fixed)
 
     @classmethod
-    def from_config(cls, cfg: dict, d: int) -> "MMD":
-        return cls(cfg["bandwidth"])
+    def from_config(cls, opts, d: int) -> "MMD":
+        return cls(opts.bandwidth)
 
     @classmethod
     def check_config(cls, cfg: dict, mesh: dict) -> None:
@@ -384,8 +384,8 @@ class Interaction(Objective):
         self.width, self.softening, self.chunk_mb = float(width), float(softening), chunk_mb
 
     @classmethod
-    def from_config(cls, cfg: dict, d: int) -> "Interaction":
-        return cls(cfg["interaction"], cfg["weight"], cfg["width"], cfg["softening"])
+    def from_config(cls, opts, d: int) -> "Interaction":
+        return cls(opts.interaction, opts.weight, opts.width, opts.softening)
 
     def W(self, r2: np.ndarray) -> np.ndarray:
         """W at squared distances r2."""
@@ -411,12 +411,11 @@ class Interaction(Objective):
         return F, w[:, None] * pair_gradients(x, all_x, all_w, self.slope, self.chunk_mb)
 
 
-def make_objective(cfg: dict, d: int):
-    """The objective of a checked ``[objective]`` table for tokens in R^d (None when
-    absent)."""
-    if cfg is None or cfg.get("kind") is None:
+def make_objective(opts, d: int):
+    """The objective of the ``[objective]`` options for tokens in R^d (None when absent)."""
+    if opts is None or opts.kind is None:
         return None
-    return OBJECTIVES[cfg["kind"]].from_config(cfg, d)
+    return OBJECTIVES[opts.kind].from_config(opts, d)
 
 
 def default_quadrature_degree(kind: str, degree: int) -> int:

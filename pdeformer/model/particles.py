@@ -25,13 +25,13 @@ made: direct summation, or the laplace table with its plan recorded on the tape)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
 import numpy as np
 from mpi4py import MPI
 
-from ..tools.config import section
 from ..tools.errors import ConfigError, SolverBreakdown
 from ..integrator.frames import Frame, Tracker, located
 from .heads import Gradient
@@ -58,19 +58,19 @@ class ParticleSolver:
         self.problem = problem
         self.comm = problem.comm
         self.timer = timer or Timer()
-        cfg = problem.cfg
-        self.disc = section(cfg, "discretisation")
-        pc = section(cfg, "particles")
+        opts = problem.opts
+        self.disc = opts.discretisation
+        pc = opts.particles
         self.tokens = pc.tokens
         self.seed = pc.seed
         self.steps_per_layer = pc.steps_per_layer or self.disc.steps_per_layer or 10
-        self.frames_per_layer = cfg["output"]["frames_per_layer"]
+        self.frames_per_layer = opts.output.frames_per_layer
         if self.steps_per_layer % self.frames_per_layer:
             raise ConfigError("output.frames_per_layer",
                               f"{self.frames_per_layer} does not divide the particle steps per "
                               f"layer ({self.steps_per_layer})")
         self.scheme = SCHEMES[self.disc.scheme]
-        attention = dict(cfg["attention"], **({"backend": backend} if backend else {}))
+        attention = dataclasses.replace(opts.attention, **({"backend": backend} if backend else {}))
         self.velocity_field = AttentionVelocity(None, problem.heads, attention, self.comm)
         self.stats = {"steps": 0, "velocity_evaluations": 0}
         self.current_prompt, self.evaluations = None, 0   # set per prompt (laplace plan keys)

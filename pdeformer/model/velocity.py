@@ -138,16 +138,16 @@ class AttentionVelocity:
     """The attention velocity of a head measure at this rank's targets: the nodes of a
     velocity space (:meth:`on_space`), or points given per call (particles)."""
 
-    def __init__(self, targets, heads: HeadMeasure, attention: dict | None, comm):
-        attention = attention or {}
+    def __init__(self, targets, heads: HeadMeasure, attention, comm):
+        """``attention``: the ``[attention]`` options (config.SECTIONS["attention"])."""
         self.targets = targets
         self.heads = heads  # read at every call: training updates it in place
-        self.backend = attention.get("backend", "direct")
+        self.backend = attention.backend
         self.summation = BACKENDS[self.backend]()
         self.summation.check(heads.dim)
-        self.tol = attention.get("tol", 1e-8)
-        self.chunk_mb = attention.get("chunk_mb", 2.0)
-        self.tape_mb = attention.get("tape_mb", 256.0)   # tables kept for an adjoint (forward.py)
+        self.tol = attention.tol
+        self.chunk_mb = attention.chunk_mb
+        self.tape_mb = attention.tape_mb   # tables kept for an adjoint (forward.py)
         self.comm = comm
         self.planner = TablePlanner(comm, self.tol)
         self._gathered = None  # (points object, all points, slice of this rank)
@@ -169,7 +169,7 @@ class AttentionVelocity:
         return None if self.last_sum is None else self.last_sum.plan
 
     @classmethod
-    def on_space(cls, W, heads: HeadMeasure, attention: dict | None = None, comm=None):
+    def on_space(cls, W, heads: HeadMeasure, attention, comm=None):
         from ..fem._dolfinx import owned_node_coordinates   # the finite-element layer, only here
         return cls(owned_node_coordinates(W), heads, attention, comm or W.mesh.comm)
 

@@ -25,7 +25,7 @@ import numpy as np
 import ufl
 from mpi4py import MPI
 
-from ..tools.config import section
+from ..tools.config import Options, options
 from ..tools.errors import ConfigError, InputError, SolverBreakdown
 from ..integrator.frames import Frame, Tracker, located  # noqa: F401  (Tracker: the base of the trackers)
 from ..integrator.march import march
@@ -67,34 +67,33 @@ class Problem:
     this group solves (``groups.owned``) and combines results over the world."""
 
     comm: object
-    cfg: dict
+    cfg: dict                  # the checked config: the record of the run (summary.json)
     mesh: object
     heads: HeadMeasure
     prompts: list  # [(name, density object)]
     objective: object = None   # pdeformer.model.objectives.* or None
     targets: list = None       # per prompt (None where the objective needs none)
     groups: PromptGroups = None  # default: one group of all ranks of comm
+    opts: Options = None         # cfg as typed sections, what the solvers read (default: from cfg)
 
     def __post_init__(self):
         if self.groups is None:
             self.groups = PromptGroups.single(self.comm, [n for n, _ in self.prompts])
+        if self.opts is None:
+            self.opts = options(self.cfg)
 
     @property
     def dim(self) -> int:
         return self.mesh.topology.dim
 
 
-def build_heads(comm, model: dict, d: int) -> HeadMeasure:
-    if model["params"] is not None:
-        heads = on_root(comm, HeadMeasure.load, model["params"], d, model["layers"],
-                        model["heads"], model["key_dim"])
-        model.update(layers=heads.layers, heads=heads.heads, key_dim=heads.key_dim)
-        return heads
-    if model["key_dim"] is None:
-        model["key_dim"] = d
-    return HeadMeasure.random(model["layers"], model["heads"], model["key_dim"], d,
-                              seed=model["seed"], scale=model["init_scale"],
-                              query_scale=model["query_scale"], depth=model["depth"])
+def build_heads(comm, model, d: int) -> HeadMeasure:
+    """The heads of ``[model]`` (its options): read from ``params`` (on rank 0, broadcast)
+    or drawn at random, with k = d where ``key_dim`` is not given."""
+    if model.params is not None:
+        return on_root(comm, HeadMeasure.load, model.params, d, model.layers, model.heads, model.key_dim)
+    return HeadMeasure.random(model.layers, model.heads, model.key_dim or d, d, seed=model.seed,
+                              scale=model.init_scale, query_scale=model.query_scale, depth=model.depth)
 
 
 def build_problem(cfg: dict, comm, differentiable: bool = False,
@@ -105,26 +104,28 @@ def build_problem(cfg: dict, comm, differentiable: bool = False,
     rank's group communicator (``groups.comm``) and ``comm`` is not used."""
     if groups is not None:
         comm = groups.comm
-    disc, out = cfg["discretisation"], cfg["output"]
-    if differentiable and cfg["objective"]["kind"] is None:
+    opts = options(cfg)
+    if differentiable and opts.objective.kind is None:
         raise ConfigError("objective.kind", "missing: gradient and train need an [objective]")
-    mesh = make_mesh(comm, cfg["mesh"])
+    mesh = make_mesh(comm, opts.mesh)
     d = mesh.topology.dim
-    heads = build_heads(comm, cfg["model"], d)
+    heads = build_heads(comm, opts.model, d)
+    # the record says what was run: the heads' sizes as read or resolved
+    cfg["model"].update(layers=heads.layers, heads=heads.heads, key_dim=heads.key_dim)
     prompts = on_root(comm, lambda: [(p["name"], make_prompt(p, d, i))
-                                     for i, p in enumerate(cfg["prompts"])])
+                                     for i, p in enumerate(opts.prompts)])
     targets = on_root(comm, lambda: [make_target(p["target"], d, i)
-                                     for i, p in enumerate(cfg["prompts"])])
-    obj_cfg = cfg["objective"]
+                                     for i, p in enumerate(opts.prompts)])
     for key in ("center", "direction"):
-        if obj_cfg[key] is not None and len(obj_cfg[key]) != d:
-            raise ConfigError(f"objective.{key}", f"expected {d} numbers (d = {d}), got {obj_cfg[key]}")
-    objective = make_objective(obj_cfg, d)
-    spl = disc["steps_per_layer"]
-    if spl is not None and spl % out["frames_per_layer"]:
+        value = getattr(opts.objective, key)
+        if value is not None and len(value) != d:
+            raise ConfigError(f"objective.{key}", f"expected {d} numbers (d = {d}), got {value}")
+    objective = make_objective(opts.objective, d)
+    spl, fpl = opts.discretisation.steps_per_layer, opts.output.frames_per_layer
+    if spl is not None and spl % fpl:
         raise ConfigError("output.frames_per_layer",
-                          f"{out['frames_per_layer']} does not divide discretisation.steps_per_layer = {spl}")
-    return Problem(comm, cfg, mesh, heads, prompts, objective, targets, groups)
+                          f"{fpl} does not divide discretisation.steps_per_layer = {spl}")
+    return Problem(comm, cfg, mesh, heads, prompts, objective, targets, groups, options(cfg))
 
 
 class FramePlan:
@@ -280,14 +281,14 @@ class ForwardSolver:
         self.problem = problem
         self.comm = problem.comm
         self.timer = timer or Timer()
-        cfg = problem.cfg
-        disc = self.disc = section(cfg, "discretisation")
-        self.frames_per_layer = cfg["output"]["frames_per_layer"]
+        opts = problem.opts
+        disc = self.disc = opts.discretisation
+        self.frames_per_layer = opts.output.frames_per_layer
         with self.timer.phase("setup"):
             self.transport = DGTransport(problem.mesh, disc.degree, disc.velocity_degree,
-                                         disc.quadrature_degree, cfg["petsc"], comm=self.comm)
+                                         disc.quadrature_degree, opts.petsc, comm=self.comm)
             self.velocity_field = AttentionVelocity.on_space(self.transport.W, problem.heads,
-                                                             cfg["attention"], self.comm)
+                                                             opts.attention, self.comm)
         self.scheme = SCHEMES[disc.scheme]
         # uniform steps per frame with counts frozen at the frame's start (gradients need
         # a step plan that does not move with the heads); step_counts can be preset
@@ -333,7 +334,7 @@ class ForwardSolver:
         else:
             rho0 = tr.interpolant(prompt.density, disc.degree + 2)
         coeffs, mass = tr.project(rho0, disc.prompt_quadrature_degree)
-        if prompt.kind == "uniform" and self.problem.cfg["mesh"]["file"] is None:
+        if prompt.kind == "uniform" and self.problem.opts.mesh.file is None:
             # the indicator's quadrature on cut cells is inexact; on a box mesh the
             # truncation is known exactly
             truncated = 1.0 - prompt.mass_inside(*bounding_box(self.comm, self.problem.mesh))

@@ -21,6 +21,7 @@ writes the files and decides the walltime guard, and broadcasts the decision.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -29,6 +30,7 @@ import time
 
 import numpy as np
 
+from ..tools.config import options
 from ..tools.errors import InputError
 from ..model.heads import HeadMeasure
 from ..tools.output import write_csv, write_head_points, write_npz, write_pvd
@@ -100,11 +102,12 @@ class Adam:
             self.v[n] = np.array(state[f"adam_v_{n}"])
 
 
-def make_optimizer(train: dict, heads: HeadMeasure):
-    if train["optimizer"] == "adam":
-        return Adam(train["lr"], heads.layers, heads.heads, train["beta1"], train["beta2"],
-                    train["eps"], {n: getattr(heads, n).shape for n in PARAMS})
-    return GradientDescent(train["lr"], heads.layers, heads.heads)
+def make_optimizer(train, heads: HeadMeasure):
+    """The optimizer of the ``[train]`` options for these heads."""
+    if train.optimizer == "adam":
+        return Adam(train.lr, heads.layers, heads.heads, train.beta1, train.beta2,
+                    train.eps, {n: getattr(heads, n).shape for n in PARAMS})
+    return GradientDescent(train.lr, heads.layers, heads.heads)
 
 
 # ------------------------------------------------------------------ fingerprints
@@ -119,39 +122,41 @@ def _file_digest(path: str | None) -> str | None:
     return h.hexdigest()
 
 
-def fingerprint(cfg: dict) -> dict:
-    """What a checkpoint must agree on to be continued: section -> canonical JSON."""
-    mesh = dict(cfg["mesh"])
+def fingerprint(opts) -> dict:
+    """What a checkpoint must agree on to be continued (of :class:`Options`, or a checked
+    config): section -> canonical JSON."""
+    opts = options(opts)
+    mesh = dataclasses.asdict(opts.mesh)
     mesh["file_sha256"] = _file_digest(mesh["file"])
     if mesh["file"]:
         h5 = os.path.splitext(mesh["file"])[0] + ".h5"
         mesh["h5_sha256"] = _file_digest(h5)
-    model = dict(cfg["model"])
+    model = dataclasses.asdict(opts.model)
     model["params_sha256"] = _file_digest(model["params"])
     prompts = []
-    for p in cfg["prompts"]:
+    for p in opts.prompts:
         p = json.loads(json.dumps(p))
         for table in (p, p.get("target") or {}):
             if "path" in table:
                 table["sha256"] = _file_digest(table["path"])
         prompts.append(p)
     from ..model.objectives import OBJECTIVES
-    kind = cfg["objective"]["kind"]
+    kind = opts.objective.kind
     foreign = {k for name, c in OBJECTIVES.items() if name != kind for k in c.own_keys}
-    objective = {k: v for k, v in cfg["objective"].items() if k not in foreign}
+    objective = {k: v for k, v in dataclasses.asdict(opts.objective).items() if k not in foreign}
     parts = {"mesh": mesh, "model": model, "prompts": prompts,
-             "discretisation": cfg["discretisation"], "objective": objective,
-             "optimizer": cfg["train"]["optimizer"]}
+             "discretisation": dataclasses.asdict(opts.discretisation), "objective": objective,
+             "optimizer": opts.train.optimizer}
     return {k: json.dumps(v, sort_keys=True, default=str) for k, v in parts.items()}
 
 
 # ------------------------------------------------------------------ checkpoints
 
 def write_checkpoint(filename: str, heads: HeadMeasure, optimizer, step: int, history: list,
-                     rng: np.random.Generator, cfg: dict) -> None:
+                     rng: np.random.Generator, opts) -> None:
     """Atomic: written next to the target, flushed to disk, then renamed over it."""
     meta = {"step": step, "history": history, "optimizer": optimizer.name,
-            "rng": rng.bit_generator.state, "fingerprint": fingerprint(cfg)}
+            "rng": rng.bit_generator.state, "fingerprint": fingerprint(opts)}
     write_npz(filename, sync=True, Q=heads.Q, K=heads.K, V=heads.V,
               meta=np.array(json.dumps(meta)), **optimizer.state())
 
@@ -159,7 +164,7 @@ def write_checkpoint(filename: str, heads: HeadMeasure, optimizer, step: int, hi
 CHECKPOINT_META = {"step": int, "history": list, "optimizer": str, "rng": dict, "fingerprint": dict}
 
 
-def read_checkpoint(filename: str, cfg: dict, like: dict | None = None) -> dict:
+def read_checkpoint(filename: str, opts, like: dict | None = None) -> dict:
     """Arrays and metadata of a checkpoint; refused (InputError) when it is not one
     pdeformer wrote (metadata missing or of the wrong type), was made for another
     problem (fingerprint), or its arrays differ from this run's (``like``: name -> array,
@@ -179,7 +184,7 @@ def read_checkpoint(filename: str, cfg: dict, like: dict | None = None) -> dict:
                              f"(its metadata has no {kind.__name__} {key!r})")
     if meta["step"] < 0:
         raise InputError(f"--restart: {filename}: not a pdeformer checkpoint (step {meta['step']})")
-    mine = fingerprint(cfg)
+    mine = fingerprint(opts)
     differ = [k for k in mine if meta["fingerprint"].get(k) != mine[k]]
     if differ:
         raise InputError(f"--restart: {filename} was made for another problem "
@@ -204,18 +209,19 @@ def read_checkpoint(filename: str, cfg: dict, like: dict | None = None) -> dict:
 class Trainer:
     """Gradient-flow training of the heads of an :class:`AdjointSolver`'s problem."""
 
-    def __init__(self, adjoint, cfg: dict, outdir: str, walltime: float | None = None,
+    def __init__(self, adjoint, opts, outdir: str, walltime: float | None = None,
                  started: float | None = None):
-        """``walltime``: seconds from ``started`` (a perf_counter time; default: when
-        training starts), so that set-up counts against the batch job's limit."""
+        """``opts``: the run's :class:`Options` (or its checked config); ``walltime``:
+        seconds from ``started`` (a perf_counter time; default: when training starts), so
+        that set-up counts against the batch job's limit."""
         self.adjoint = adjoint
-        self.cfg = cfg
-        self.train = cfg["train"]
+        self.opts = options(opts)
+        self.train = self.opts.train
         self.outdir = outdir
         self.heads = adjoint.forward.problem.heads
         self.comm = adjoint.forward.problem.groups.world   # all ranks of all groups
         self.optimizer = make_optimizer(self.train, self.heads)
-        self.rng = np.random.default_rng(cfg["model"]["seed"])
+        self.rng = np.random.default_rng(self.opts.model.seed)
         self.history: list[dict] = []
         self.start = 0
         self.frames: list[tuple[float, str]] = []
@@ -226,7 +232,7 @@ class Trainer:
 
     def restart(self) -> None:
         like = {n: getattr(self.heads, n) for n in PARAMS} | self.optimizer.state()
-        data = on_root(self.comm, read_checkpoint, self.checkpoint_file, self.cfg, like)
+        data = on_root(self.comm, read_checkpoint, self.checkpoint_file, self.opts, like)
         meta = data.pop("meta")
         for n in PARAMS:
             getattr(self.heads, n)[:] = data.pop(n)
@@ -239,10 +245,10 @@ class Trainer:
         log.info("restart from %s at step %d", self.checkpoint_file, self.start)
 
     def _is_output_step(self, k: int) -> bool:
-        return k % self.train["output_every"] == 0 or k == self.train["steps"]
+        return k % self.train.output_every == 0 or k == self.train.steps
 
     def run(self) -> list[dict]:
-        steps = self.train["steps"]
+        steps = self.train.steps
         params = {n: getattr(self.heads, n) for n in PARAMS}  # views: updated in place
         t0 = time.perf_counter() - (self.history[-1]["wall_time"] if self.history else 0.0)
         started, last = self.started or time.perf_counter(), 0.0
@@ -255,7 +261,7 @@ class Trainer:
                                 "used); continue with --restart", k, time.perf_counter() - started,
                                 self.walltime)
                 on_root(self.comm, write_checkpoint, self.checkpoint_file, self.heads, self.optimizer,
-                        k, self.history, self.rng, self.cfg)
+                        k, self.history, self.rng, self.opts)
                 break
             step_start = time.perf_counter()
             g = self.adjoint.gradient()
@@ -272,9 +278,9 @@ class Trainer:
             log.info("train step %4d  risk=%.10e  |grad|=%.3e  step=%.3g  %7.1f s",
                      k, g.risk, row["grad_norm"], disp, row["wall_time"])
             on_root(self.comm, self._write, k, before)   # a full disk ends every rank
-            if k < steps and ((k + 1) % self.train["checkpoint_every"] == 0 or k + 1 == steps):
+            if k < steps and ((k + 1) % self.train.checkpoint_every == 0 or k + 1 == steps):
                 on_root(self.comm, write_checkpoint, self.checkpoint_file, self.heads, self.optimizer,
-                        k + 1, self.history, self.rng, self.cfg)
+                        k + 1, self.history, self.rng, self.opts)
             self.last_gradient = g
             last = time.perf_counter() - step_start
         return self.history

@@ -327,16 +327,62 @@ PROMPT_KEYS: dict[str, dict[str, Key]] = {
 }
 TARGET_KINDS = PROMPT_KINDS
 
-# Each section of a checked config as a frozen dataclass (fields: the schema's keys), what
-# solvers take instead of the dict: ``section(cfg, "discretisation").cfl``.
+def _option_field(key: str, spec: Key):
+    """A dataclass field for a schema key: its default (copied where mutable), or none."""
+    if spec.default is REQUIRED:
+        return (key, Any)
+    if isinstance(spec.default, (list, dict)):
+        return (key, Any, dataclasses.field(default_factory=lambda d=spec.default: copy.deepcopy(d)))
+    return (key, Any, dataclasses.field(default=spec.default))
+
+
+# Each section of a checked config as a frozen dataclass (fields: the schema's keys, with
+# the schema's defaults), what solvers take instead of the dict:
+# ``options(cfg).discretisation.cfl``; ``SECTIONS["attention"](backend="laplace")`` makes
+# one with every other key at its default.
 SECTIONS = {name: dataclasses.make_dataclass(name.title().replace("_", "") + "Options",
-                                             list(keys), frozen=True)
-            for name, keys in SCHEMA.items()}
+                                             [_option_field(k, spec) for k, spec in keys.items()],
+                                             frozen=True, kw_only=True)
+            for name, keys in SCHEMA.items() if name != "petsc"}
+MeshOptions, DiscretisationOptions = SECTIONS["mesh"], SECTIONS["discretisation"]
+ModelOptions, AttentionOptions = SECTIONS["model"], SECTIONS["attention"]
+OutputOptions, ObjectiveOptions = SECTIONS["output"], SECTIONS["objective"]
+TrainOptions, ParticlesOptions = SECTIONS["train"], SECTIONS["particles"]
+NtkOptions, ParallelOptions = SECTIONS["ntk"], SECTIONS["parallel"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """A checked configuration as typed sections: ``opts.mesh.cells``, ``opts.train.lr``.
+    ``petsc`` is the free-form PETSc options table, ``prompts`` the checked prompt tables
+    (their keys depend on each prompt's kind; read by the prompt and target factories)."""
+
+    mesh: Any
+    discretisation: Any
+    model: Any
+    attention: Any
+    output: Any
+    objective: Any
+    train: Any
+    particles: Any
+    ntk: Any
+    parallel: Any
+    petsc: dict
+    prompts: tuple
 
 
 def section(cfg: dict, name: str):
     """The checked ``[name]`` table of ``cfg`` as its frozen dataclass (SECTIONS)."""
     return SECTIONS[name](**cfg[name])
+
+
+def options(cfg: dict) -> Options:
+    """A checked config (:func:`load_config`) as :class:`Options`: made once, where a run
+    starts; solvers read it, never the dict (which stays the record of the run)."""
+    if isinstance(cfg, Options):
+        return cfg
+    typed = {name: section(cfg, name) for name in SECTIONS}
+    return Options(**typed, petsc=dict(cfg["petsc"]), prompts=tuple(cfg["prompts"]))
 
 
 PATH_KEYS = (("mesh", "file"), ("model", "params"), ("output", "dir"))
