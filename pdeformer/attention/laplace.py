@@ -691,6 +691,36 @@ class LaplaceTable(HeadSums):
         return np.column_stack(cols) if len(w) else np.zeros((0, self.ncols))
 
     def _build(self):
+        """The tables: each tile's shifted sums over all ranks (:meth:`_tile_sums`), the
+        tiles combined in the log domain, then m = S_y / Z (or mu, zeta for signed weights)."""
+        d = self.d
+        local = self._sums = self._tile_sums()
+        # combine tiles by log-sum-exp per node on the positive column (Z, or N if signed)
+        norm = self.ncols - 1 if self.signed else 0
+        if len(local) == 1:                 # one tile: the shift cancels in every ratio
+            S = local[0]
+        else:
+            scales = self._scales()
+            with np.errstate(divide="ignore"):
+                logs = [ls + np.log(np.maximum(sm[norm], 0.0)) for ls, sm in zip(scales, local)]
+            ref = np.max(logs, axis=0)
+            ref = np.where(np.isfinite(ref), ref, 0.0)
+            S = sum(np.exp(ls - ref) * sm for ls, sm in zip(scales, local))
+        N = S[norm]
+        if np.any(~(N > 0)):
+            raise FloatingPointError("laplace table: the partition function vanishes ("
+                                     + ("underflowing weights)" if self.signed else
+                                        "negative or underflowing weights)"))
+        self.values = np.empty((self.ncomp,) + N.shape)     # (ncomp, grid)
+        np.divide(S[1:1 + d], N, out=self.values[:d])
+        if self.signed:
+            np.divide(S[0], N, out=self.values[d])
+
+    def _tile_sums(self) -> np.ndarray:
+        """Per tile, its sources' sums [w, w y (, |w|)] e^{<b, y> - shift} on the grid,
+        over all ranks (one Allreduce): through the panel nodes where that is cheaper
+        (:meth:`_panels`), else summed directly by blocks of sources. Records
+        ``tile_data`` (shifts, panels) for the reverse sums."""
         d, n = self.d, self.n
         lay = self.layout
         cols = self._columns()
@@ -712,27 +742,7 @@ class LaplaceTable(HeadSums):
                     left = (Eb[0][None, :, :] * c[blk].T[:, None, :]).reshape(-1, Eb[0].shape[1])
                     local[t] += (left @ Eb[1].T).reshape(self.ncols, n, n)
         self.comm.Allreduce(MPI.IN_PLACE, local, op=MPI.SUM)
-        # combine tiles by log-sum-exp per node on the positive column (Z, or N if signed)
-        norm = self.ncols - 1 if self.signed else 0
-        self._sums = local
-        if len(local) == 1:                 # one tile: the shift cancels in every ratio
-            S = local[0]
-        else:
-            scales = self._scales()
-            with np.errstate(divide="ignore"):
-                logs = [ls + np.log(np.maximum(sm[norm], 0.0)) for ls, sm in zip(scales, local)]
-            ref = np.max(logs, axis=0)
-            ref = np.where(np.isfinite(ref), ref, 0.0)
-            S = sum(np.exp(ls - ref) * sm for ls, sm in zip(scales, local))
-        N = S[norm]
-        if np.any(~(N > 0)):
-            raise FloatingPointError("laplace table: the partition function vanishes ("
-                                     + ("underflowing weights)" if self.signed else
-                                        "negative or underflowing weights)"))
-        self.values = np.empty((self.ncomp,) + N.shape)     # (ncomp, grid)
-        np.divide(S[1:1 + d], N, out=self.values[:d])
-        if self.signed:
-            np.divide(S[0], N, out=self.values[d])
+        return local
 
     def _scales(self) -> list:
         """Per tile, log of its factors' shift on the grid: shift_1 (+ shift_2)."""
@@ -1179,11 +1189,26 @@ PREDICTION_MARGIN = 1.25   # from the n = 33 table the fitted decay predicts 0.8
                            # of the size its own (resolved) decay predicts
 
 
+def mix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser on uint64 values (wrapping arithmetic): a bijection whose
+    every output bit depends on every input bit."""
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
 def subsample(points: np.ndarray, fraction: float) -> np.ndarray:
-    """Mask of about ``fraction`` of the points, chosen by a hash of their coordinates:
-    the same points whichever rank holds them."""
-    c = np.array([12.9898, 78.233, 37.719])[:points.shape[1]]
-    return np.modf(np.abs(points @ c) * 43758.5453)[0] < fraction
+    """Mask of about ``fraction`` of the points, the same points whichever rank holds
+    them: a point is kept where the hash of its coordinates' IEEE bit patterns (mix64,
+    coordinate by coordinate) is below fraction 2^64, as a uniform draw would be."""
+    if fraction >= 1.0:
+        return np.ones(len(points), bool)
+    bits = np.ascontiguousarray(points, dtype=np.float64).view(np.uint64)
+    h = np.zeros(len(points), np.uint64)
+    for a in range(bits.shape[1]):
+        h = mix64(h ^ bits[:, a])
+    return h < np.uint64(int(fraction * 2.0 ** 64))
 
 
 def size_index(want: float, sizes: tuple, start: int = 0) -> int:
@@ -1502,6 +1527,12 @@ class TablePlanner:
             if found is not None:
                 return found
             self.finite = None
+        return self._searched_velocity(points, weights, x, A, V, key, n_max, signed, initial)
+
+    def _searched_velocity(self, points, weights, x, A, V, key, n_max: int, signed: bool, initial: float):
+        """(v, plan, bound) from a table searched afresh: up to three searches, each aiming
+        lower by the excess of the last signed table's conditioned bound; None where none
+        meets tol (the estimate in :attr:`last_estimate`)."""
         est = math.inf
         for _ in range(3):
             found = self.table(points, weights, x, A, key, n_max, signed)
@@ -1510,29 +1541,37 @@ class TablePlanner:
                 break
             table, interp, a, plan = found
             v = interp.velocity(x, A, V)
-            if table.signed:
-                stats = np.array([*interp.conditioning, float(len(interp.skipped) > 0), _vmax(v)])
-                self.comm.Allreduce(MPI.IN_PLACE, stats, op=MPI.MAX)
-                est = self.conditioned(table, a, *stats[:2])
-            else:
-                est = a.estimate
+            stats = self._signed_stats(interp, v) if table.signed else None
+            est = self.conditioned(table, a, *stats[:2]) if table.signed else a.estimate
             target = self.targets.get(key, initial)
             if est <= self.tol:
                 self._relax(key, table, est, target, initial)
-                cond = stats[:2] if table.signed else ()
-                if table.signed and stats[2]:     # pairs left out: summed exactly
-                    v = v + exact_pair_velocity(points, weights, x, A, V, interp.skipped, self.comm)
-                    vmax = None
-                else:
-                    vmax = stats[3] if table.signed else None
                 self.built = (table, interp)
-                return v, plan, self._bound(table, a, v, V, vmax, *cond)
+                return self._accepted(points, weights, x, A, V, table, interp, a, plan, v, stats)
             if not np.isfinite(est):
                 break
             self.targets[key] = target * self.tol / est / 2
             self.plans.pop(key, None)
         self.last_estimate = est
         return None
+
+    def _signed_stats(self, interp, v) -> np.ndarray:
+        """For signed weights, over all ranks (one Allreduce): the interpolant's
+        conditioning (kappa, M), whether it left pairs out, and max |v|."""
+        stats = np.array([*interp.conditioning, float(len(interp.skipped) > 0), _vmax(v)])
+        self.comm.Allreduce(MPI.IN_PLACE, stats, op=MPI.MAX)
+        return stats
+
+    def _accepted(self, points, weights, x, A, V, table, interp, a, plan, v, stats):
+        """(v, plan, bound) of a table that meets tol; for signed weights (``stats`` of
+        :meth:`_signed_stats`) with the pairs the interpolant left out summed exactly."""
+        if stats is None:
+            return v, plan, self._bound(table, a, v, V)
+        vmax = stats[3]
+        if stats[2]:
+            v = v + exact_pair_velocity(points, weights, x, A, V, interp.skipped, self.comm)
+            vmax = None
+        return v, plan, self._bound(table, a, v, V, vmax, *stats[:2])
 
     def reusable(self, key, lo_b, hi_b, signed: bool, n_max: int):
         """The key's plan if the evaluation can take it: a table for signed weights where
