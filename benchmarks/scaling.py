@@ -57,6 +57,10 @@ def prompts16_config(folder: str) -> str:
     return path
 
 
+# the solvers' scaling, without the pictures a run draws when it ends (one rank draws them)
+NO_PICTURES = ["output.plots=false"]
+
+
 def case_command(case: str, ranks: int, folder: str) -> tuple[str, list[str], list[str]]:
     """(command, config and flags, --set overrides) of a case."""
     if case in ("forward128", "forward256"):
@@ -73,7 +77,7 @@ def run(case: str, ranks: int, folder: str) -> dict:
     command, args, sets = case_command(case, ranks, folder)
     out = os.path.join(folder, f"{case}-{ranks}")
     cmd = mpirun_command(ranks) + [sys.executable, "-m", "pdeformer", command, *args, "-q",
-                                   "--set", f"output.dir={out}", *sets]
+                                   "--set", f"output.dir={out}", *sets, *NO_PICTURES]
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)

@@ -10,6 +10,9 @@ import textwrap
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the costs the attention's choices are made from, pinned (pdeformer/attention/costs.py):
+# no test depends on this machine's speed; subprocesses inherit it
+os.environ.setdefault("PDEFORMER_COSTS", os.path.join(ROOT, "tests", "costs.json"))
 
 
 def has_dolfinx() -> bool:
@@ -23,13 +26,20 @@ def has_dolfinx() -> bool:
 requires_dolfinx = pytest.mark.skipif(not has_dolfinx(), reason="dolfinx not importable")
 
 
+RUN_COMMANDS = ("forward", "gradient", "train", "particles")   # they draw pictures when they end
+
+
 def run_cli(args, nprocs: int = 1, cwd: str | None = None, timeout: int = 600,
-            check: bool = True, isolated: bool = False) -> subprocess.CompletedProcess:
+            check: bool = True, isolated: bool = False, plots: bool = False) -> subprocess.CompletedProcess:
     """``pdeformer ARGS``: under ``mpirun -n nprocs`` when nprocs > 1 (or ``isolated``: a
     fresh process, where its peak memory or environment is the point), else in this
     process through ``pdeformer.commands.cli.main`` (what the command runs, without the start-up of
     a Python and dolfinx per call). Either way a CompletedProcess: exit status, stdout,
-    stderr."""
+    stderr. Runs draw no pictures unless ``plots`` (``--set output.plots=false`` is added:
+    drawing takes about a second a run; tests/test_plot.py checks the pictures)."""
+    args = list(map(str, args))
+    if not plots and args and args[0] in RUN_COMMANDS and "--help" not in args:
+        args += ["--set", "output.plots=false"]
     if nprocs == 1 and not isolated:
         proc = _in_process(list(map(str, args)), cwd or ROOT)
     else:

@@ -127,7 +127,7 @@ def kernels():
     """The compiled kernels (a ctypes library), or None where they cannot be had."""
     if "lib" in _loaded:
         return _loaded["lib"]
-    lib = None
+    lib, key = None, "none"
     if os.environ.get("PDEFORMER_NO_KERNEL", "") not in ("", "0"):
         _loaded["lib"] = None
         return None
@@ -165,7 +165,14 @@ def kernels():
         log.debug("laplace: compiled interpolation unavailable (%s); using numpy", e)
         lib = None
     _loaded["lib"] = lib
+    _loaded["key"] = key if lib is not None else "none"
     return lib
+
+
+def kernel_key() -> str:
+    """Which build of the compiled loops this process uses ("none": numpy)."""
+    kernels()
+    return _loaded.get("key", "none")
 
 
 def self_check(lib) -> bool:

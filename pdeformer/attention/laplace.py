@@ -55,6 +55,7 @@ from mpi4py import MPI
 
 from .softmax import Sources, moments_from_sums, partial_sums, value_gain
 from ..tools.parallel import allgather_rows, any_rank
+from .costs import machine_costs
 from .compiled import (KERNEL_DEGREE, PANEL_QMAX, fine_velocity, fine_velocity_vjp, kernels_on,
                        panel_gather, panel_spread)
 
@@ -319,6 +320,25 @@ def table_flops(n: int, d: int, ncols: int, sources: int, nodes: list | None) ->
     return min(direct, panel_product_flops(n, d, ncols, nodes) + spread)
 
 
+def dense_seconds(costs, n: int, d: int, ncols: int, sources: int) -> float:
+    """A table's ncols sums over the sources directly: the products (table_flops) and
+    the work per grid node and source besides them (the per-axis factors' exponentials,
+    in 2-D the factor times each column)."""
+    return table_flops(n, d, ncols, sources, None) * costs.flop + n * sources * costs.dense_node
+
+
+def panel_seconds(costs, n: int, d: int, ncols: int, sources: int, nodes: list, blocks: int,
+                  compiled: bool) -> float:
+    """The same sums through panel nodes (K_a per axis): the products, and the spread
+    -- compiled: per source and column and per call; numpy: its products per source
+    and column (2 q^d flops) and a loop step per block of sources (panel pair)."""
+    products = panel_product_flops(n, d, ncols, nodes) * costs.flop
+    if compiled:
+        return products + costs.spread * ncols * sources + costs.spread_call
+    spread = 2.0 * ncols * sources * panel_degree() ** d * costs.flop
+    return products + spread + costs.numpy_block * min(blocks, sources)
+
+
 class Tile:
     """Sources of one tile: this rank's (``index`` into its points, ``pts``), the tile's
     coordinate range and count over all ranks, its panels (None without sources), this
@@ -574,34 +594,20 @@ class LaplaceTable(HeadSums):
         return [slice(0, d)] if not self.signed else [slice(0, d), slice(d, d + 1)]
 
     # ------------------------------------------------------------------ tables
-    # costs in matrix-product flops (about 40 Gflop/s with OpenBLAS, one core): the
-    # exponentials of the dense sums, about 10 ns per node and source; the compiled
-    # spread, about 0.07 us per source and column plus 0.5 ms (measured, M = 2e3-1e5,
-    # n = 33-257, K = 92-460 panel nodes per axis)
     assessment = None     # its errors, where assessed (:func:`assess`)
-    DENSE_EXP_FLOPS = 400.0
-    SPREAD_FLOPS = 3000.0
-    SPREAD_FIXED = 2e7
     SOURCE_CHUNK = 4096  # sources per block: the (n x chunk) factors stay in cache
 
     def _panels(self, tile: Tile):
         """The tile's panels, or None where summing over its sources directly is cheaper,
-        from the sizes over all ranks (every rank takes the same path). With the compiled
-        spread: the products through the panel nodes plus SPREAD_FLOPS per source and
-        column against the dense products plus their exponentials; with numpy: the flop
-        counts, the panel loop costed at 1e6 flops per block of sources."""
+        from the sizes over all ranks and this machine's costs (costs.py; every rank
+        takes the same path): :func:`dense_seconds` against :func:`panel_seconds`."""
         if tile.count == 0:
             return None
-        count = tile.count
-        dense = table_flops(self.n, self.d, self.ncols, count, None)
+        costs = machine_costs(self.comm)
         K = [len(pa.nodes) for pa in tile.panels]
-        if self.lib is not None:
-            via = (panel_product_flops(self.n, self.d, self.ncols, K)
-                   + self.SPREAD_FLOPS * self.ncols * count + self.SPREAD_FIXED)
-            return tile.panels if via < dense + self.DENSE_EXP_FLOPS * self.n * count else None
         blocks = int(np.prod([pa.count for pa in tile.panels]))
-        via = table_flops(self.n, self.d, self.ncols, count, K)
-        return tile.panels if via + 1e6 * min(blocks, count) < 0.5 * dense else None
+        via = panel_seconds(costs, self.n, self.d, self.ncols, tile.count, K, blocks, self.lib is not None)
+        return tile.panels if via < dense_seconds(costs, self.n, self.d, self.ncols, tile.count) else None
 
     def _spread(self, panels, pts, cols) -> np.ndarray:
         """W[c, k0, k1] = sum_j cols[j, c] L_k0(y0_j) L_k1(y1_j): the sources on the
@@ -674,12 +680,16 @@ class LaplaceTable(HeadSums):
         return G if lead == 0 else np.ascontiguousarray(G.transpose(0, 2, 1))
 
     def _chunks(self, pts, shifts):
-        """(slice, per-axis shifted factors e^{b_g y_j - shift_g} (n, chunk)) by source block."""
+        """(slice, per-axis shifted factors e^{b_g y_j - shift_g} (n, chunk)) by source
+        block, in buffers reused from block to block (fresh ones cost page faults)."""
+        width = min(len(pts), self.SOURCE_CHUNK)
+        buffers = [np.empty((len(nodes), width)) for nodes, _ in self.axes]
         for j0 in range(0, len(pts), self.SOURCE_CHUNK):
             blk = slice(j0, min(len(pts), j0 + self.SOURCE_CHUNK))
             E = []
             for a, (nodes, _) in enumerate(self.axes):
-                r = np.multiply.outer(nodes, pts[blk, a])
+                r = buffers[a][:, :blk.stop - j0]
+                np.multiply.outer(nodes, pts[blk, a], out=r)
                 r -= shifts[a][:, None]
                 E.append(np.exp(r, out=r))
             yield blk, E
@@ -735,14 +745,24 @@ class LaplaceTable(HeadSums):
                 W = self._spread(tile.local_panels, tile.pts, c) if len(c) else None
                 local[t] = self._through(tile, E, E0, W)
                 continue
-            for blk, Eb in self._chunks(tile.pts, shifts):
-                if d == 1:
-                    local[t] += (Eb[0] @ c[blk]).T
-                else:   # one product for all columns: [E0 c_0; E0 c_1; ...] E1^T
-                    left = (Eb[0][None, :, :] * c[blk].T[:, None, :]).reshape(-1, Eb[0].shape[1])
-                    local[t] += (left @ Eb[1].T).reshape(self.ncols, n, n)
+            self._dense_sums(tile.pts, shifts, c, local[t])
         self.comm.Allreduce(MPI.IN_PLACE, local, op=MPI.SUM)
         return local
+
+    def _dense_sums(self, pts, shifts, c, out) -> None:
+        """out += sum_j c_j e^{<b, y_j> - shift} on the grid, directly, by blocks of sources."""
+        n = self.n
+        work = np.empty((len(out), n, min(len(pts), self.SOURCE_CHUNK))) if self.d == 2 else None
+        for blk, Eb in self._chunks(pts, shifts):
+            if self.d == 1:
+                out += (Eb[0] @ c[blk]).T
+                continue
+            # one product for all columns: [E0 c_0; E0 c_1; ...] E1^T
+            m = blk.stop - blk.start
+            left = work[:, :, :m] if m == work.shape[2] else np.empty((len(out), n, m))
+            for k, ck in enumerate(np.ascontiguousarray(c[blk].T)):   # (strided: 10x slower)
+                np.multiply(Eb[0], ck, out=left[k])
+            out += (left.reshape(-1, m) @ Eb[1].T).reshape(len(out), n, n)
 
     def _scales(self) -> list:
         """Per tile, log of its factors' shift on the grid: shift_1 (+ shift_2)."""
@@ -1137,10 +1157,14 @@ def assess(table: "LaplaceTable", fine: FineGrid | None = None, check: np.ndarra
                       list(buf[end:]))
 
 
-def fine_from(lib) -> int:
-    """Table size from which the two-level interpolation is faster (measured: from the
-    smallest size with the compiled loop ``lib``, from 129 with numpy)."""
-    return N_MIN if lib is not None else 129
+def fine_from(lib, costs) -> int:
+    """Table size from which the two-level interpolation is faster: every size with the
+    compiled loop ``lib``; with numpy, the first where barycentric interpolation from
+    the table (4 n^2 flops per point and head, two components) costs more than a point
+    of the fine grid's."""
+    if lib is not None:
+        return N_MIN
+    return next((n for n in SIZES if 4.0 * n * n * costs.flop > costs.numpy_point), SIZES[-1])
 
 
 FINE_MAX = 8       # the fine grid has at most FINE_MAX n points per axis
@@ -1162,7 +1186,7 @@ def fine_grid(table: "LaplaceTable", tol: float, nf: int | None = None, lib=EVER
         lib = kernels_on(table.comm)                 # one collective call for all candidates
     if nf is not None:
         return FineGrid(table, nf, lib)
-    if table.n < fine_from(lib):
+    if table.n < fine_from(lib, machine_costs(table.comm)):
         return None
     # the local error is to stay below tol/2; its sampled estimate saw 0.4-0.8 of the
     # largest error over all b of the benchmark's targets, so the samples must show tol/4
@@ -1780,21 +1804,23 @@ def panel_nodes(bmax: float, extent: float) -> int:
     return max(1, int(np.ceil(panels))) * panel_degree()
 
 
-def flops_estimate(n: int, d: int, sources: int, points: int, compiled: bool = True,
-                   panel_nodes: list | None = None) -> float:
-    """Cost of an order-1 table (1 + d sums over the sources) and of interpolating its d
-    components at ``points``, in matrix-product flops (for the auto backend). The table:
-    2 n^d M (1 + d) summed over the sources, or through ``panel_nodes`` K_a per axis
-    2 (1 + d) (n K_1 K_2 + n^2 K_2 + M q^2) (d = 2), whichever is less. Interpolation:
-    the ``compiled`` fine-grid loop costs about 10 ns = 400 flops per point (d = 2), numpy
-    about 1.4 us; 1-D barycentric interpolation 2 n flops per component."""
-    table = table_flops(n, d, 1 + d, sources, panel_nodes)
-    per_point = 2.0 * n * d if d == 1 else (400.0 if compiled else 45000.0)
+def laplace_seconds(costs, n: int, d: int, sources: int, points: int, compiled: bool = True,
+                    panel_nodes: list | None = None) -> float:
+    """Cost of an order-1 table (1 + d sums over the sources: directly, or through
+    ``panel_nodes`` K_a per axis, whichever is less) and of interpolating it at
+    ``points`` (targets x heads): in 1-D barycentric (2 n d flops per point), in 2-D the
+    fine grid, compiled or numpy (for the auto backend)."""
+    table = dense_seconds(costs, n, d, 1 + d, sources)
+    if panel_nodes is not None:
+        blocks = int(np.prod([max(1, k // panel_degree()) for k in panel_nodes]))
+        table = min(table, panel_seconds(costs, n, d, 1 + d, sources, panel_nodes, blocks, compiled))
+    if d == 1:
+        per_point = 2.0 * n * d * costs.flop
+    else:
+        per_point = costs.fine_point if compiled else costs.numpy_point
     return table + points * per_point
 
 
-def direct_estimate(targets: int, heads: int, sources: int) -> float:
-    """Direct summation in the same units: one exp plus a score and moment product per
-    pair costs about 50 matrix-product flops (measured with OpenBLAS: 1.65 ns per pair
-    against 0.03 ns per flop)."""
-    return 50.0 * targets * heads * sources
+def direct_seconds(costs, targets: int, heads: int, sources: int) -> float:
+    """Direct summation of every (target, head, source) pair."""
+    return costs.pair * targets * heads * sources

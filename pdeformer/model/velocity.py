@@ -19,6 +19,7 @@ Either way the result depends on the partition only through summation order.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import NamedTuple
 
@@ -30,7 +31,8 @@ from ..attention.softmax import (Sources, VelocityCotangent, attention_velocity,
 from ..tools.errors import ConfigError, SolverBreakdown
 from .heads import HeadMeasure
 from ..attention.laplace import (N_MAX, N_MAX_FORCED, SIZES, LaplaceTable, TablePlan, TablePlanner,
-                      direct_estimate, exact_pair_vjp, flops_estimate, panel_nodes, source_extent)
+                      direct_seconds, exact_pair_vjp, laplace_seconds, panel_nodes, source_extent)
+from ..attention.costs import machine_costs
 from ..tools.parallel import allgather_rows, any_rank
 
 log = logging.getLogger("pdeformer")
@@ -159,7 +161,11 @@ class AttentionVelocity:
         # risks see one discrete map, a function of the heads alone (:meth:`refreeze`)
         self.freeze = False
         self.frozen: dict = {}
+        # this machine's costs the choices of auto and of the tables are made from
+        costs = {k: (v if np.isfinite(v) else None)
+                 for k, v in dataclasses.asdict(machine_costs(comm)).items()}
         self.stats = {"direct": 0, "laplace": 0, "largest_estimate": 0.0, "largest_grid": 0,
+                      "costs_s": costs,
                       **self.planner.stats}
         self.planner.stats = self.stats   # table searches, plans reused, plans grown
 
@@ -183,9 +189,10 @@ class AttentionVelocity:
         return self._gathered[1], self._gathered[2]
 
     def worthwhile_size(self, points, A, x, key) -> int | None:
-        """The largest table size worth building (``auto``): the largest whose flop count
-        (table and interpolation) is below direct summation's (None: none is). Kept per
-        key while heads, sources and targets stay."""
+        """The largest table size worth building (``auto``): the largest whose cost (table
+        and interpolation) is below direct summation's, in this machine's seconds
+        (attention/costs.py; None: none is). Kept per key while heads, sources and
+        targets stay."""
         cached = self._limits.get(key)
         if cached is not None and cached[1] is points and cached[2] is x and np.array_equal(cached[0], A):
             return cached[3]
@@ -198,8 +205,10 @@ class AttentionVelocity:
         extent = source_extent(points, self.comm)
         finite = bool(np.all(np.isfinite(lo)) and np.all(np.isfinite(hi)))
         nodes = [panel_nodes(max(abs(lo[a]), abs(hi[a])), extent[a]) for a in range(d)] if finite else None
+        costs = machine_costs(self.comm)
+        direct = direct_seconds(costs, N, H, M)
         cheaper = [n for n in SIZES if n <= N_MAX
-                   and flops_estimate(n, d, M, N * H, compiled, nodes) < direct_estimate(N, H, M)]
+                   and laplace_seconds(costs, n, d, M, N * H, compiled, nodes) < direct]
         n_max = cheaper[-1] if cheaper else None
         self._limits[key] = (A.copy(), points, x, n_max)
         return n_max

@@ -29,6 +29,7 @@ from ..tools.config import Options, options
 from ..tools.errors import ConfigError, InputError, SolverBreakdown
 from ..integrator.frames import Frame, Tracker, located  # noqa: F401  (Tracker: the base of the trackers)
 from ..integrator.march import march
+from ..attention.costs import machine_costs
 from ..attention.softmax import value_gain
 from ..model.heads import HeadMeasure
 from ..fem.mesh import bounding_box, make_mesh, shortest_edge
@@ -102,6 +103,9 @@ def build_problem(cfg: dict, comm, differentiable: bool = False,
     ``differentiable``: the run takes gradients (gradient, train), so the discrete
     forward map must be smooth in the heads. With ``groups`` the mesh is built on this
     rank's group communicator (``groups.comm``) and ``comm`` is not used."""
+    # this machine's costs of summing (attention/costs.py): agreed on by all ranks of
+    # the job before any group sums anything
+    machine_costs(groups.world if groups is not None else comm)
     if groups is not None:
         comm = groups.comm
     opts = options(cfg)

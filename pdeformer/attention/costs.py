@@ -1,0 +1,229 @@
+"""What the attention sums cost on this machine, the numbers pdeformer's choices between
+ways of summing are made from: ``auto`` takes a laplace table where its table and
+interpolation cost less than direct summation; a table sums each tile of sources
+through panel nodes or directly, whichever costs less; numpy interpolates through a
+fine grid from the table size where that is cheaper than barycentric interpolation.
+
+Each choice compares counts of operations (flops of matrix products, exponentials,
+source-columns spread by the compiled loop, interpolated points, direct pairs) weighted
+by their seconds on this machine, measured here with the very code the sums run (an
+exponential costs 1-2 ns with a vectorised exp and 5-10 ns with a scalar one: a
+machine-independent constant would choose badly somewhere).
+
+They are measured once per machine -- CPU (model and instruction-set flags), numpy
+version and BLAS, the compiled loops' build -- by one rank, in about half a second, and
+kept in ``$PDEFORMER_CACHE/costs-<key>.json``; every rank of a run takes rank 0's numbers
+(broadcast), so the ranks agree, and later runs on the machine choose alike.
+``PDEFORMER_COSTS=FILE`` (a JSON object of the :class:`Costs` fields) pins them: then
+no choice depends on the machine (the test suite does this). A choice moves a result
+only within ``attention.tol``, the accuracy every way of summing is held to.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+from ..tools.errors import InputError
+from .compiled import cache_dir, cpu_identity, kernel_key, kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """Seconds per operation, on this machine (see the module's docstring)."""
+
+    flop: float          # one flop of a dense matrix product (BLAS, one thread)
+    dense_node: float    # a table's direct sums, per grid node and source besides the products
+    pair: float          # direct summation: one (target, head, source) pair, forward
+    spread: float        # the compiled panel spread: one source and column (nan: no compiled loops)
+    spread_call: float   # ... and its fixed cost per call
+    fine_point: float    # compiled fine-grid interpolation: one (target, head) (nan: none)
+    numpy_point: float   # the same in numpy
+    numpy_block: float   # numpy panel spread: one block of sources (one panel pair)
+
+    @classmethod
+    def from_dict(cls, data, where: str) -> "Costs":
+        """From a JSON object of the fields (seconds > 0; NaN where there are no compiled
+        loops); ValueError naming ``where`` otherwise."""
+        fields = [f.name for f in dataclasses.fields(cls)]
+        if not isinstance(data, dict) or set(data) != set(fields):
+            raise ValueError(f"{where}: expected a JSON object with exactly the keys {', '.join(fields)}")
+        try:
+            values = {k: float(data[k]) for k in fields}
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: every value must be a number of seconds") from None
+        bad = [k for k, v in values.items() if not (v > 0 or np.isnan(v))]
+        if bad:
+            raise ValueError(f"{where}: {', '.join(bad)} must be positive seconds")
+        return cls(**values)
+
+    @property
+    def compiled(self) -> bool:
+        return bool(np.isfinite(self.spread) and np.isfinite(self.fine_point))
+
+
+def _best(fn, repeat: int = 5) -> float:
+    """Least wall time of ``repeat`` calls (noise only ever adds)."""
+    fn()
+    best = np.inf
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _measure_flop(rng) -> float:
+    """A 256 x 256 x 512 matrix product."""
+    a, b = rng.random((256, 256)), rng.random((256, 512))
+    return _best(lambda: a @ b) / (2 * 256 * 256 * 512)
+
+
+def _measure_dense(table, rng, flop: float) -> float:
+    """A 65 x 65 table's three sums over 8192 sources summed directly (LaplaceTable's own
+    loop), less its products' flops, per grid node and source."""
+    from .laplace import chebyshev_lobatto, table_flops
+    n, M = 65, 8192
+    pts, c = rng.uniform(-1, 1, (M, 2)), rng.random((M, 3))
+    dense = copy.copy(table)
+    dense.n, dense.axes = n, [chebyshev_lobatto(n, -2.0, 2.0) for _ in range(2)]
+    shifts = [2.0 * np.abs(nodes) for nodes, _ in dense.axes]
+    out = np.zeros((3, n, n))
+    t = _best(lambda: dense._dense_sums(pts, shifts, c, out), 3)
+    return max(t - table_flops(n, 2, 3, M, None) * flop, 0.05 * t) / (n * M)
+
+
+def _measure_pair(rng) -> dict:
+    """Direct summation of 256 targets, 4 heads and 2048 sources in 2-D."""
+    from .softmax import Sources, attention_velocity
+    src = Sources.from_arrays(rng.normal(size=(2048, 2)), rng.random(2048))
+    x, A, V = rng.normal(size=(256, 2)), 0.5 * rng.normal(size=(4, 2, 2)), rng.normal(size=(4, 2, 2))
+    return {"pair": _best(lambda: attention_velocity(x, src, A, V), 3) / (256 * 4 * 2048)}
+
+
+def _measure_tables(rng) -> dict:
+    """The panel spread (compiled: at two source counts, for its per-source and fixed
+    parts; numpy: per block), and fine-grid interpolation (compiled and numpy) on a
+    small table of this rank alone."""
+    from .compiled import panel_spread
+    from .laplace import FineGrid, LaplaceTable, Panels
+    lib = kernels()
+    y = rng.uniform(-1.0, 1.0, (20000, 2))
+    cols = rng.random((20000, 3))
+    panels = [Panels(-1.0, 1.0, 3.0, 18) for _ in range(2)]
+    out = {"spread": np.nan, "spread_call": np.nan, "fine_point": np.nan}
+    if lib is not None:
+        big = _best(lambda: panel_spread(lib, panels, y, cols), 3)
+        small = _best(lambda: panel_spread(lib, panels, y[:2000], cols[:2000]), 3)
+        per = max((big - small) / (18000 * 3), 1e-12)
+        out.update(spread=per, spread_call=max(small - per * 2000 * 3, 1e-6))
+    table = LaplaceTable(y[:2000], cols[:2000, 0], [-2.0, -2.0], [2.0, 2.0], 33, MPI.COMM_SELF,
+                         signed=False, lib=None)
+    out["dense_node"] = _measure_dense(table, rng, _MEASURING[0].flop)
+    many = [Panels(-1.0, 1.0, 30.0, 18) for _ in range(2)]      # 10 x 10 panels, 4 sources each
+    few, few_cols = y[:400], cols[:400]
+    out["numpy_block"] = _best(lambda: table._spread(many, few, few_cols), 3) / (many[0].count * many[1].count)
+    x, A, V = rng.uniform(-1, 1, (2000, 2)), 0.3 * rng.normal(size=(4, 2, 2)), rng.normal(size=(4, 2, 2))
+    fine = FineGrid(table, 132, lib=None)
+    out["numpy_point"] = _best(lambda: fine.velocity(x, A, V), 3) / (2000 * 4)
+    if lib is not None:
+        fine = FineGrid(table, 132, lib=lib)
+        out["fine_point"] = _best(lambda: fine.velocity(x, A, V), 3) / (2000 * 4)
+    return out
+
+
+def measure() -> Costs:
+    """The costs of this machine, measured now (about half a second, one thread)."""
+    rng = np.random.default_rng(0)
+    flop = _measure_flop(rng)
+    # the small table measured below asks for costs itself: it gets these provisional
+    # ones (how it sums its tiles does not matter to what is measured)
+    _MEASURING.append(Costs(flop=flop, **{f.name: np.nan for f in dataclasses.fields(Costs)
+                                           if f.name != "flop"}))
+    try:
+        tables = _measure_tables(rng)
+        return Costs(flop=flop, **_measure_pair(rng), **tables)
+    finally:
+        _MEASURING.clear()
+
+
+def machine_key() -> str:
+    """What the costs depend on: the CPU, numpy's version, the compiled loops' build and
+    the BLAS thread settings (a different BLAS behind the same numpy is not seen: remove
+    the file to measure again)."""
+    threads = [os.environ.get(v, "") for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")]
+    text = "\n".join([cpu_identity(), np.__version__, kernel_key(), *threads])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _read(path: Path) -> Costs:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    return Costs.from_dict(data, str(path))
+
+
+def _load_or_measure() -> Costs:
+    """The pinned costs (PDEFORMER_COSTS), else this machine's from the cache, else
+    measured and cached (written atomically; a cache that cannot be written is skipped)."""
+    pinned = os.environ.get("PDEFORMER_COSTS")
+    if pinned:
+        try:
+            return _read(Path(pinned))
+        except OSError as e:
+            raise ValueError(f"{pinned}: cannot read it ({e.strerror})") from None
+    path = cache_dir() / f"costs-{machine_key()}.json"
+    try:
+        return _read(path)
+    except (OSError, ValueError):
+        pass
+    costs = measure()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(dataclasses.asdict(costs), f, indent=1)
+        os.replace(f.name, path)
+    except OSError:
+        pass
+    return costs
+
+
+_COSTS: list = []
+_MEASURING: list = []
+
+
+def machine_costs(comm=None) -> Costs:
+    """This run's costs: loaded or measured by rank 0 of ``comm`` and broadcast, the first
+    time (collective then: every rank of ``comm`` calls it); the same object afterwards.
+    A run calls it once on all its ranks before anything is summed (build_problem)."""
+    if _MEASURING:
+        return _MEASURING[0]
+    if not _COSTS:
+        comm = comm if comm is not None else MPI.COMM_SELF
+        found, error = None, None
+        if comm.rank == 0:
+            try:
+                found = _load_or_measure()
+            except ValueError as e:      # a pinned file that is not one
+                error = str(e)
+        found, error = comm.bcast((found, error), root=0)
+        if error is not None:
+            raise InputError(f"PDEFORMER_COSTS: {error}")
+        _COSTS.append(found)
+    return _COSTS[0]
+
+
+def reset() -> None:
+    """Forget this process's costs (tests)."""
+    _COSTS.clear()
