@@ -123,47 +123,59 @@ def cpu_identity() -> str:
         return f"{platform.processor()} {platform.machine()}"
 
 
+def _build_key() -> str:
+    """The hash that names a build: the C files, the flags and the machine."""
+    machine = f"{sys.platform} {platform.machine()} {platform.libc_ver()} {cpu_identity()}"
+    digest = hashlib.sha256()
+    for f in kernel_files():
+        digest.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    digest.update((" ".join(FLAGS + HOST_FLAGS + DEFINES) + machine).encode())
+    return digest.hexdigest()[:16]
+
+
+def _load(target: Path):
+    """The library at ``target``, built first where it is missing (or stale: once more)."""
+    if not target.exists():
+        _compile(target)
+    try:
+        return ctypes.CDLL(str(target))
+    except OSError:            # a stale or foreign file: build it again, once
+        _compile(target)
+        return ctypes.CDLL(str(target))
+
+
+def _declare(lib) -> None:
+    """The C signatures of the kernels, for ctypes."""
+    dp, lg, it = ctypes.POINTER(ctypes.c_double), ctypes.c_long, ctypes.c_int
+    lp, db = ctypes.POINTER(ctypes.c_long), ctypes.c_double
+    for nc in FINE_WIDTHS:
+        fv, vjp = getattr(lib, f"fine_velocity{nc}"), getattr(lib, f"fine_velocity_vjp{nc}")
+        fv.argtypes = [dp, lg, lg, dp, dp, it, dp, lg, dp, dp, lg, dp, dp, db, lp, lg, lp]
+        vjp.argtypes = [dp, lg, lg, dp, dp, it, dp, lg, dp, dp, lg, dp, dp, dp, dp, dp, db]
+        fv.restype = vjp.restype = None
+    panel = [lg, dp, dp, it, dp, lg, dp, lg, it, dp, dp, dp]
+    lib.panel_spread.argtypes = lib.panel_gather.argtypes = panel
+    lib.panel_spread.restype = lib.panel_gather.restype = ctypes.c_int
+    lib.panel_qmax.argtypes, lib.panel_qmax.restype = [], ctypes.c_int
+
+
 def kernels():
     """The compiled kernels (a ctypes library), or None where they cannot be had."""
     if "lib" in _loaded:
         return _loaded["lib"]
     lib, key = None, "none"
-    if os.environ.get("PDEFORMER_NO_KERNEL", "") not in ("", "0"):
-        _loaded["lib"] = None
-        return None
-    machine = f"{sys.platform} {platform.machine()} {platform.libc_ver()} {cpu_identity()}"
-    try:
-        digest = hashlib.sha256()
-        for f in kernel_files():
-            digest.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-        digest.update((" ".join(FLAGS + HOST_FLAGS + DEFINES) + machine).encode())
-        key = digest.hexdigest()[:16]
-        target = cache_dir() / f"fine_{key}.so"
-        if not target.exists():
-            _compile(target)
+    if os.environ.get("PDEFORMER_NO_KERNEL", "") in ("", "0"):
         try:
-            lib = ctypes.CDLL(str(target))
-        except OSError:            # a stale or foreign file: build it again, once
-            _compile(target)
-            lib = ctypes.CDLL(str(target))
-        dp, lg, it = ctypes.POINTER(ctypes.c_double), ctypes.c_long, ctypes.c_int
-        for nc in FINE_WIDTHS:
-            fv, vjp = getattr(lib, f"fine_velocity{nc}"), getattr(lib, f"fine_velocity_vjp{nc}")
-            lp, db = ctypes.POINTER(ctypes.c_long), ctypes.c_double
-            fv.argtypes = [dp, lg, lg, dp, dp, it, dp, lg, dp, dp, lg, dp, dp, db, lp, lg, lp]
-            vjp.argtypes = [dp, lg, lg, dp, dp, it, dp, lg, dp, dp, lg, dp, dp, dp, dp, dp, db]
-            fv.restype = vjp.restype = None
-        panel = [lg, dp, dp, it, dp, lg, dp, lg, it, dp, dp, dp]
-        lib.panel_spread.argtypes = lib.panel_gather.argtypes = panel
-        lib.panel_spread.restype = lib.panel_gather.restype = ctypes.c_int
-        lib.panel_qmax.argtypes, lib.panel_qmax.restype = [], ctypes.c_int
-        if not self_check(lib):
-            log.warning("laplace: the compiled loops from %s fail their check (a compiler "
-                        "that reorders floating-point sums?); using numpy", os.environ.get("CC", "cc"))
+            key = _build_key()
+            lib = _load(cache_dir() / f"fine_{key}.so")
+            _declare(lib)
+            if not self_check(lib):
+                log.warning("laplace: the compiled loops from %s fail their check (a compiler "
+                            "that reorders floating-point sums?); using numpy", os.environ.get("CC", "cc"))
+                lib = None
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            log.debug("laplace: compiled interpolation unavailable (%s); using numpy", e)
             lib = None
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.debug("laplace: compiled interpolation unavailable (%s); using numpy", e)
-        lib = None
     _loaded["lib"] = lib
     _loaded["key"] = key if lib is not None else "none"
     return lib

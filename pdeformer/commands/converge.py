@@ -144,7 +144,7 @@ class Case:
     """The outcome of one run: per prompt mean, cov (and risk, gradient, density)."""
 
     def __init__(self, command: str, cfg: dict, comm, timer: Timer, gradient: bool):
-        from ..solvers.forward import ForwardSolver, build_problem
+        from ..solvers.forward import build_problem
         self.command, self.cfg = command, cfg
         if cfg["parallel"]["prompt_groups"] > 1:
             raise ConfigError("parallel.prompt_groups", "converge runs every case as one group of "
@@ -154,41 +154,52 @@ class Case:
         check_memory(cfg, command, comm, differentiable=gradient or command == "gradient")
         differentiable = command == "gradient"
         self.problem = build_problem(cfg, comm, differentiable)
-        p = self.problem
         self.means, self.covs, self.risks, self.grad = [], [], [], None
         if command == "particles":
-            from ..model.particles import ParticleAdjoint, ParticleSolver, weighted_moments
-            self.solver = ParticleSolver(p, timer)
-            self.tokens = []
-            for s in range(len(p.prompts)):
-                x, w = self.solver.solve_prompt(s)
-                _, m, c = weighted_moments(comm, x, w, np.zeros(p.dim))
-                self.means.append(m)
-                self.covs.append(c)
-                self.tokens.append((x, w))
-            if p.objective is not None:
-                adj = ParticleAdjoint(self.solver, p.objective, p.targets)
-                self.risks = [adj.objective.particle_value_and_gradient(x, w, adj.targets[s], comm)[0]
-                              for s, (x, w) in enumerate(self.tokens)]
-                if gradient:
-                    self.grad = adj.gradient()
+            self._run_particles(timer, gradient)
         else:
-            from ..solvers.adjoint import AdjointSolver
-            self.solver = ForwardSolver(p, timer)
-            adj = AdjointSolver(self.solver, p.objective, p.targets,
-                                cfg["objective"]["quadrature_degree"]) if p.objective else None
-            if command == "gradient":
-                self.grad = adj.gradient()
-            self.coeffs = []
-            for s in range(len(p.prompts)):
-                c, _ = self.solver.solve_prompt(s)
-                _, m, cov = self.solver.transport.moments(c, np.zeros(p.dim))
-                self.coeffs.append(c)
-                self.means.append(m)
-                self.covs.append(cov)
-                if adj is not None:
-                    self.risks.append(adj.objective_at(s, c)[0])
+            self._run_mesh(timer)
         self.seconds = time.perf_counter() - t0
+
+    def _run_particles(self, timer: Timer, gradient: bool) -> None:
+        """The particle model: every prompt's tokens, moments, risk (and gradient)."""
+        from ..model.particles import ParticleAdjoint, ParticleSolver, weighted_moments
+        p = self.problem
+        self.solver = ParticleSolver(p, timer)
+        self.tokens = []
+        for s in range(len(p.prompts)):
+            x, w = self.solver.solve_prompt(s)
+            _, m, c = weighted_moments(p.comm, x, w, np.zeros(p.dim))
+            self.means.append(m)
+            self.covs.append(c)
+            self.tokens.append((x, w))
+        if p.objective is not None:
+            adj = ParticleAdjoint(self.solver, p.objective, p.targets)
+            self.risks = [adj.objective.particle_value_and_gradient(x, w, adj.targets[s], p.comm)[0]
+                          for s, (x, w) in enumerate(self.tokens)]
+            if gradient:
+                self.grad = adj.gradient()
+
+    def _run_mesh(self, timer: Timer) -> None:
+        """The PDE on the mesh: every prompt's final density, moments, risk (and, for
+        the gradient command, the gradient)."""
+        from ..solvers.adjoint import AdjointSolver
+        from ..solvers.forward import ForwardSolver
+        p = self.problem
+        self.solver = ForwardSolver(p, timer)
+        adj = AdjointSolver(self.solver, p.objective, p.targets,
+                            p.opts.objective.quadrature_degree) if p.objective else None
+        if self.command == "gradient":
+            self.grad = adj.gradient()
+        self.coeffs = []
+        for s in range(len(p.prompts)):
+            c, _ = self.solver.solve_prompt(s)
+            _, m, cov = self.solver.transport.moments(c, np.zeros(p.dim))
+            self.coeffs.append(c)
+            self.means.append(m)
+            self.covs.append(cov)
+            if adj is not None:
+                self.risks.append(adj.objective_at(s, c)[0])
 
     def density_rule(self, s: int):
         """(points, measure, values) of prompt s's final density on this rank's cells,

@@ -390,51 +390,65 @@ def spd_matrix(key: str, value, d: int) -> np.ndarray:
     return a
 
 
+def _weights(key: str, given, n: int, what: str) -> np.ndarray:
+    """The weights of n parts (default equal), checked: ConfigError naming ``key``."""
+    w = np.ones(n) if given is None else (np.asarray(given, float) if is_rectangular(given) else None)
+    if w is None or w.shape != (n,):
+        raise ConfigError(key, f"expected {n} numbers (one per {what}), got {given!r}")
+    return w
+
+
+def _gaussian_mixture(spec: dict, d: int, key: str):
+    means = vector_list(f"{key}.means", spec["means"], d)
+    n = means.shape[0]
+    covs = spec["covs"]
+    if len(covs) != n:
+        raise ConfigError(f"{key}.covs", f"expected {n} covariances (one per mean), got {len(covs)}")
+    covs = np.array([spd_matrix(f"{key}.covs[{c}]", v, d) for c, v in enumerate(covs)])
+    w = _weights(f"{key}.weights", spec["weights"], n, "mean")
+    if np.any(w <= 0):
+        raise ConfigError(f"{key}.weights", "weights must be positive")
+    return GaussianMixture(w, means, covs)
+
+
+def _uniform(spec: dict, d: int, key: str):
+    lo = np.asarray(spec["lower"], float) if is_rectangular(spec["lower"]) else None
+    hi = np.asarray(spec["upper"], float) if is_rectangular(spec["upper"]) else None
+    for name, a in (("lower", lo), ("upper", hi)):
+        if a is None or a.shape != (d,):
+            raise ConfigError(f"{key}.{name}", f"expected {d} numbers (d = {d}), got {spec[name]!r}")
+    for a in range(d):
+        if not hi[a] > lo[a]:
+            raise ConfigError(f"{key}.upper", f"upper[{a}] = {hi[a]} is not above lower[{a}] = {lo[a]}")
+    return UniformBox(lo, hi)
+
+
+def _file(spec: dict, d: int, key: str):
+    return PointDensity.read(spec["path"], d, f"{key}.path")
+
+
+def _points(spec: dict, d: int, key: str):
+    if spec["path"] is not None:
+        return PointCloud.read(spec["path"], d, f"{key}.path")
+    points = vector_list(f"{key}.points", spec["points"], d)
+    w = _weights(f"{key}.weights", spec["weights"], len(points), "point")
+    if np.any(w < 0) or not np.any(w > 0):
+        raise ConfigError(f"{key}.weights", "weights must be >= 0 with a positive sum")
+    if not (np.all(np.isfinite(points)) and np.all(np.isfinite(w))):
+        raise ConfigError(f"{key}.points", "non-finite values")
+    return PointCloud(points, w)
+
+
+# prompt kind -> its builder (spec, d, key): a new kind is a builder here and its keys in
+# the config schema
+PROMPT_KINDS = {"gaussian_mixture": _gaussian_mixture, "uniform": _uniform, "file": _file,
+                "points": _points}
+
+
 def make_prompt(spec: dict, d: int, index: int, key: str | None = None):
     """Build the density object of a checked ``[[prompts]]`` table (or of a density
     target, whose errors name ``key``) for dimension d."""
     key = key or f"prompts[{index}]"
-    kind = spec["kind"]
-    if kind == "gaussian_mixture":
-        means = vector_list(f"{key}.means", spec["means"], d)
-        n = means.shape[0]
-        covs = spec["covs"]
-        if len(covs) != n:
-            raise ConfigError(f"{key}.covs", f"expected {n} covariances (one per mean), got {len(covs)}")
-        covs = np.array([spd_matrix(f"{key}.covs[{c}]", v, d) for c, v in enumerate(covs)])
-        w = spec["weights"]
-        if w is None:
-            w = [1.0] * n
-        w = np.asarray(w, float) if is_rectangular(w) else None
-        if w is None or w.shape != (n,):
-            raise ConfigError(f"{key}.weights", f"expected {n} numbers (one per mean), got {spec['weights']!r}")
-        if np.any(w <= 0):
-            raise ConfigError(f"{key}.weights", "weights must be positive")
-        return GaussianMixture(w, means, covs)
-    if kind == "uniform":
-        lo = np.asarray(spec["lower"], float) if is_rectangular(spec["lower"]) else None
-        hi = np.asarray(spec["upper"], float) if is_rectangular(spec["upper"]) else None
-        for name, a in (("lower", lo), ("upper", hi)):
-            if a is None or a.shape != (d,):
-                raise ConfigError(f"{key}.{name}", f"expected {d} numbers (d = {d}), got {spec[name]!r}")
-        for a in range(d):
-            if not hi[a] > lo[a]:
-                raise ConfigError(f"{key}.upper", f"upper[{a}] = {hi[a]} is not above lower[{a}] = {lo[a]}")
-        return UniformBox(lo, hi)
-    if kind == "file":
-        return PointDensity.read(spec["path"], d, f"{key}.path")
-    if kind == "points":
-        if spec["path"] is not None:
-            return PointCloud.read(spec["path"], d, f"{key}.path")
-        points = vector_list(f"{key}.points", spec["points"], d)
-        w = spec["weights"]
-        w = np.ones(len(points)) if w is None else (np.asarray(w, float) if is_rectangular(w) else None)
-        if w is None or w.shape != (len(points),):
-            raise ConfigError(f"{key}.weights", f"expected {len(points)} numbers (one per point), "
-                                                f"got {spec['weights']!r}")
-        if np.any(w < 0) or not np.any(w > 0):
-            raise ConfigError(f"{key}.weights", "weights must be >= 0 with a positive sum")
-        if not (np.all(np.isfinite(points)) and np.all(np.isfinite(w))):
-            raise ConfigError(f"{key}.points", "non-finite values")
-        return PointCloud(points, w)
-    raise ConfigError(f"{key}.kind", f"unknown kind {kind!r}")
+    if spec["kind"] not in PROMPT_KINDS:
+        raise ConfigError(f"{key}.kind", f"unknown kind {spec['kind']!r}")
+    return PROMPT_KINDS[spec["kind"]](spec, d, key)

@@ -466,21 +466,33 @@ def check_config(raw: dict, base_dir: str, stem: str = "run") -> dict:
             raise ConfigError(section, f"expected a table [{section}], got {_typename(table)}")
         cfg[section] = petsc_options(section, table) if section == "petsc" \
             else check_table(section, table, keys)
-    prompts = raw.get("prompts", REQUIRED)
+    cfg["prompts"] = _check_prompts(raw.get("prompts", REQUIRED))
+    _check_mesh(cfg["mesh"])
+    _check_model(cfg["model"])
+    _check_objective(cfg["objective"], cfg["prompts"], cfg["mesh"])
+    _fill_discretisation(cfg["discretisation"])
+    if cfg["output"]["dir"] is None:
+        cfg["output"]["dir"] = os.path.join("output", stem)
+    _resolve_paths(cfg, base_dir)
+    return cfg
+
+
+def _check_prompts(prompts) -> list[dict]:
+    """The [[prompts]] tables, checked; their names unique."""
     if prompts is REQUIRED:
         raise ConfigError("prompts", "missing: give at least one [[prompts]] table")
     if not isinstance(prompts, list) or not prompts:
         raise ConfigError("prompts", "expected one or more [[prompts]] tables")
-    cfg["prompts"] = [_check_prompt(i, p) for i, p in enumerate(prompts)]
-    names = [p["name"] for p in cfg["prompts"]]
+    checked = [_check_prompt(i, p) for i, p in enumerate(prompts)]
+    names = [p["name"] for p in checked]
     for i, n in enumerate(names):
         if n in names[:i]:
             raise ConfigError(f"prompts[{i}].name", f"{n!r} is used twice")
+    return checked
 
-    _check_mesh(cfg["mesh"])
-    _check_model(cfg["model"])
-    _check_objective(cfg["objective"], cfg["prompts"], cfg["mesh"])
-    disc = cfg["discretisation"]
+
+def _fill_discretisation(disc: dict) -> None:
+    """Defaults that follow the degree k: velocity and quadrature degrees, the scheme."""
     k = disc["degree"]
     if disc["velocity_degree"] is None:
         disc["velocity_degree"] = k
@@ -491,8 +503,9 @@ def check_config(raw: dict, base_dir: str, stem: str = "run") -> dict:
     if disc["scheme"] == "auto":
         disc["scheme"] = {1: "ssprk2", 2: "ssprk3", 3: "ssprk104"}[k]
 
-    if cfg["output"]["dir"] is None:
-        cfg["output"]["dir"] = os.path.join("output", stem)
+
+def _resolve_paths(cfg: dict, base_dir: str) -> None:
+    """Paths in the config relative to ``base_dir`` (the config file's folder)."""
     for section, key in PATH_KEYS:
         if cfg[section][key] is not None:
             cfg[section][key] = os.path.normpath(os.path.join(base_dir, cfg[section][key]))
@@ -500,7 +513,6 @@ def check_config(raw: dict, base_dir: str, stem: str = "run") -> dict:
         for table in (p, p["target"] or {}):
             if table.get("kind") in ("file", "points") and table["path"] is not None:
                 table["path"] = os.path.normpath(os.path.join(base_dir, table["path"]))
-    return cfg
 
 
 def _check_mesh(m: dict) -> None:
