@@ -10,7 +10,7 @@ MPIRUN = mpirun $(shell mpirun --version 2>/dev/null | grep -q "Open MPI" && ech
 
 STUDIES ?= mesh degree layers heads particles
 
-.PHONY: setup run forward test test-slow test-slurm verification clean help
+.PHONY: setup run forward test test-slow test-slurm verification pictures clean help
 
 help:
 	@echo "make setup      install what is missing (Debian packages, .venv, pdeformer)"
@@ -20,6 +20,7 @@ help:
 	@echo "make test-slow  the slow convergence studies"
 	@echo "make test-slurm runs/slurm.sh under a one-node SLURM set up here (root; not in make test)"
 	@echo "make verification  run runs/studies/*.toml and refresh docs/verification/"
+	@echo "make pictures   forward and train $(CONFIG), refresh the README's pictures in docs/pictures/"
 
 setup:
 	@bash .ci/bootstrap.sh
@@ -46,6 +47,19 @@ verification: setup
 	  cp runs/studies/output/$$s/convergence.md docs/verification/$$s.md; \
 	  cp runs/studies/output/$$s/convergence.png docs/verification/$$s.png; \
 	done
+
+# the README's pictures: what `make forward` and `make run` draw, and a ParaView screenshot
+PICTURES_RUNS ?= runs/output/pictures
+pictures: setup
+	@command -v pvbatch >/dev/null && command -v xvfb-run >/dev/null || \
+	  { echo "make pictures: needs ParaView and Xvfb (Debian: apt-get install paraview xvfb)"; exit 1; }
+	@mkdir -p docs/pictures
+	$(MPIRUN) -n $(NP) $(VENV)/bin/pdeformer forward $(CONFIG) -q --set output.dir=$(PICTURES_RUNS)/forward
+	$(MPIRUN) -n $(NP) $(VENV)/bin/pdeformer train $(CONFIG) -q --set output.dir=$(PICTURES_RUNS)/train
+	for p in densities diagnostics; do cp $(PICTURES_RUNS)/forward/$$p.png docs/pictures/forward-$$p.png; done
+	for p in densities training heads; do cp $(PICTURES_RUNS)/train/$$p.png docs/pictures/train-$$p.png; done
+	cd $(PICTURES_RUNS)/forward && xvfb-run -a -s "-screen 0 1280x1024x24" pvbatch paraview.py \
+	  --time 0.5 --screenshot $(CURDIR)/docs/pictures/forward-paraview.png
 
 clean:
 	rm -rf runs/output output .pytest_cache

@@ -101,7 +101,8 @@ for G in groups:
     for command, fn in (("forward", run.run_forward), ("gradient", run.run_gradient),
                         ("train", run.run_train),
                         ("particles", lambda cfg, comm: run.run_particles(cfg, comm, gradient=True))):
-        cfg = load_config(config, [f"output.dir={command}_{tag}", f"parallel.prompt_groups={G}"]
+        cfg = load_config(config, [f"output.dir={command}_{tag}", f"parallel.prompt_groups={G}",
+                                   "output.plots=false"]
                           + (["output.fields=false"] if command == "train" else []))
         fn(cfg, comm)
     # the laplace tables (plans, panel windows, row shares, signed weights) likewise
@@ -109,7 +110,7 @@ for G in groups:
                         ("train", run.run_train)):
         cfg = load_config(config, [f"output.dir=laplace_{command}_{tag}", f"parallel.prompt_groups={G}",
                                    'attention.backend="laplace"', "attention.tol=1e-9",
-                                   "output.fields=false"])
+                                   "output.fields=false", "output.plots=false"])
         fn(cfg, comm)
 '''
 

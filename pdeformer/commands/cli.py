@@ -5,6 +5,7 @@
     mpirun -n P pdeformer particles RUN.toml [--gradient]
     mpirun -n P pdeformer train RUN.toml [--restart]
     mpirun -n P pdeformer train RUN.toml --prompt-groups G   # G groups of P/G ranks
+    pdeformer plot RUN_DIR [--format svg] [--out DIR]        # no MPI, no dolfinx
     pdeformer info
 
 Errors caused by the input are one line on stderr (``pdeformer: error: ...``), exit
@@ -28,10 +29,49 @@ class _Parser(argparse.ArgumentParser):
     """Usage errors: one line, printed by rank 0 only, exit status 2 on every rank."""
 
     def error(self, message):
-        from mpi4py import MPI
-        if MPI.COMM_WORLD.rank == 0:
+        if _world_rank() == 0:
             print(f"pdeformer: error: {message} (see '{self.prog} --help')", file=sys.stderr)
         sys.exit(2)
+
+
+def _world_rank() -> int:
+    """This process's rank in MPI_COMM_WORLD (0 where mpi4py is missing: plot runs without it)."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return 0
+    return MPI.COMM_WORLD.rank
+
+
+# the commands that run a config: (name, help, description)
+RUN_COMMANDS = (
+    ("forward", "forward pass: transport every prompt through the L layers",
+     "Transport the token density of every prompt through the L attention layers "
+     "(DG in space, SSP Runge-Kutta in depth). Writes diagnostics.csv, "
+     "density/velocity fields for ParaView, pdeformer.log and summary.json "
+     "into [output] dir."),
+    ("gradient", "risk and its gradient with respect to every head (adjoint sweep)",
+     "Solve the forward pass of every prompt with a frozen step plan, evaluate the "
+     "[objective], and run the adjoint backwards in depth: writes gradient.npz (dQ, dK, "
+     "dV, the derivatives of the discrete risk) and summary.json (risk, timings)."),
+    ("particles", "the particle model: N tokens per prompt through the layers",
+     "Sample [particles] tokens from every prompt (seeded: the same tokens on any number "
+     "of ranks) and move them with the same kernel, heads and SSP scheme. Writes "
+     "diagnostics.csv (weighted moments), tokens_<prompt>.pvd for ParaView and "
+     "summary.json; with --gradient also gradient.npz (exact adjoint of the particle "
+     "system)."),
+    ("ntk", "is the NTK of attention injective on the run's prompts?",
+     "Two tests of the criterion (docs/ntk.md): the log-Laplace transforms Lambda_i of "
+     "the prompts sampled at [ntk] b_count points b and the affine part projected out "
+     "(singular values), and the NTK Gram matrix of d Gamma_theta[mu_i](x_p)/d theta "
+     "over a head measure (eigenvalues). With [ntk] depth the prompts are the densities "
+     "of a forward run at that depth. Writes ntk.json, ntk.png and summary.json."),
+    ("train", "gradient-flow training of the head particles",
+     "Train the heads: each step computes the risk and its gradient and moves every head "
+     "particle by -lr L H dR/dtheta ([train] optimizer = gd) or with Adam. Writes "
+     "history.csv, params_XXXX.npz, heads_XXXX.vtu + heads.pvd, checkpoint.npz and "
+     "summary.json."),
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,65 +83,41 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"pdeformer {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    for name, helptext, description in RUN_COMMANDS:
+        _add_run_command(sub, name, helptext, description)
+    _add_converge(sub)
+    _add_plot(sub)
+    sub.add_parser("info", help="versions of pdeformer and its numerical stack",
+                   description="Print the versions pdeformer runs with (dolfinx, PETSc, ...).")
+    return p
 
-    f = sub.add_parser(
-        "forward", help="forward pass: transport every prompt through the L layers",
-        description="Transport the token density of every prompt through the L attention layers "
-                    "(DG in space, SSP Runge-Kutta in depth). Writes diagnostics.csv, "
-                    "density/velocity fields for ParaView, pdeformer.log and summary.json "
-                    "into [output] dir.",
-        epilog="paths in the config are relative to the config file; paths given with --set "
-               "are relative to the current directory")
-    f.add_argument("config", nargs="?", help="run configuration (TOML)")
-    f.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", nargs="+",
+
+def _add_run_command(sub, name: str, helptext: str, description: str) -> None:
+    """A command that runs a config: CONFIG, --set, -q and its own options."""
+    c = sub.add_parser(name, help=helptext, description=description,
+                       epilog="paths in the config are relative to the config file; paths "
+                              "given with --set are relative to the current directory")
+    c.add_argument("config", nargs="?", help="run configuration (TOML)")
+    c.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", nargs="+",
                    action="extend", default=[],
                    help="override config values, e.g. --set mesh.cells=[32,32] model.seed=3 "
                         "prompts[0].name=a (values are TOML: numbers, true/false, [lists], strings)")
-    f.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
-    _prompt_groups_option(f)
+    c.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+    if name != "ntk":
+        _prompt_groups_option(c)
+    if name == "particles":
+        c.add_argument("--gradient", action="store_true",
+                       help="also the gradient of the particle risk (needs an [objective])")
+    if name == "train":
+        c.add_argument("--restart", action="store_true",
+                       help="continue from the last checkpoint in output.dir (also after "
+                            "train.steps was raised)")
+        c.add_argument("--walltime", metavar="[D-]HH:MM:SS", type=_duration,
+                       help="stop (with a checkpoint) before a step that would end past "
+                            "this time; continue later with --restart")
 
-    for name, helptext, desc in (
-            ("gradient", "risk and its gradient with respect to every head (adjoint sweep)",
-             "Solve the forward pass of every prompt with a frozen step plan, evaluate the "
-             "[objective], and run the adjoint backwards in depth: writes gradient.npz (dQ, dK, "
-             "dV, the derivatives of the discrete risk) and summary.json (risk, timings)."),
-            ("particles", "the particle model: N tokens per prompt through the layers",
-             "Sample [particles] tokens from every prompt (seeded: the same tokens on any number "
-             "of ranks) and move them with the same kernel, heads and SSP scheme. Writes "
-             "diagnostics.csv (weighted moments), tokens_<prompt>.pvd for ParaView and "
-             "summary.json; with --gradient also gradient.npz (exact adjoint of the particle "
-             "system)."),
-            ("ntk", "is the NTK of attention injective on the run's prompts?",
-             "Two tests of the criterion (docs/ntk.md): the log-Laplace transforms Lambda_i of "
-             "the prompts sampled at [ntk] b_count points b and the affine part projected out "
-             "(singular values), and the NTK Gram matrix of d Gamma_theta[mu_i](x_p)/d theta "
-             "over a head measure (eigenvalues). With [ntk] depth the prompts are the densities "
-             "of a forward run at that depth. Writes ntk.json, ntk.png and summary.json."),
-            ("train", "gradient-flow training of the head particles",
-             "Train the heads: each step computes the risk and its gradient and moves every head "
-             "particle by -lr L H dR/dtheta ([train] optimizer = gd) or with Adam. Writes "
-             "history.csv, params_XXXX.npz, heads_XXXX.vtu + heads.pvd, checkpoint.npz and "
-             "summary.json.")):
-        c = sub.add_parser(name, help=helptext, description=desc,
-                           epilog="paths in the config are relative to the config file; paths "
-                                  "given with --set are relative to the current directory")
-        c.add_argument("config", nargs="?", help="run configuration (TOML)")
-        c.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", nargs="+",
-                       action="extend", default=[], help="override config values (as for forward)")
-        c.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
-        if name != "ntk":
-            _prompt_groups_option(c)
-        if name == "particles":
-            c.add_argument("--gradient", action="store_true",
-                           help="also the gradient of the particle risk (needs an [objective])")
-        if name == "train":
-            c.add_argument("--restart", action="store_true",
-                           help="continue from the last checkpoint in output.dir (also after "
-                                "train.steps was raised)")
-            c.add_argument("--walltime", metavar="[D-]HH:MM:SS", type=_duration,
-                           help="stop (with a checkpoint) before a step that would end past "
-                                "this time; continue later with --restart")
 
+def _add_converge(sub) -> None:
     c = sub.add_parser(
         "converge", help="a convergence study: one swept parameter against a reference",
         description="Run every case of a study (a base run config, one swept parameter, a "
@@ -115,9 +131,22 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--walltime", metavar="[D-]HH:MM:SS", type=_duration,
                    help="stop before a case that would end past this time (partial table)")
 
-    sub.add_parser("info", help="versions of pdeformer and its numerical stack",
-                   description="Print the versions pdeformer runs with (dolfinx, PETSc, ...).")
-    return p
+
+def _add_plot(sub) -> None:
+    c = sub.add_parser(
+        "plot", help="the pictures of a run (densities, diagnostics, training, heads) and paraview.py",
+        description="Draw the pictures of the run in RUN_DIR from the files it wrote (fields.npz, "
+                    "diagnostics.csv, history.csv, params_XXXX.npz, gradient.npz): densities, "
+                    "diagnostics, training, heads, gradient (.png, or .svg), and paraview.py "
+                    "where it wrote field series. Needs numpy and matplotlib only (no MPI, no "
+                    "dolfinx): a run copied from a cluster draws on a laptop. Every run draws "
+                    "them when it ends unless [output] plots = false.",
+        epilog="example: pdeformer plot runs/output/default --format svg")
+    c.add_argument("run_dir", metavar="RUN_DIR", help="the output folder of a run")
+    c.add_argument("--format", choices=("png", "svg"), default=None,
+                   help="image format (default: the run's [output] plot_format, else png)")
+    c.add_argument("--out", metavar="DIR", default=None,
+                   help="write the pictures and paraview.py here (default: RUN_DIR)")
 
 
 def _prompt_groups_option(parser) -> None:
@@ -185,10 +214,17 @@ def _run(args, comm) -> int:
 
 # ------------------------------------------------------------------ what each command runs and says
 
+def _pictures(files) -> list[str]:
+    """The line about the run's pictures and ParaView session (none without them)."""
+    names = files.get("pictures", []) + ([files["paraview"]] if "paraview" in files else [])
+    return [", ".join(names) + (" (pvpython paraview.py --screenshot out.png)" if "paraview" in files else "")] \
+        if names else []
+
+
 def _forward_report(summary, files) -> list[str]:
     lines = ["diagnostics.csv, summary.json, pdeformer.log"
              + (f", {len(files['fields'])} field series (open the .pvd/.bp in ParaView)"
-                if files["fields"] else "")]
+                if files["fields"] else "")] + _pictures(files)
     if summary.get("objective"):
         lines.append(f"risk {summary['objective']['risk']:.10e}")
     return lines
@@ -196,7 +232,7 @@ def _forward_report(summary, files) -> list[str]:
 
 def _gradient_report(summary, files) -> list[str]:
     return [f"gradient.npz, summary.json, pdeformer.log; risk {summary['risk']:.10e}, "
-            f"|gradient| {summary['gradient_norm']:.6e}"]
+            f"|gradient| {summary['gradient_norm']:.6e}"] + _pictures(files)
 
 
 def _ntk_report(summary, files) -> list[str]:
@@ -211,12 +247,12 @@ def _ntk_report(summary, files) -> list[str]:
 def _particles_report(summary, files) -> list[str]:
     return ["diagnostics.csv, summary.json, pdeformer.log"
             + (", tokens_<prompt>.pvd (ParaView)" if files["tokens"] else "")
-            + (", gradient.npz" if "gradient" in files else "")]
+            + (", gradient.npz" if "gradient" in files else "")] + _pictures(files)
 
 
 def _train_report(summary, files) -> list[str]:
     return [f"history.csv, params_XXXX.npz, heads.pvd (ParaView), checkpoint.npz, summary.json; "
-            f"risk {summary['initial_risk']:.6e} -> {summary['final_risk']:.6e}"]
+            f"risk {summary['initial_risk']:.6e} -> {summary['final_risk']:.6e}"] + _pictures(files)
 
 
 def _launch(name: str, **flags):
@@ -246,8 +282,24 @@ def _info(args, comm) -> int:
     return 0
 
 
+def _plot(args) -> int:
+    """``pdeformer plot``: one process, no MPI; bad input is one line and exit status 2."""
+    from .plot import plot_command
+    try:
+        result = plot_command(args.run_dir, args.format, args.out)
+    except PdeformerError as e:
+        print(f"pdeformer: error: {e}", file=sys.stderr, flush=True)
+        return e.exit_status
+    print(f"pdeformer: pictures in {args.out or args.run_dir}")
+    for line in _pictures(result):
+        print("  " + line)
+    return 0
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "plot":
+        return _plot(args)
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     if comm.size > 1:  # one BLAS thread per rank unless told otherwise (before numpy loads)

@@ -10,6 +10,11 @@ commit, wall time per phase, results) besides its own files:
 * train:    history.csv, params_XXXX.npz, heads_XXXX.vtu + heads.pvd, checkpoint.npz
 * ntk:      ntk.json (both injectivity tests), ntk.png (their spectra)
 
+and, unless ``[output] plots = false``, the pictures of pdeformer.commands.plot (drawn by
+rank 0 from the files the run wrote, as ``pdeformer plot DIR`` draws them), the compact
+field file ``fields.npz`` they draw densities from (forward, train: at the trained
+heads, particles) and ``paraview.py`` where field series were written.
+
 Prompt groups (``[parallel] prompt_groups``, ``--prompt-groups``; see
 pdeformer.tools.parallel.PromptGroups): every group builds the mesh on its own communicator and
 solves its block of the prompts; the groups meet (agree on failure, then combine) after
@@ -37,6 +42,7 @@ from ..tools.outdir import TRAINING_STATE, OutputFolder
 from ..tools.output import provenance, write_json, write_npz
 from ..tools.parallel import (METER, PromptGroups, Timer, add_log_file, describe_parallel, metered, on_root,
                        parallel_report, remove_log_file)
+from ..solvers.snapshots import FieldSnapshots, TokenSnapshots
 from ..solvers.trackers import DiagnosticsTable, FieldOutput, ProgressLog, log_other_groups
 
 log = logging.getLogger("pdeformer")
@@ -118,6 +124,26 @@ class Run:
     def path(self, name: str) -> str:
         return os.path.join(self.outdir, name)
 
+    def snapshots(self, kind=FieldSnapshots, caption: str = ""):
+        """The tracker of fields.npz (a :class:`~pdeformer.solvers.snapshots.Snapshots`
+        of ``kind``), or None with ``[output] plots = false``."""
+        return kind(self.path("fields.npz"), caption) if self.cfg["output"]["plots"] else None
+
+    def draw(self, snapshots=None) -> dict:
+        """Write fields.npz (``snapshots``: a combination point), then rank 0 draws the
+        pictures and writes paraview.py from the run's files; their names, as the
+        summary's ``files`` lists them ({} with ``[output] plots = false``). A picture
+        that cannot be drawn is a warning, not a failure of the run."""
+        if not self.cfg["output"]["plots"]:
+            return {}
+        with self.timer.phase("plots"):
+            files = {}
+            if snapshots is not None:
+                snapshots.write(self.problem)
+                files["snapshots"] = "fields.npz"
+            return {**files, **on_root(self.comm, _draw_quietly, self.outdir,
+                                       self.cfg["output"]["plot_format"], self.groups.names)}
+
     def write_gradient(self, g) -> None:
         """gradient.npz: dQ, dK, dV and the risk (rank 0 writes; a failed write ends every rank)."""
         on_root(self.comm, write_npz, self.path("gradient.npz"), dQ=g.dQ, dK=g.dK, dV=g.dV,
@@ -194,6 +220,17 @@ class Run:
         return self.groups.gather_prompts({i: info[i] for i in self.groups.owned})
 
 
+def _draw_quietly(folder: str, fmt: str, prompts: list[str]) -> dict:
+    """pdeformer.commands.plot.draw_run, with whatever stops it logged as a warning."""
+    from .plot import draw_run
+    try:
+        return draw_run(folder, fmt, prompts=prompts)
+    except Exception as e:   # the run's results stand without its pictures
+        log.warning("warning: the pictures were not drawn (%s: %s); `pdeformer plot %s` tries "
+                    "again", type(e).__name__, e, folder)
+        return {}
+
+
 def _risk_of(solver: ForwardSolver, problem, coeffs: dict) -> dict | None:
     """The objective at the final densities of a forward run (None without one);
     ``coeffs``: {prompt index: final coefficients} of this group's prompts. A
@@ -225,7 +262,8 @@ def run_forward(cfg: dict, comm=None) -> dict:
     if fields:
         trackers.append(fields)
     finals = FinalStates()
-    trackers.append(finals)
+    snapshots = run.snapshots()
+    trackers += [finals] + ([snapshots] if snapshots else [])
     with run.session():
         status, error = "completed", None
         try:
@@ -242,10 +280,11 @@ def run_forward(cfg: dict, comm=None) -> dict:
         if risk:
             log.info("risk R = %.12e", risk["risk"])
         field_files = run.groups.gather_lists(fields.files if fields else [])
+        drawn = run.draw(snapshots)
         summary = run.summary(
             status, error, final_diagnostics=table.final(), objective=risk,
             files={"diagnostics": "diagnostics.csv", "log": "pdeformer.log",
-                   "fields": [os.path.relpath(f, run.outdir) for f in field_files]})
+                   "fields": [os.path.relpath(f, run.outdir) for f in field_files], **drawn})
         if error is not None:
             raise error
     return summary
@@ -278,11 +317,12 @@ def run_gradient(cfg: dict, comm=None) -> dict:
         log.info("risk R = %.12e, |dR/dtheta| = %.6e", g.risk, g.norm())
         tape_bytes = run.comm.allreduce(g.tape_bytes, op=MPI.MAX)
         run.write_gradient(g)
+        drawn = run.draw()
         return run.summary("completed", None, risk=g.risk,
                            risks=dict(zip([n for n, _ in p.prompts], g.risks)),
                            gradient_norm=g.norm(), tape_bytes_per_rank=tape_bytes,
                            step_counts=_counts(run.solver),
-                           files={"gradient": "gradient.npz", "log": "pdeformer.log"})
+                           files={"gradient": "gradient.npz", "log": "pdeformer.log", **drawn})
 
 
 def _counts(solver) -> dict:
@@ -318,16 +358,39 @@ def run_train(cfg: dict, comm=None, restart: bool = False, walltime: float | Non
             status = trainer.status
         except SolverBreakdown as e:
             status, error, history = "breakdown", e, trainer.history
+        snapshots = _trained_densities(run, trainer) if status == "completed" else None
+        drawn = run.draw(snapshots)
         summary = run.summary(
             status, error, history=history,
             initial_risk=history[0]["risk"] if history else None,
             final_risk=history[-1]["risk"] if history else None,
             restarted_at=trainer.start if restart else None,
             files={"history": "history.csv", "checkpoint": "checkpoint.npz",
-                   "heads": "heads.pvd", "log": "pdeformer.log"})
+                   "heads": "heads.pvd", "log": "pdeformer.log", **drawn})
         if error is not None:
             raise error
     return summary
+
+
+def _trained_densities(run: Run, trainer):
+    """fields.npz's frames at the trained heads: one more forward pass (it replays the
+    step plan of the last gradient, made at these heads: the densities of the last
+    risk). None with ``[output] plots = false``, or where the walltime guard would stop
+    the pass (it takes about half a training step)."""
+    snapshots = run.snapshots(caption=f"trained heads, step {trainer.history[-1]['step']}"
+                              if trainer.history else "")
+    if snapshots is None or not trainer.history:
+        return None
+    if trainer.walltime is not None:
+        step = trainer.history[-1]["wall_time"] / max(1, len(trainer.history))
+        late = run.timer.elapsed() + step > trainer.walltime
+        if run.comm.bcast(late if run.comm.rank == 0 else None, root=0):
+            log.warning("warning: no densities at the trained heads (the walltime is near)")
+            return None
+    with run.groups.combined():
+        with run.timer.phase("snapshots"):
+            run.solver.run([snapshots])
+    return snapshots
 
 
 def run_ntk(cfg: dict, comm=None) -> dict:
@@ -369,6 +432,23 @@ def run_ntk(cfg: dict, comm=None) -> dict:
     return summary
 
 
+def _particle_risk(run: Run, adjoint, local: dict, gradient: bool, results: dict) -> None:
+    """The particle risk from this group's prompts' ``local`` risks (nothing without an
+    objective) and, with ``gradient``, its gradient (gradient.npz), into the summary
+    entries ``results`` as they are found (a breakdown of the gradient keeps the risk)."""
+    if adjoint is None:
+        return
+    risks = run.groups.gather_prompts(local)
+    results["objective"] = {"risk": float(np.mean(risks)), "risks": dict(zip(run.groups.names, risks))}
+    log.info("risk R = %.12e", results["objective"]["risk"])
+    if gradient:
+        with run.timer.phase("gradient"):
+            g = adjoint.gradient()
+        run.write_gradient(g)
+        results.update(risk=g.risk, gradient_norm=g.norm())
+        log.info("|dR/dtheta| = %.6e", g.norm())
+
+
 def run_particles(cfg: dict, comm=None, gradient: bool = False) -> dict:
     """The particle model: tokens of every prompt through the layers (diagnostics.csv,
     tokens_<prompt>.pvd); with an [objective] its risk, and with ``gradient`` the exact
@@ -386,39 +466,30 @@ def run_particles(cfg: dict, comm=None, gradient: bool = False) -> dict:
     if tokens:
         trackers.append(tokens)
     finals = FinalStates()
-    trackers.append(finals)
+    snapshots = run.snapshots(TokenSnapshots)
+    trackers += [finals] + ([snapshots] if snapshots else [])
     with run.session():
         status, error, results = "completed", None, {}
         try:
             with run.groups.combined():   # each group moves its prompts' tokens; then they meet
                 with run.timer.phase("particles"):
                     run.solver.run(trackers)
-                if adjoint is not None:
-                    local = {s: adjoint.objective.particle_value_and_gradient(
-                        x, w, adjoint.targets[s], p.comm)[0] for s, (x, w) in finals.tokens.items()}
+                local = {s: adjoint.objective.particle_value_and_gradient(x, w, adjoint.targets[s], p.comm)[0]
+                         for s, (x, w) in finals.tokens.items()} if adjoint is not None else {}
             table.write(run.groups)
             if run.groups.count > 1:
                 log_other_groups(run.groups, table.rows, run.prompt_info(), p.heads.layers)
-            if adjoint is not None:
-                risks = run.groups.gather_prompts(local)
-                results["objective"] = {"risk": float(np.mean(risks)),
-                                        "risks": dict(zip(run.groups.names, risks))}
-                log.info("risk R = %.12e", results["objective"]["risk"])
-            if gradient:
-                with run.timer.phase("gradient"):
-                    g = adjoint.gradient()
-                run.write_gradient(g)
-                results.update(risk=g.risk, gradient_norm=g.norm())
-                log.info("|dR/dtheta| = %.6e", g.norm())
+            _particle_risk(run, adjoint, local, gradient, results)
         except SolverBreakdown as e:
             status, error = "breakdown", e
             if not table.written:   # the breakdown came from the tokens' run
                 table.write(run.groups)
+        drawn = run.draw(snapshots)
         summary = run.summary(
             status, error, final_diagnostics=table.final(), **results,
             files={"diagnostics": "diagnostics.csv", "log": "pdeformer.log",
                    "tokens": run.groups.gather_lists(tokens.files if tokens else []),
-                   **({"gradient": "gradient.npz"} if gradient else {})})
+                   **({"gradient": "gradient.npz"} if gradient else {}), **drawn})
         if error is not None:
             raise error
     return summary

@@ -38,6 +38,9 @@ STALE_AFTER = 900.0   # s without a touch: the owner is gone
 RUN_FILES = ("summary.json", "pdeformer.log", "diagnostics.csv", "gradient.npz", "history.csv",
              "checkpoint.npz", "params_*.npz", "heads_*.vtu", "heads.pvd", "ntk.json", "ntk.png",
              "convergence.csv", "convergence.md", "convergence.png", ".*.tmp", "*.tmp",
+             "fields.npz", "paraview.py",
+             *(f"{picture}.{ext}" for picture in ("densities", "diagnostics", "training", "heads", "gradient")
+               for ext in ("png", "svg")),
              *(f"{series}_*.{ext}" for series in ("density", "velocity", "tokens")
                for ext in ("pvd", "pvtu", "vtu", "bp")))
 # what train --restart continues

@@ -107,9 +107,10 @@ def write_npz(filename: str, sync: bool = False, **arrays) -> None:
 
 
 def save_figure(filename: str, fig, **kwargs) -> None:
-    """A matplotlib figure as PNG, atomically."""
+    """A matplotlib figure, atomically, in the format its extension names (.png, .svg)."""
+    fmt = os.path.splitext(filename)[1][1:].lower() or "png"
     with atomic_write(filename, binary=True) as f:
-        fig.savefig(f, format="png", **kwargs)
+        fig.savefig(f, format=fmt, **kwargs)
 
 
 def git_commit() -> dict:

@@ -1,0 +1,366 @@
+"""paraview.py: a ParaView session of a run that opens ready.
+
+:func:`write_session` finds the field series in a run folder (``density_<prompt>``,
+``velocity_<prompt>``, ``adjoint_<prompt>`` as .pvd or .bp, ``tokens_<prompt>.pvd``,
+``heads.pvd``) and writes a pvpython script that opens them all, one render view per
+prompt (and one for the heads), colours every series on a fixed range over depth (the
+range over all frames, from fields.npz and the params files, written into the script;
+ParaView's range over all time steps where the run did not record one), adds the depth
+t (or the training step) and the prompt's name, and shows 1-D densities as curves, 2-D
+ones as surfaces, 3-D ones on a slice, velocities as arrows and tokens as points::
+
+    paraview --script=paraview.py                            # the GUI, ready
+    pvpython paraview.py --screenshot out.png [--time T]     # one picture of all views
+    xvfb-run -a -s "-screen 0 1280x1024x24" pvbatch paraview.py --screenshot out.png
+
+The script reads its settings from one JSON literal (json.loads, no code generated from
+data) and names the series relative to its own folder. It runs with ParaView 5.10 to
+5.13 (the time annotation's format and a few enumeration names changed in between).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+
+from ..tools.output import atomic_write
+
+SCRIPT_NAME = "paraview.py"
+SERIES = re.compile(r"(density|velocity|adjoint|tokens)_(.+)\.(pvd|bp)")
+ARRAYS = {"density": "density", "velocity": "velocity", "adjoint": "adjoint", "tokens": None}
+
+
+def field_series(folder: str) -> dict:
+    """{prompt: {kind: file name}} of the series in the folder (kind: density,
+    velocity, adjoint, tokens), and "heads.pvd" under the key None where it is there."""
+    out: dict = {}
+    for name in sorted(os.listdir(folder)):
+        m = SERIES.fullmatch(name)
+        if m:
+            out.setdefault(m[2], {})[m[1]] = name
+    if os.path.isfile(os.path.join(folder, "heads.pvd")):
+        out[None] = {"heads": "heads.pvd"}
+    return out
+
+
+def config_prompts(folder: str) -> list[str]:
+    """The prompt names in the config's order, as summary.json has them ([] without it)."""
+    try:
+        with open(os.path.join(folder, "summary.json")) as f:
+            return [p["name"] for p in json.load(f)["config"]["prompts"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def prompt_order(folder: str, prompts, names: list[str] | None = None) -> list:
+    """The prompts in the config's order (``names``, else summary.json's), the others after them."""
+    names = config_prompts(folder) if names is None else names
+    known = [n for n in names if n in prompts]
+    return known + sorted(p for p in prompts if p not in known and p is not None) + \
+        ([None] if None in prompts else [])
+
+
+def recorded_ranges(folder: str) -> dict:
+    """{array: (low, high)} over all frames and prompts: density and velocity (|v|)
+    from fields.npz, norm_A (the heads' |K^T Q|) from the params files."""
+    ranges: dict = {}
+
+    def widen(name, low, high):
+        if abs(low) < 1e-9 * abs(high):   # rounding about 0
+            low = 0.0
+        if np.isfinite(low) and np.isfinite(high):
+            old = ranges.get(name, (low, high))
+            ranges[name] = (float(min(old[0], low)), float(max(old[1], high)))
+
+    path = os.path.join(folder, "fields.npz")
+    if os.path.isfile(path):
+        from .plot import read_npz
+        data = read_npz(path)
+        for key, a in data.items():
+            m = re.fullmatch(r"(density|velocity)_range_\d+", key)
+            if m:
+                widen(m[1], a[0], a[1])
+    from .plot import read_params
+    for _, p in read_params(folder):
+        A = np.einsum("lhkd,lhke->lhde", p["K"], p["Q"])   # A = K^T Q per head
+        norms = np.linalg.norm(A.reshape(A.shape[0] * A.shape[1], -1), axis=1)
+        widen("norm_A", norms.min(), norms.max())
+    return ranges
+
+
+def run_dimension(folder: str) -> int:
+    """d of the run: fields.npz's box, else summary.json's mesh, else 2."""
+    try:
+        with np.load(os.path.join(folder, "fields.npz"), allow_pickle=False) as f:
+            return int(f["box"].shape[1])
+    except Exception:
+        pass
+    try:
+        with open(os.path.join(folder, "summary.json")) as f:
+            return int(json.load(f)["mesh"]["dim"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 2
+
+
+def session(folder: str, data_dir: str = ".", names: list[str] | None = None) -> dict | None:
+    """The settings of the script: views (one per prompt, in the order of ``names`` or
+    of summary.json's config, one for the heads), each with its series (file relative to
+    the script, kind, array, fixed range or None), the token dimension; None where the
+    folder has no series."""
+    series = field_series(folder)
+    if not series:
+        return None
+    ranges = recorded_ranges(folder)
+    views = []
+    for prompt in prompt_order(folder, series, names):
+        found = series[prompt]
+        entries = []
+        for kind in ("density", "velocity", "adjoint", "tokens", "heads"):
+            if kind in found:
+                array = "norm_A" if kind == "heads" else ARRAYS[kind]
+                entries.append({"file": os.path.join(data_dir, found[kind]).replace(os.sep, "/"),
+                                "kind": kind, "array": array,
+                                "range": list(ranges[array]) if array in ranges else None})
+        views.append({"name": prompt if prompt is not None else "heads", "series": entries,
+                      "time": "step" if prompt is None else "t"})
+    return {"dim": run_dimension(folder), "views": views}
+
+
+def write_session(folder: str, out: str | None = None, names: list[str] | None = None) -> str | None:
+    """Write paraview.py into ``out`` (default: the run folder) for the run in ``folder``
+    (``names``: its prompts in the config's order, else summary.json's); its name, or
+    None where the run wrote no field series."""
+    out = out or folder
+    settings = session(folder, os.path.relpath(folder, out), names)
+    if settings is None:
+        return None
+    text = SCRIPT.replace("@SETTINGS@", json.dumps(settings, indent=1))
+    with atomic_write(os.path.join(out, SCRIPT_NAME)) as f:
+        f.write(text)
+    return SCRIPT_NAME
+
+
+SCRIPT = r'''"""The ParaView session of this pdeformer run (written by pdeformer: see docs/plots.md).
+
+    paraview --script=paraview.py                            # the GUI, every series open
+    pvpython paraview.py --screenshot out.png [--time T]     # all views at depth T (default: the last frame)
+    xvfb-run -a -s "-screen 0 1280x1024x24" pvbatch paraview.py --screenshot out.png   # without a display
+
+One view per prompt (and one for the heads of a training run); every series coloured on
+its range over all frames (fixed when the run ended).
+"""
+import json
+import os
+import sys
+
+# this file is named paraview.py: its own folder must not shadow ParaView's package
+_FOLDER = os.path.dirname(os.path.abspath(globals().get("__file__") or os.path.join(os.getcwd(), "x")))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _FOLDER]
+if not hasattr(sys.modules.get("paraview"), "__path__"):
+    sys.modules.pop("paraview", None)
+from paraview.simple import *  # noqa: E402,F401,F403
+
+SETTINGS = json.loads(r"""
+@SETTINGS@
+""")
+
+
+def here():
+    """The folder of this script: the series are named relative to it."""
+    path = globals().get("__file__") or (sys.argv[0] if sys.argv and sys.argv[0] else "")
+    return os.path.dirname(os.path.abspath(path)) if path else os.getcwd()
+
+
+def option(name, default=None):
+    """The value after ``name`` on the command line (unknown arguments are left alone)."""
+    args = sys.argv[1:]
+    return args[args.index(name) + 1] if name in args[:-1] else default
+
+
+def paraview_version():
+    v = GetParaViewVersion()
+    return (v.major, v.minor)
+
+
+def set_first(proxy, prop, values):
+    """Set the first of ``values`` that this ParaView accepts (enumeration names changed)."""
+    for value in values:
+        try:
+            setattr(proxy, prop, value)
+            return
+        except (ValueError, AttributeError, TypeError):
+            pass
+
+
+def open_series(path):
+    """A reader of the series, updated (its bounds and ranges known)."""
+    reader = ADIOS2VTXReader(FileName=path) if path.endswith(".bp") else PVDReader(FileName=path)
+    reader.UpdatePipeline()
+    return reader
+
+
+BARS = {"density": ("Lower Left Corner", "Viridis (matplotlib)"),
+        "velocity": ("Lower Right Corner", "Cool to Warm"),
+        "adjoint": ("Lower Right Corner", "Cool to Warm"),
+        "norm_A": ("Lower Right Corner", "Viridis (matplotlib)")}
+
+
+def colour(display, view, array, value_range, component=None):
+    """Colour ``display`` by ``array`` on a fixed range (the run's, or the data's over
+    all times), with a small horizontal colour bar."""
+    ColorBy(display, ("POINTS", array) if component is None else ("POINTS", array, component))
+    lut = GetColorTransferFunction(array)
+    corner, preset = BARS.get(array, ("Lower Right Corner", "Cool to Warm"))
+    lut.ApplyPreset(preset, True)
+    if value_range is not None and value_range[1] > value_range[0]:
+        lut.AutomaticRescaleRangeMode = "Never"
+        lut.RescaleTransferFunction(value_range[0], value_range[1])
+        GetOpacityTransferFunction(array).RescaleTransferFunction(value_range[0], value_range[1])
+    else:
+        display.RescaleTransferFunctionToDataRangeOverTime()
+        lut.AutomaticRescaleRangeMode = "Never"
+    display.SetScalarBarVisibility(view, True)
+    bar = GetScalarBar(lut, view)
+    bar.Title, bar.ComponentTitle = ("speed" if array == "velocity" else array), ""
+    bar.Orientation = "Horizontal"
+    set_first(bar, "WindowLocation", [corner, corner.replace(" ", "")])
+    bar.TitleFontSize = bar.LabelFontSize = 10
+    bar.ScalarBarLength = 0.3
+    bar.RangeLabelFormat = "%-#6.2g"
+
+
+def label(view, text, corner):
+    source = Text(Text=text)
+    display = Show(source, view)
+    display.FontSize = 11
+    set_first(display, "WindowLocation", [corner, corner.replace(" ", "")])
+
+
+def time_label(view, source, name):
+    """The depth t (or training step) of the frame shown, in the upper right corner."""
+    annotate = AnnotateTimeFilter(Input=source)
+    digits = 0 if name == "step" else 3
+    annotate.Format = (name + " = {time:.%df}" % digits) if paraview_version() >= (5, 11) \
+        else (name + " = %%.%df" % digits)
+    display = Show(annotate, view)
+    display.FontSize = 11
+    set_first(display, "WindowLocation", ["Upper Right Corner", "UpperRightCorner"])
+
+
+def show_density(view, reader, entry, dim):
+    """1-D: the curve x -> (x, rho); 2-D: the surface; 3-D: the slice through the centre."""
+    array, value_range = entry["array"], entry["range"]
+    if dim == 1:
+        top = value_range[1] if value_range else reader.PointData[array].GetRange()[1]
+        bounds = reader.GetDataInformation().GetBounds()
+        warp = WarpByScalar(Input=reader)
+        warp.Scalars = ["POINTS", array]
+        warp.Normal = [0.0, 1.0, 0.0]
+        warp.UseNormal = 1
+        warp.ScaleFactor = 0.5 * (bounds[1] - bounds[0]) / top if top > 0 else 1.0
+        display = Show(warp, view)
+        display.LineWidth = 2.0
+    elif dim == 2:
+        display = Show(reader, view)
+    else:
+        outline = Show(reader, view)
+        outline.SetRepresentationType("Outline")
+        b = reader.GetDataInformation().GetBounds()
+        cut = Slice(Input=reader)
+        cut.SliceType = "Plane"
+        cut.SliceType.Origin = [(b[0] + b[1]) / 2, (b[2] + b[3]) / 2, (b[4] + b[5]) / 2 + 1e-3 * (b[5] - b[4])]
+        cut.SliceType.Normal = [0.0, 0.0, 1.0]
+        display = Show(cut, view)
+    colour(display, view, array, value_range)
+
+
+def show_vectors(view, reader, entry, dim):
+    """Arrows of one length, coloured by |v| (1-D: the series is opened, not shown)."""
+    if dim == 1:
+        return
+    bounds = reader.GetDataInformation().GetBounds()
+    size = max(bounds[1] - bounds[0], bounds[3] - bounds[2])
+    arrows = Glyph(Input=reader, GlyphType="Arrow")
+    arrows.OrientationArray = ["POINTS", entry["array"]]
+    arrows.ScaleArray = ["POINTS", "No scale array"]
+    arrows.ScaleFactor = 0.08 * size
+    arrows.GlyphType.TipRadius, arrows.GlyphType.ShaftRadius = 0.2, 0.06
+    set_first(arrows, "MaximumNumberOfSamplePoints", [150])
+    if dim == 2:   # above the density's plane
+        lifted = Transform(Input=arrows)
+        lifted.Transform = "Transform"
+        lifted.Transform.Translate = [0.0, 0.0, 0.02 * size]
+        arrows = lifted
+    colour(Show(arrows, view), view, entry["array"], entry["range"], "Magnitude")
+
+
+def show_points(view, reader, entry):
+    """Tokens (one colour) or heads (coloured by |A|) as points."""
+    display = Show(reader, view)
+    display.SetRepresentationType("Points")
+    display.PointSize = 3.0 if entry["kind"] == "tokens" else 9.0
+    set_first(display, "RenderPointsAsSpheres", [1])
+    if entry["array"]:
+        colour(display, view, entry["array"], entry["range"])
+    else:
+        ColorBy(display, None)
+        display.AmbientColor = display.DiffuseColor = [0.85, 0.3, 0.1]
+
+
+def build(settings):
+    """One render view per entry of settings["views"], side by side."""
+    folder = here()
+    layout = CreateLayout("pdeformer")
+    dim = settings["dim"]
+    views = []
+    for spec in settings["views"]:
+        view = CreateView("RenderView")
+        AssignViewToLayout(view=view, layout=layout, hint=0)
+        view.OrientationAxesVisibility = 0
+        first = None
+        for entry in spec["series"]:
+            reader = open_series(os.path.join(folder, entry["file"]))
+            first = first or reader
+            if entry["kind"] in ("density", "adjoint"):
+                show_density(view, reader, entry, dim)
+            elif entry["kind"] == "velocity":
+                show_vectors(view, reader, entry, dim)
+            else:
+                show_points(view, reader, entry)
+        label(view, spec["name"], "Upper Left Corner")
+        if first is not None:
+            time_label(view, first, spec["time"])
+        if spec["name"] == "heads":
+            view.AxesGrid.Visibility = 1
+            view.AxesGrid.XTitle, view.AxesGrid.YTitle, view.AxesGrid.ZTitle = "t (layer)", "tr V / d", "tr A / d"
+        elif dim < 3:
+            set_first(view, "InteractionMode", ["2D"])
+        else:   # from above and aside
+            view.CameraPosition, view.CameraFocalPoint, view.CameraViewUp = [3, -4, 5], [0, 0, 0], [0, 0, 1]
+        view.ResetCamera()
+        views.append(view)
+    return layout, views
+
+
+def show_time(views, value=None):
+    """Every view at depth (or step) ``value``; the last time step by default."""
+    scene = GetAnimationScene()
+    scene.UpdateAnimationUsingDataTimeSteps()
+    steps = list(GetTimeKeeper().TimestepValues or [])
+    t = float(value) if value is not None else (steps[-1] if steps else 0.0)
+    set_first(scene, "AnimationTime", [t])
+    for view in views:
+        view.ViewTime = t
+        view.ResetCamera()
+    return t
+
+
+layout, views = build(SETTINGS)
+show_time(views, option("--time"))
+RenderAllViews()
+if option("--screenshot"):
+    SaveScreenshot(option("--screenshot"), layout, ImageResolution=[460 * len(views), 420])
+'''

@@ -1,0 +1,593 @@
+"""Pictures of a run, drawn from the files it wrote: ``pdeformer plot RUN_DIR``.
+
+Every run draws them when it ends (unless ``[output] plots = false``); ``pdeformer
+plot`` draws them again, from the folder alone, with numpy and matplotlib only (no
+dolfinx, no MPI): a run copied from a cluster can be drawn on a laptop.
+
+========================  ===============================  =====================================
+picture                   drawn from                       what it shows
+========================  ===============================  =====================================
+densities.png             fields.npz                       per prompt a row of snapshots over
+                                                           depth t on one colour scale (1-D:
+                                                           curves; 2-D: the cell means; 3-D: a
+                                                           slice), tokens of a particle run, the
+                                                           objective's target
+diagnostics.png           diagnostics.csv                  mean, covariance, mass and outflow
+                                                           against depth t
+training.png              history.csv                      risk, gradient norm, step size
+                                                           against the training step
+heads.png                 params_XXXX.npz                  each layer's heads at the first and
+                                                           last step, in the two leading
+                                                           principal directions of theta
+gradient.png              gradient.npz                     |dR/dtheta| per layer and head
+========================  ===============================  =====================================
+
+With ``[output] plot_format = "svg"`` (or ``--format svg``) they are SVG files, the
+cells and tokens inside them rasterised. Where the folder holds field series (density,
+velocity, tokens, heads) ``paraview.py`` is written too (pdeformer.commands.paraview_session).
+Figures are matplotlib ``Figure`` objects made without pyplot (no global state, no
+display); the functions ``*_figure`` return them, so tests read back what they show.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import os
+import re
+
+import numpy as np
+
+from ..tools.errors import InputError, OutputError
+from ..tools.output import read_diagnostics, save_figure
+
+FORMATS = ("png", "svg")
+PICTURES = ("densities", "diagnostics", "training", "heads", "gradient")   # <name>.<format>
+MOST_SNAPSHOTS = 5          # columns of the density picture (the first and last frame among them)
+MOST_TOKENS = 3000          # tokens drawn per panel (every k-th one beyond)
+DPI = 80
+CMAP = "viridis"
+PANEL = 2.0                 # inches per panel
+SUBSCRIPT = str.maketrans("0123456789", "₀₁₂₃₄₅₆₇₈₉")
+
+
+def coordinate(i: int) -> str:
+    """The name of coordinate i of token space: x₀, x₁, x₂."""
+    return f"x{str(i).translate(SUBSCRIPT)}"
+
+
+# ------------------------------------------------------------------ reading a run
+
+def read_npz(path: str) -> dict:
+    """The arrays of an .npz file; InputError naming it if it cannot be read."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            return {k: f[k] for k in f.files}
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except Exception as e:   # damaged, truncated, not an npz
+        raise InputError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
+
+
+def read_snapshots(path: str) -> dict:
+    """fields.npz (see pdeformer.solvers.snapshots) as a dict of arrays, checked."""
+    data = read_npz(path)
+    missing = [k for k in ("version", "prompts", "box") if k not in data]
+    if missing:
+        raise InputError(f"{path}: not a pdeformer field file (no {', '.join(missing)})")
+    return data
+
+
+def read_table(path: str) -> dict:
+    """A CSV of numbers (history.csv) as {column: array}; InputError naming the file."""
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        if not rows:
+            raise ValueError("no rows")
+        return {k: np.array([float(r[k]) for r in rows]) for k in rows[0]}
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except (OSError, ValueError, TypeError, csv.Error) as e:
+        raise InputError(f"{path}: cannot read ({e})") from None
+
+
+def read_diagnostics_table(path: str) -> list[dict]:
+    """diagnostics.csv rows; InputError naming the file."""
+    try:
+        rows = read_diagnostics(path)
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except (OSError, ValueError, TypeError, csv.Error) as e:
+        raise InputError(f"{path}: cannot read ({e})") from None
+    if not rows or "t" not in rows[0] or "mass" not in rows[0]:
+        raise InputError(f"{path}: not a diagnostics table (no rows, or no t and mass columns)")
+    return rows
+
+
+def read_params(folder: str) -> list[tuple[int, dict]]:
+    """(step, {Q, K, V}) of every params_XXXX.npz of a training run, by step."""
+    out = []
+    for path in glob.glob(os.path.join(folder, "params_*.npz")):
+        m = re.fullmatch(r"params_(\d+)\.npz", os.path.basename(path))
+        if m:
+            data = read_npz(path)
+            if not {"Q", "K", "V"} <= set(data):
+                raise InputError(f"{path}: not a parameter file (no Q, K, V)")
+            out.append((int(m[1]), data))
+    return sorted(out, key=lambda p: p[0])
+
+
+def run_inputs(folder: str) -> dict:
+    """What the folder holds to draw from: {"summary", "fields", "diagnostics",
+    "history", "gradient": path} and "params": [paths]. InputError where it is not a
+    run folder, or summary.json lists a file that is gone."""
+    if not os.path.isdir(folder):
+        raise InputError(f"{folder}: no such folder")
+    names = {"summary": "summary.json", "fields": "fields.npz", "diagnostics": "diagnostics.csv",
+             "history": "history.csv", "gradient": "gradient.npz"}
+    found = {k: os.path.join(folder, n) for k, n in names.items() if os.path.isfile(os.path.join(folder, n))}
+    params = sorted(glob.glob(os.path.join(folder, "params_*.npz")))
+    if not found and not params:
+        raise InputError(f"{os.path.join(folder, 'summary.json')}: no such file "
+                         "(not a pdeformer run folder)")
+    if "summary" in found:
+        listed = _listed_files(found["summary"])
+        for key, name in names.items():
+            if name in listed and key not in found:
+                raise InputError(f"{os.path.join(folder, name)}: no such file (summary.json lists it)")
+    if params:
+        found["params"] = params
+    return found
+
+
+def _listed_files(path: str) -> set:
+    """The file names summary.json's ``files`` lists (strings, or lists of them)."""
+    try:
+        with open(path) as f:
+            files = json.load(f).get("files") or {}
+    except (OSError, ValueError, AttributeError) as e:
+        raise InputError(f"{path}: cannot read ({e})") from None
+    names = set()
+    for v in files.values() if isinstance(files, dict) else ():
+        names.update([v] if isinstance(v, str) else [x for x in v if isinstance(x, str)]
+                     if isinstance(v, list) else [])
+    return names
+
+
+def summary_format(folder: str) -> str:
+    """The run's [output] plot_format (png where summary.json does not say)."""
+    try:
+        with open(os.path.join(folder, "summary.json")) as f:
+            fmt = json.load(f)["config"]["output"]["plot_format"]
+        return fmt if fmt in FORMATS else "png"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "png"
+
+
+# ------------------------------------------------------------------ drawing a run
+
+def draw_run(folder: str, fmt: str = "png", out: str | None = None, prompts: list[str] | None = None) -> dict:
+    """Every picture the run's files allow, into ``out`` (default: the run folder), and
+    paraview.py where it has field series: {"pictures": [file names], "paraview":
+    "paraview.py"} (keys only for what was written). ``prompts``: the prompt names in
+    the config's order (a run that has not written summary.json yet), else summary.json's."""
+    from .paraview_session import write_session
+    out = out or folder
+    inputs = run_inputs(folder)
+    figures = {}
+    if "fields" in inputs:
+        figures["densities"] = lambda: density_figure(read_snapshots(inputs["fields"]))
+    if "diagnostics" in inputs:
+        figures["diagnostics"] = lambda: diagnostics_figure(read_diagnostics_table(inputs["diagnostics"]))
+    if "history" in inputs:
+        figures["training"] = lambda: training_figure(read_table(inputs["history"]))
+    if "params" in inputs:
+        figures["heads"] = lambda: heads_figure(read_params(folder))
+    if "gradient" in inputs:
+        figures["gradient"] = lambda: gradient_figure(read_npz(inputs["gradient"]))
+    drawn = []
+    for name, make in figures.items():
+        fig = make()
+        if fig is not None:
+            filename = f"{name}.{fmt}"
+            save_figure(os.path.join(out, filename), fig, dpi=DPI)
+            drawn.append(filename)
+    result = {"pictures": drawn} if drawn else {}
+    script = write_session(folder, out, prompts)
+    if script:
+        result["paraview"] = script
+    return result
+
+
+def _figure(columns: int, rows: int, width: float = PANEL, height: float = PANEL):
+    """A matplotlib Figure (no pyplot: no global state, no display) with a grid of axes."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise InputError("matplotlib is missing: no pictures (Debian: apt-get install "
+                         "python3-matplotlib)") from None
+    fig = Figure(figsize=(width * columns + 0.9, height * rows + 0.5), layout="constrained")
+    return fig, fig.subplots(rows, columns, squeeze=False)
+
+
+def snapshot_frames(count: int, most: int = MOST_SNAPSHOTS) -> list[int]:
+    """Up to ``most`` frame indices evenly over depth, the first and last among them."""
+    return sorted({int(round(k)) for k in np.linspace(0, count - 1, min(count, most))})
+
+
+# ------------------------------------------------------------------ densities
+
+def density_figure(snap: dict):
+    """Per prompt a row of snapshots over depth t on one colour scale (the density's
+    range over all frames and the target's): 1-D curves of rho at the DG nodes of each
+    cell, 2-D the cell means on the cells (tripcolor, flat), 3-D the cell means on the
+    slice x₂ = const through the prompt's initial mean, tokens as points (1-D: a
+    histogram); the target (a density: one more panel; moments: mean and 1-sigma
+    ellipse; points) on the last snapshot. None when the file holds no frames."""
+    names = [str(n) for n in snap["prompts"]]
+    rows = [i for i in range(len(names)) if f"t_{i}" in snap]
+    if not rows:
+        return None
+    frames = {i: snapshot_frames(len(snap[f"t_{i}"])) for i in rows}
+    density_panel = any(f"target_density_{i}" in snap for i in rows) and snap["box"].shape[1] > 1
+    columns = max(len(f) for f in frames.values()) + density_panel
+    fig, axes = _figure(columns, len(rows))
+    for r, i in enumerate(rows):
+        _prompt_row(fig, axes[r], snap, i, names[i], frames[i], bottom=r == len(rows) - 1)
+    caption = str(snap.get("caption", ""))
+    fig.suptitle("densities over depth t" + (f" ({caption})" if caption else ""), fontsize=10)
+    return fig
+
+
+def _prompt_row(fig, axes, snap: dict, i: int, name: str, frames: list[int], bottom: bool) -> None:
+    """One prompt's snapshots, then its density target (if any), on one colour scale
+    (``bottom``: the last row, which labels the x axes)."""
+    dim = snap["box"].shape[1]
+    t = snap[f"t_{i}"]
+    tokens = f"tokens_{i}" in snap
+    scale = None if tokens else density_scale(snap, i)
+    mappable = None
+    for c, k in enumerate(frames):
+        ax = axes[c]
+        if tokens:
+            _draw_tokens(ax, snap[f"tokens_{i}"][k], snap[f"weights_{i}"], snap["box"])
+        elif dim == 1:
+            _draw_curves(ax, snap["node_x"], snap[f"nodes_{i}"][k], scale)
+        else:
+            mappable = _draw_cells(ax, snap, snap[f"density_{i}"][k], scale, i)
+        ax.set_title(f"t = {t[k]:.3g}", fontsize=9)
+        _frame_axes(ax, snap["box"], dim, first=c == 0, bottom=bottom)
+    last = axes[len(frames) - 1]
+    _draw_target(last, snap, i, scale)
+    if f"target_density_{i}" in snap and dim > 1:
+        ax = axes[len(frames)]
+        target_scale = scale or (0.0, float(np.max(snap[f"target_density_{i}"])))
+        mappable = _draw_cells(ax, snap, snap[f"target_density_{i}"], target_scale, i)
+        ax.set_title("target", fontsize=9)
+        _frame_axes(ax, snap["box"], dim, first=False, bottom=bottom)
+    for ax in axes[len(frames) + (f"target_density_{i}" in snap and dim > 1):]:
+        ax.set_visible(False)
+    label = name if dim < 3 or tokens else f"{name}\nslice {coordinate(2)} = {slice_level(snap, i):.2g}"
+    axes[0].set_ylabel(f"{label}\n{'ρ' if dim == 1 and not tokens else coordinate(1) if dim > 1 else 'tokens'}",
+                       fontsize=9)
+    if mappable is not None:
+        fig.colorbar(mappable, ax=list(axes), shrink=0.9, label="ρ (cell mean)")
+
+
+def density_scale(snap: dict, i: int) -> tuple[float, float]:
+    """The colour (1-D: value) range of prompt i: over all its frames and its density target."""
+    values = snap[f"nodes_{i}"] if f"nodes_{i}" in snap else snap[f"density_{i}"]
+    low, high = float(np.min(values)), float(np.max(values))
+    if f"target_density_{i}" in snap:
+        low = min(low, float(np.min(snap[f"target_density_{i}"])))
+        high = max(high, float(np.max(snap[f"target_density_{i}"])))
+    return low, high if high > low else low + 1.0
+
+
+def _frame_axes(ax, box: np.ndarray, dim: int, first: bool, bottom: bool = True) -> None:
+    """Axes over the mesh's box, few ticks (y ticks on the first panel of a row only,
+    the x label on the bottom row)."""
+    from matplotlib.ticker import MaxNLocator
+    ax.set_xlim(box[0, 0], box[1, 0])
+    if bottom:
+        ax.set_xlabel(coordinate(0) if dim > 1 else "x", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.xaxis.set_major_locator(MaxNLocator(4))
+    ax.yaxis.set_major_locator(MaxNLocator(4))
+    if dim > 1:
+        ax.set_ylim(box[0, 1], box[1, 1])
+        ax.set_aspect("equal")
+    if not first:
+        ax.set_yticks([])
+
+
+def _draw_curves(ax, node_x: np.ndarray, values: np.ndarray, scale) -> None:
+    """rho on each cell through its DG nodes (jumps between cells shown as they are)."""
+    from matplotlib.collections import LineCollection
+    ax.add_collection(LineCollection(np.stack([node_x, values], axis=-1), colors="C0", linewidths=1.2))
+    low, high = scale
+    pad = 0.05 * (high - low)
+    ax.set_ylim(min(0.0, low) - pad, high + pad)
+
+
+def cell_triangles(cells: np.ndarray, cell_type: str) -> tuple[np.ndarray, np.ndarray]:
+    """Triangles of 2-D cells (a quadrilateral, vertices in tensor-product order, is
+    two) and the cell each comes from."""
+    if cell_type == "quadrilateral":
+        tri = np.concatenate([cells[:, [0, 1, 3]], cells[:, [0, 3, 2]]])
+        return tri, np.concatenate([np.arange(len(cells))] * 2)
+    return cells, np.arange(len(cells))
+
+
+EDGES = {   # vertex pairs of the edges of 3-D cells (dolfinx's vertex order)
+    "tetrahedron": [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)],
+    "hexahedron": [(0, 1), (0, 2), (0, 4), (1, 3), (1, 5), (2, 3), (2, 6), (3, 7),
+                   (4, 5), (4, 6), (5, 7), (6, 7)],
+}
+
+
+def slice_polygons(points: np.ndarray, cells: np.ndarray, cell_type: str, level: float,
+                   axis: int = 2) -> tuple[list, np.ndarray]:
+    """The cross-sections of convex 3-D cells with the plane x_axis = level: polygons
+    in the other two coordinates (their corners are where edges cross the plane,
+    ordered by angle) and the cell of each."""
+    x = points[cells]                                   # (cells, vertices, 3)
+    s = x[..., axis] - level
+    crossing = np.flatnonzero((s.min(axis=1) < 0) & (s.max(axis=1) > 0))
+    e = np.array(EDGES[cell_type])
+    xa, xb = x[crossing][:, e[:, 0]], x[crossing][:, e[:, 1]]
+    sa, sb = s[crossing][:, e[:, 0]], s[crossing][:, e[:, 1]]
+    cut = sa * sb < 0
+    lam = np.where(cut, sa / np.where(cut, sa - sb, 1.0), np.nan)
+    plane = [k for k in range(3) if k != axis]
+    p = (xa + lam[..., None] * (xb - xa))[..., plane]  # (crossing, edges, 2), nan off the plane
+    centre = np.nanmean(p, axis=1, keepdims=True)
+    angle = np.where(cut, np.arctan2(p[..., 1] - centre[..., 1], p[..., 0] - centre[..., 0]), np.inf)
+    order = np.argsort(angle, axis=1)
+    p = np.take_along_axis(p, order[..., None], axis=1)
+    counts = cut.sum(axis=1)
+    return [poly[:n] for poly, n in zip(p, counts)], crossing
+
+
+def slice_level(snap: dict, i: int) -> float:
+    """Where 3-D densities are cut: x₂ of prompt i's mean at t = 0 (nudged off mesh
+    planes), inside the box."""
+    box = snap["box"]
+    level = float(snap[f"mean_{i}"][0][2]) if f"mean_{i}" in snap else float(box[:, 2].mean())
+    level = min(max(level, box[0, 2]), box[1, 2])
+    return level + 1e-7 * float(box[1, 2] - box[0, 2])
+
+
+def _draw_cells(ax, snap: dict, values: np.ndarray, scale, i: int):
+    """Cell values as flat colours: 2-D on the cells, 3-D on the slice (see slice_level)."""
+    low, high = scale
+    if snap["box"].shape[1] == 2:
+        tri, cell = cell_triangles(snap["cells"], str(snap["cell_type"]))
+        x = snap["points"]
+        return ax.tripcolor(x[:, 0], x[:, 1], tri, facecolors=values[cell], vmin=low, vmax=high,
+                            cmap=CMAP, shading="flat", rasterized=True)
+    from matplotlib.collections import PolyCollection
+    polys, cell = slice_polygons(snap["points"], snap["cells"], str(snap["cell_type"]), slice_level(snap, i))
+    pc = PolyCollection(polys, array=values[cell], cmap=CMAP, edgecolors="face", linewidths=0.3,
+                        rasterized=True)
+    pc.set_clim(low, high)
+    ax.add_collection(pc)
+    return pc
+
+
+def _draw_tokens(ax, x: np.ndarray, w: np.ndarray, box: np.ndarray) -> None:
+    """Tokens as points (every k-th beyond MOST_TOKENS; 3-D: projected on x₀x₁), in
+    1-D a histogram of their weights."""
+    if x.shape[1] == 1:
+        ax.hist(x[:, 0], bins=40, range=(box[0, 0], box[1, 0]), weights=w, density=True, color="C0",
+                alpha=0.8)
+        return
+    step = max(1, len(x) // MOST_TOKENS)
+    ax.scatter(x[::step, 0], x[::step, 1], s=1.5, c="C0", alpha=0.6, linewidths=0, rasterized=True)
+
+
+def _draw_target(ax, snap: dict, i: int, scale) -> None:
+    """The target on a (the last) snapshot: moments as mean (x) and 1-sigma ellipse,
+    points as grey crosses, a 1-D density target as a dashed curve, the potential's
+    centre as a star."""
+    dim = snap["box"].shape[1]
+    style = {"color": "white" if dim > 1 and f"tokens_{i}" not in snap else "C3", "lw": 1.2}
+    if f"target_mean_{i}" in snap:
+        mean, cov = snap[f"target_mean_{i}"], snap[f"target_cov_{i}"]
+        if dim == 1:
+            sd = float(np.sqrt(cov[0, 0]))
+            ax.axvline(mean[0], ls="--", **style)
+            ax.axvspan(mean[0] - sd, mean[0] + sd, color=style["color"], alpha=0.15, lw=0)
+        else:
+            ax.plot(*ellipse(mean[:2], cov[:2, :2]), ls="--", **style)
+            ax.plot([mean[0]], [mean[1]], marker="x", ms=6, mew=1.5, color=style["color"], ls="none")
+    if f"target_points_{i}" in snap:
+        p = snap[f"target_points_{i}"]
+        ax.plot(p[:, 0], p[:, 1] if dim > 1 else np.zeros(len(p)), "x", color="0.4", ms=3)
+    if f"target_density_{i}" in snap and dim == 1:
+        c = snap["points"][snap["cells"]].mean(axis=1)[:, 0]
+        order = np.argsort(c)
+        ax.plot(c[order], snap[f"target_density_{i}"][order], ls="--", color="C3", lw=1)
+    if "objective_center" in snap:
+        centre = snap["objective_center"]
+        ax.plot([centre[0]], [centre[1] if dim > 1 else 0.0], marker="*", ms=8, color="C1", ls="none")
+
+
+def ellipse(mean: np.ndarray, cov: np.ndarray, points: int = 60) -> tuple[np.ndarray, np.ndarray]:
+    """The 1-sigma ellipse {mean + L u : |u| = 1}, cov = L L^T, as x and y arrays."""
+    vals, vecs = np.linalg.eigh(0.5 * (cov + cov.T))
+    a = np.linspace(0, 2 * np.pi, points)
+    u = np.stack([np.cos(a), np.sin(a)])
+    xy = mean[:, None] + vecs @ (np.sqrt(np.maximum(vals, 0))[:, None] * u)
+    return xy[0], xy[1]
+
+
+# ------------------------------------------------------------------ diagnostics over depth
+
+def diagnostics_figure(rows: list[dict]):
+    """Mean, covariance, mass and outflow of every prompt against depth t (one colour
+    per prompt; components: solid, dashed, dotted)."""
+    dim = sum(1 for k in rows[0] if k.startswith("mean_"))
+    prompts = list(dict.fromkeys(r["prompt"] for r in rows))
+    fig, axes = _figure(4, 1, width=2.4, height=2.1)
+    axes = axes[0]
+    styles = ["-", "--", ":", "-."]
+    for p, name in enumerate(prompts):
+        mine = [r for r in rows if r["prompt"] == name]
+        t = np.array([r["t"] for r in mine])
+        colour = f"C{p % 10}"
+        for a in range(dim):
+            axes[0].plot(t, [r[f"mean_{a}"] for r in mine], styles[a], color=colour,
+                         label=name if a == 0 else None)
+        pairs = [(a, b) for a in range(dim) for b in range(a, dim)]
+        for k, (a, b) in enumerate(pairs):
+            axes[1].plot(t, [r[f"cov_{a}{b}"] for r in mine], styles[k % len(styles)], color=colour)
+        mass = np.array([r["mass"] for r in mine])
+        axes[2].plot(t, mass - mass[0], "-", color=colour)
+        axes[3].plot(t, [r["outflow"] for r in mine], "-", color=colour)
+    for ax, title in zip(axes, ("mean", "covariance", "mass(t) − mass(0) on the mesh", "outflow")):
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("depth t", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    comps = ", ".join(f"{styles[a]} {coordinate(a)}" for a in range(dim))
+    axes[0].set_ylabel(f"components ({comps})" if dim > 1 else "", fontsize=7)
+    axes[0].legend(fontsize=7)
+    return fig
+
+
+# ------------------------------------------------------------------ training
+
+def training_figure(history: dict):
+    """Risk (and a test risk where history.csv has one) against the training step on
+    a log scale, the gradient norm |dR/dtheta|, the step size and the heads'
+    displacement per step."""
+    step = history["step"]
+    fig, axes = _figure(3, 1, width=2.6, height=2.2)
+    axes = axes[0]
+    _log_line(axes[0], step, history["risk"], "o-", label="risk")
+    if "test_risk" in history:
+        _log_line(axes[0], step, history["test_risk"], "s--", label="test risk")
+        axes[0].legend(fontsize=7)
+    axes[0].set_title("risk R", fontsize=9)
+    _log_line(axes[1], step, history["grad_norm"], "o-", label="gradient norm")
+    axes[1].set_title("|dR/dθ|", fontsize=9)
+    _log_line(axes[2], step, history["step_size"], "-", label="step size")
+    if "displacement" in history:
+        moved = history["displacement"] > 0
+        _log_line(axes[2], step[moved], history["displacement"][moved], "o:", label="|Δθ|")
+    axes[2].set_title("step size, |Δθ|", fontsize=9)
+    axes[2].legend(fontsize=7)
+    for ax in axes:
+        ax.set_xlabel("training step", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    return fig
+
+
+def _log_line(ax, x, y, style: str, label: str):
+    """A line on a log y axis where every value is positive (linear otherwise), with
+    labelled ticks however few decades it spans."""
+    line, = ax.plot(x, y, style, ms=3, label=label)
+    y = np.asarray(y, float)
+    if len(y) and np.all(y > 0):
+        ax.set_yscale("log")
+        _log_ticks(ax)
+    return line
+
+
+def _log_ticks(ax) -> None:
+    """Major ticks at 1, 2, 5 (or finer) times powers of ten where the axis spans few
+    decades (matplotlib would label none inside one decade); no minor ticks."""
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullLocator
+    low, high = ax.get_ylim()
+    decades = np.log10(high / low) if low > 0 else np.inf
+    subs = (1.0, 1.5, 2.0, 3.0, 5.0, 7.0) if decades < 1 else (1.0, 2.0, 5.0) if decades < 3 else (1.0,)
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs, numticks=12))
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))
+
+
+# ------------------------------------------------------------------ heads
+
+def head_vectors(params: dict, layer: int) -> np.ndarray:
+    """theta = (Q, K, V) of each head of a layer, flattened: (H, entries)."""
+    return np.concatenate([params[n][layer].reshape(params[n].shape[1], -1) for n in ("Q", "K", "V")], axis=1)
+
+
+def principal_coordinates(points: np.ndarray) -> np.ndarray:
+    """Coordinates of points in their two leading principal directions (about their
+    mean; zeros where there are fewer)."""
+    centred = points - points.mean(axis=0)
+    _, _, vt = np.linalg.svd(centred, full_matrices=False)
+    out = np.zeros((len(points), 2))
+    k = min(2, vt.shape[0])
+    out[:, :k] = centred @ vt[:k].T
+    return out
+
+
+def heads_figure(params: list[tuple[int, dict]]):
+    """The head measure of each layer as a cloud: every head theta_{l,h} at the first
+    (open) and last (filled) step in the two leading principal directions of that
+    layer's heads at both steps, with the path between them. None without params."""
+    if not params:
+        return None
+    (first_step, first), (last_step, last) = params[0], params[-1]
+    layers = first["Q"].shape[0]
+    columns = min(layers, 4)
+    fig, axes = _figure(columns, -(-layers // columns), width=2.0, height=2.0)
+    for l, ax in enumerate(axes.ravel()):
+        if l >= layers:
+            ax.set_visible(False)
+            continue
+        a, b = head_vectors(first, l), head_vectors(last, l)
+        xy = principal_coordinates(np.vstack([a, b]))
+        xa, xb = xy[:len(a)], xy[len(a):]
+        for p, q in zip(xa, xb):
+            ax.plot([p[0], q[0]], [p[1], q[1]], "-", color="0.7", lw=0.8)
+        ax.plot(xa[:, 0], xa[:, 1], "o", mfc="none", color="C0", ms=4, label=f"step {first_step}")
+        ax.plot(xb[:, 0], xb[:, 1], "o", color="C1", ms=4, label=f"step {last_step}")
+        ax.set_title(f"layer {l}", fontsize=9)
+        ax.tick_params(labelsize=7)
+        ax.set_xlabel("θ · e₁", fontsize=8)
+        if l % columns == 0:
+            ax.set_ylabel("θ · e₂", fontsize=8)
+    axes[0, 0].legend(fontsize=7)
+    fig.suptitle("heads θ = (Q, K, V) per layer, two leading principal directions", fontsize=10)
+    return fig
+
+
+def gradient_figure(gradient: dict):
+    """|dR/dtheta_{l,h}| (Q, K and V together) per layer and head."""
+    norms = np.sqrt(sum(np.sum(gradient[n].reshape(gradient[n].shape[0], gradient[n].shape[1], -1) ** 2,
+                               axis=2) for n in ("dQ", "dK", "dV")))
+    layers, heads = norms.shape
+    fig, axes = _figure(1, 1, width=max(2.4, 0.35 * heads + 1), height=max(2.0, 0.3 * layers + 1))
+    ax = axes[0, 0]
+    image = ax.imshow(norms, origin="lower", cmap=CMAP, aspect="auto")
+    ax.set_xlabel("head", fontsize=8)
+    ax.set_ylabel("layer", fontsize=8)
+    ax.tick_params(labelsize=7)
+    risk = f" (risk {float(gradient['risk']):.4g})" if "risk" in gradient else ""
+    ax.set_title(f"|dR/dθ| per head{risk}", fontsize=9)
+    fig.colorbar(image, ax=ax, label="|dR/dθ_{l,h}|")
+    return fig
+
+
+# ------------------------------------------------------------------ the command
+
+def plot_command(folder: str, fmt: str | None = None, out: str | None = None) -> dict:
+    """``pdeformer plot``: the pictures (and paraview.py) of the run in ``folder``."""
+    fmt = fmt or summary_format(folder)
+    if out is not None:
+        try:
+            os.makedirs(out, exist_ok=True)
+        except OSError as e:
+            raise OutputError(f"{out}: cannot create the folder ({e.strerror or e})") from None
+    result = draw_run(folder, fmt, out)
+    if not result:
+        raise InputError(f"{folder}: nothing to draw (no fields.npz, diagnostics.csv, history.csv, "
+                         "params_*.npz or gradient.npz)")
+    return result
