@@ -559,7 +559,8 @@ def test_subsample_is_a_uniform_draw_the_same_on_any_rank():
     """The trial tables' subsample keeps each point with probability ``fraction``,
     independently of where it lies (binomial counts within 5 sigma, overall and per
     quadrant, on random points and on a regular grid like quadrature points), and keeps
-    the same points whatever their order or the rank that holds them."""
+    the same points whatever their order, the rank that holds them, or a last-bit
+    difference in their coordinates."""
     from pdeformer.attention.laplace import subsample
     rng = np.random.default_rng(5)
     side = np.linspace(-4, 4, 400)
@@ -573,6 +574,9 @@ def test_subsample_is_a_uniform_draw_the_same_on_any_rank():
                 assert abs(keep[part].sum() - f * n) <= 5 * np.sqrt(n * f * (1 - f)), (f, n)
             order = rng.permutation(len(pts))
             assert np.array_equal(subsample(pts[order], f), keep[order])
+            # the same nodes computed on another partition differ in the last bits
+            ulp = np.nextafter(pts, np.where(rng.random(pts.shape) < 0.5, np.inf, -np.inf))
+            assert np.array_equal(subsample(ulp, f), keep)
     assert subsample(grid, 1.0).all()
 
 

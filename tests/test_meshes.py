@@ -308,3 +308,49 @@ def test_shortest_edge():
     x, cells = _read_h5("disk")
     edges = [np.linalg.norm(x[cells[:, i]] - x[cells[:, j]], axis=1).min() for i, j in ((0, 1), (1, 2), (0, 2))]
     assert shortest_edge(comm, disk) == pytest.approx(min(edges), rel=1e-12)
+
+
+PARTITIONS_SCRIPT = r'''
+import hashlib, json, sys
+import numpy as np
+from mpi4py import MPI
+from pdeformer.fem.mesh import box_mesh, read_mesh
+
+def cells_of_this_rank(mesh):
+    """A digest of this rank's owned cells (their centroids, in sorted order)."""
+    d = mesh.topology.dim
+    owned = mesh.topology.index_map(d).size_local
+    from pdeformer.fem._dolfinx import geometry_nodes
+    centroids = mesh.geometry.x[geometry_nodes(mesh)[:owned]][..., :d].mean(axis=1)
+    keys = np.round(centroids * 1e6).astype(np.int64)
+    return hashlib.sha256(keys[np.lexsort(keys.T[::-1])].tobytes()).hexdigest()
+
+digests = {"box": [cells_of_this_rank(box_mesh(MPI.COMM_WORLD, [-4.0, -4.0], [4.0, 4.0], [48, 48], "triangle"))
+                   for _ in range(4)],
+           "disk": [cells_of_this_rank(read_mesh(MPI.COMM_WORLD, sys.argv[2])) for _ in range(3)]}
+every = MPI.COMM_WORLD.gather(digests, root=0)
+if MPI.COMM_WORLD.rank == 0:
+    with open(sys.argv[1], "w") as f:
+        json.dump(every, f)
+'''
+
+
+@pytest.mark.mpi
+def test_the_partition_is_the_same_every_time(tmp_path):
+    """A mesh built (or read) again on the same ranks is partitioned the same way:
+    SCOTCH with several threads is not (5 different partitions in 6 builds of a 64²
+    mesh on 2 ranks), and P-rank results would differ by round-off from run to run."""
+    import json
+    import subprocess
+    import sys
+    pytest.importorskip("dolfinx")
+    from pdeformer.tools.parallel import mpirun_command
+    script, out = tmp_path / "partitions.py", tmp_path / "out.json"
+    script.write_text(PARTITIONS_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "SCOTCH_PTHREAD_NUMBER"}
+    subprocess.run(mpirun_command(2) + [sys.executable, str(script), str(out),
+                                        os.path.join(MESH_DIR, "disk.xdmf")],
+                   check=True, timeout=300, env=env, cwd=tmp_path)
+    for rank, digests in enumerate(json.loads(out.read_text())):
+        for mesh, found in digests.items():
+            assert len(set(found)) == 1, (rank, mesh, found)

@@ -11,9 +11,10 @@ exponential costs 1-2 ns with a vectorised exp and 5-10 ns with a scalar one: a
 machine-independent constant would choose badly somewhere).
 
 They are measured once per machine -- CPU (model and instruction-set flags), numpy
-version and BLAS, the compiled loops' build -- by one rank, in about half a second, and
-kept in ``$PDEFORMER_CACHE/costs-<key>.json``; every rank of a run takes rank 0's numbers
-(broadcast), so the ranks agree, and later runs on the machine choose alike.
+version, the compiled loops' build -- by one rank, in about half a second, and kept in
+``$PDEFORMER_CACHE/costs-<key>.json``; every rank of a run takes rank 0's numbers
+(broadcast), so the ranks agree, and later runs on the machine, on any number of ranks,
+choose alike.
 ``PDEFORMER_COSTS=FILE`` (a JSON object of the :class:`Costs` fields) pins them: then
 no choice depends on the machine (the test suite does this). A choice moves a result
 only within ``attention.tol``, the accuracy every way of summing is held to.
@@ -157,11 +158,12 @@ def measure() -> Costs:
 
 
 def machine_key() -> str:
-    """What the costs depend on: the CPU, numpy's version, the compiled loops' build and
-    the BLAS thread settings (a different BLAS behind the same numpy is not seen: remove
-    the file to measure again)."""
-    threads = [os.environ.get(v, "") for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")]
-    text = "\n".join([cpu_identity(), np.__version__, kernel_key(), *threads])
+    """What the costs depend on: the CPU, numpy's version and the compiled loops' build
+    (a different BLAS behind the same numpy is not seen: remove the file to measure
+    again). Not the rank count or the BLAS threads of the run: runs on 1 and on P ranks
+    of a machine take the same numbers, so they choose alike and their results agree to
+    round-off."""
+    text = "\n".join([cpu_identity(), np.__version__, kernel_key()])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -1224,11 +1224,14 @@ def mix64(z: np.ndarray) -> np.ndarray:
 
 def subsample(points: np.ndarray, fraction: float) -> np.ndarray:
     """Mask of about ``fraction`` of the points, the same points whichever rank holds
-    them: a point is kept where the hash of its coordinates' IEEE bit patterns (mix64,
-    coordinate by coordinate) is below fraction 2^64, as a uniform draw would be."""
+    them: a point is kept where the hash of its coordinates' bit patterns (mix64,
+    coordinate by coordinate) is below fraction 2^64, as a uniform draw would be. The
+    coordinates are hashed rounded to single precision: the same node computed on
+    another partition (its cell's vertices in another order) may differ in the last
+    bits of a double, and would be picked or not by chance."""
     if fraction >= 1.0:
         return np.ones(len(points), bool)
-    bits = np.ascontiguousarray(points, dtype=np.float64).view(np.uint64)
+    bits = np.ascontiguousarray(points, dtype=np.float32).astype(np.float64).view(np.uint64)
     h = np.zeros(len(points), np.uint64)
     for a in range(bits.shape[1]):
         h = mix64(h ^ bits[:, a])

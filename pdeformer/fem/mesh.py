@@ -31,8 +31,18 @@ CELL_TYPES = {
 }
 
 
+def reproducible_partition() -> None:
+    """One SCOTCH thread for the partitioner dolfinx calls (unless the user set
+    SCOTCH_PTHREAD_NUMBER): with several, the same job partitions the same mesh
+    differently from run to run, and the results of P > 1 ranks then differ by
+    round-off between runs (and, where a laplace choice sits at its threshold, by
+    more). SCOTCH reads the variable at every partitioning."""
+    os.environ.setdefault("SCOTCH_PTHREAD_NUMBER", "1")
+
+
 def box_mesh(comm, lower, upper, cells, cell: str):
     """The built-in mesh of [lower, upper] with ``cells`` cells per direction."""
+    reproducible_partition()
     d = len(lower)
     if d == 1:
         return dolfinx.mesh.create_interval(comm, cells[0], [lower[0], upper[0]])
@@ -164,7 +174,9 @@ def check_xdmf(filename: str, name: str) -> None:
 
 
 def read_mesh(comm, filename: str, name: str = "mesh"):
+    """The mesh ``name`` of an XDMF file (checked first: one-line errors naming it)."""
     on_root(comm, check_xdmf, filename, name)
+    reproducible_partition()
     try:
         with hdf5_quiet(), dolfinx.io.XDMFFile(comm, filename, "r") as f:
             mesh = f.read_mesh(name=name)
