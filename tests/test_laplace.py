@@ -542,15 +542,15 @@ def test_size_search_survives_a_subsample_without_positive_mass():
     """Signed weights (DG undershoots) near a corner whose one positive source the
     coordinate-hash subsample leaves out: the trial tables' Z vanishes there, the search
     falls back to the full sources and still finds a size that meets tol."""
-    from pdeformer.attention.laplace import SUBSAMPLE, subsample
+    from pdeformer.attention.laplace import SUBSAMPLE, coordinate_scale, subsample
     rng = np.random.default_rng(2)
     y = rng.random((20000, 2))
     w = np.where(y.sum(axis=1) > 1.8, -0.02, 1.0)
-    c = 1.0
-    while subsample(np.array([[c, c]]), SUBSAMPLE / 20001)[0]:
+    c = 1.0 + 1e-6                      # the sources' scale: 2
+    while subsample(np.array([[c, c]]), SUBSAMPLE / 20001, 2.0)[0]:
         c += 1e-6
     y, w = np.vstack([y, [[c, c]]]), np.append(w, 1.0)
-    assert not subsample(y, SUBSAMPLE / len(y))[-1]
+    assert coordinate_scale(y, COMM) == 2.0 and not subsample(y, SUBSAMPLE / len(y), 2.0)[-1]
     table, est = choose_table(y, w, np.array([-50.0, -50.0]), np.array([50.0, 50.0]), COMM, 1e-4)
     assert est <= 1e-4 and np.all(np.isfinite(table.m))
 
@@ -559,25 +559,31 @@ def test_subsample_is_a_uniform_draw_the_same_on_any_rank():
     """The trial tables' subsample keeps each point with probability ``fraction``,
     independently of where it lies (binomial counts within 5 sigma, overall and per
     quadrant, on random points and on a regular grid like quadrature points), and keeps
-    the same points whatever their order, the rank that holds them, or a last-bit
-    difference in their coordinates."""
-    from pdeformer.attention.laplace import subsample
+    the same points whatever their order, the rank that holds them, or the round-off
+    in their coordinates: last bits, and 1e-17 or -0 where another partition has 0
+    (the velocity nodes of a 32^2 mesh on 1 and 3 ranks, dolfinx 0.9)."""
+    from pdeformer.attention.laplace import coordinate_scale, subsample
     rng = np.random.default_rng(5)
     side = np.linspace(-4, 4, 400)
     grid = np.stack(np.meshgrid(side, side), -1).reshape(-1, 2)
-    for pts in (rng.normal(size=(160000, 2)), grid, rng.normal(size=(50000, 1))):
+    lattice = np.stack(np.meshgrid(np.arange(-16, 17) / 4, np.arange(-16, 17) / 4), -1).reshape(-1, 2)
+    for pts in (rng.normal(size=(160000, 2)), grid, rng.normal(size=(50000, 1)), lattice):
+        scale = coordinate_scale(pts, MPI.COMM_SELF)
         for f in (0.02, 0.3):
-            keep = subsample(pts, f)
+            keep = subsample(pts, f, scale)
             quadrants = [np.all(pts >= 0, 1), np.all(pts < 0, 1), pts[:, 0] >= 0]
             for part in [np.ones(len(pts), bool)] + quadrants:
                 n = part.sum()
                 assert abs(keep[part].sum() - f * n) <= 5 * np.sqrt(n * f * (1 - f)), (f, n)
             order = rng.permutation(len(pts))
-            assert np.array_equal(subsample(pts[order], f), keep[order])
-            # the same nodes computed on another partition differ in the last bits
+            assert np.array_equal(subsample(pts[order], f, scale), keep[order])
+            # the same nodes computed on another partition
             ulp = np.nextafter(pts, np.where(rng.random(pts.shape) < 0.5, np.inf, -np.inf))
-            assert np.array_equal(subsample(ulp, f), keep)
-    assert subsample(grid, 1.0).all()
+            assert np.array_equal(subsample(ulp, f, scale), keep)
+            noisy = np.where(pts == 0, rng.choice([-1e-17, -0.0, 4e-17], size=pts.shape), pts)
+            assert np.array_equal(subsample(noisy, f, scale), keep)
+    assert coordinate_scale(lattice, MPI.COMM_SELF) == 4.0
+    assert subsample(grid, 1.0, 4.0).all()
 
 
 @pytest.mark.parametrize("compiled", [True, False])

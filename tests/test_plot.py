@@ -165,6 +165,7 @@ RUNS = {
     "forward_3d_2": (CONFIG_3D, ["forward"], 2, ["densities", "diagnostics"]),
     "particles_2": (PARTICLES, ["particles", "--gradient"], 2, ["densities", "diagnostics", "gradient"]),
     "train_1": (TRAIN, ["train"], 1, ["densities", "training", "heads"]),
+    "train_2": (TRAIN, ["train"], 2, ["densities", "training", "heads"]),
 }
 
 
@@ -212,18 +213,22 @@ def test_runs_draw_their_pictures_and_plot_draws_them_again(runs, name, tmp_path
 
 @pytest.mark.mpi
 def test_fields_file_is_the_same_on_one_and_two_ranks(runs):
-    """Cells gathered in centroid order: 1 and 2 ranks write the same arrays (1e-12)."""
+    """Cells gathered in centroid order: 1 and 2 ranks write the same arrays (1e-12),
+    for a forward run and for the densities at a training run's trained heads."""
+    for one, two in (("forward_2d_1", "forward_2d_2"), ("train_1", "train_2")):
+        a = np.load(os.path.join(runs[one], "fields.npz"))
+        b = np.load(os.path.join(runs[two], "fields.npz"))
+        assert sorted(a.files) == sorted(b.files)
+        assert {"points", "cells", "density_0", "t_0", "mean_0", "target_cov_0"} <= set(a.files)
+        for k in a.files:
+            if a[k].dtype.kind in "fiu":
+                scale = max(1.0, float(np.abs(a[k]).max()))
+                np.testing.assert_allclose(a[k], b[k], atol=1e-12 * scale, rtol=0, err_msg=(one, k))
+            else:
+                assert (a[k] == b[k]).all(), (one, k)
     a = np.load(os.path.join(runs["forward_2d_1"], "fields.npz"))
-    b = np.load(os.path.join(runs["forward_2d_2"], "fields.npz"))
-    assert sorted(a.files) == sorted(b.files)
-    assert {"points", "cells", "density_0", "density_1", "t_0", "mean_1", "target_cov_1"} <= set(a.files)
+    assert {"density_1", "mean_1", "target_cov_1"} <= set(a.files)
     assert a["density_0"].shape == (3, 288) and a["cells"].shape == (288, 3)
-    for k in a.files:
-        if a[k].dtype.kind in "fiu":
-            scale = max(1.0, float(np.abs(a[k]).max()))
-            np.testing.assert_allclose(a[k], b[k], atol=1e-12 * scale, rtol=0, err_msg=k)
-        else:
-            assert (a[k] == b[k]).all(), k
     # the cell means integrate to the mass of diagnostics.csv
     from pdeformer.tools.output import read_diagnostics
     x = a["points"][a["cells"]]

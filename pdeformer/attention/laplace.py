@@ -1222,16 +1222,29 @@ def mix64(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def subsample(points: np.ndarray, fraction: float) -> np.ndarray:
+def coordinate_scale(points: np.ndarray, comm) -> float:
+    """The power of two at or above the largest |coordinate| of all ranks' points (1
+    where there are none or all are 0): :func:`subsample`'s scale, the same on every rank."""
+    local = float(np.max(np.abs(points))) if points.size else 0.0
+    largest = comm.allreduce(local if np.isfinite(local) else 0.0, op=MPI.MAX)
+    return float(2.0 ** np.ceil(np.log2(largest))) if largest > 0 else 1.0
+
+
+QUANTUM_BITS = 24   # subsample's grid: 2^-24 of the coordinates' scale
+
+
+def subsample(points: np.ndarray, fraction: float, scale: float) -> np.ndarray:
     """Mask of about ``fraction`` of the points, the same points whichever rank holds
-    them: a point is kept where the hash of its coordinates' bit patterns (mix64,
-    coordinate by coordinate) is below fraction 2^64, as a uniform draw would be. The
-    coordinates are hashed rounded to single precision: the same node computed on
-    another partition (its cell's vertices in another order) may differ in the last
-    bits of a double, and would be picked or not by chance."""
+    them: a point is kept where the hash of its coordinates (mix64, coordinate by
+    coordinate) is below fraction 2^64, as a uniform draw would be. The coordinates
+    are hashed as integers on a grid of 2^-QUANTUM_BITS ``scale`` (a power of two
+    that all ranks share, :func:`coordinate_scale`): the same node computed on another
+    partition (its cell's vertices in another order) differs in the last bits of a
+    double, or is 1e-17 where it is 0 on another, and must be picked alike."""
     if fraction >= 1.0:
         return np.ones(len(points), bool)
-    bits = np.ascontiguousarray(points, dtype=np.float32).astype(np.float64).view(np.uint64)
+    grid = np.rint(np.asarray(points, dtype=np.float64) * (2.0 ** QUANTUM_BITS / scale))
+    bits = np.ascontiguousarray(grid.astype(np.int64)).view(np.uint64)
     h = np.zeros(len(points), np.uint64)
     for a in range(bits.shape[1]):
         h = mix64(h ^ bits[:, a])
@@ -1288,7 +1301,7 @@ def choose_table(points, weights, b_lo, b_hi, comm, tol: float, n_max: int = N_M
     i = min(i, len(sizes) - 1)
     total = comm.allreduce(len(points), op=MPI.SUM)
     if start is None and total > 2 * SUBSAMPLE:
-        keep = subsample(points, SUBSAMPLE / total)
+        keep = subsample(points, SUBSAMPLE / total, coordinate_scale(points, comm))
         if comm.allreduce(int(keep.sum()), op=MPI.SUM) >= SUBSAMPLE // 4:   # not degenerate
             try:
                 i, _, _ = search(points[keep], weights[keep], i, None, builds=TRIAL_BUILDS)
@@ -1513,7 +1526,8 @@ class TablePlanner:
         if cached is None or cached[1] is not x or not np.array_equal(cached[0], A):
             lo, hi = b_range(x, A, self.comm)
             count = self.comm.allreduce(len(x), op=MPI.SUM) * len(A)
-            picked = x[subsample(x, CHECK_POINTS / max(count, 1))] if len(x) else x
+            picked = x[subsample(x, CHECK_POINTS / max(count, 1), coordinate_scale(x, self.comm))] \
+                if len(x) else x
             check = np.einsum("hij,nj->hni", A, picked).reshape(-1, x.shape[1])
             cached = self._ranges[key] = (A.copy(), x, lo, hi, check)
         return cached
