@@ -1526,8 +1526,8 @@ class TablePlanner:
         if cached is None or cached[1] is not x or not np.array_equal(cached[0], A):
             lo, hi = b_range(x, A, self.comm)
             count = self.comm.allreduce(len(x), op=MPI.SUM) * len(A)
-            picked = x[subsample(x, CHECK_POINTS / max(count, 1), coordinate_scale(x, self.comm))] \
-                if len(x) else x
+            scale = coordinate_scale(x, self.comm)          # collective: also on a rank without targets
+            picked = x[subsample(x, CHECK_POINTS / max(count, 1), scale)] if len(x) else x
             check = np.einsum("hij,nj->hni", A, picked).reshape(-1, x.shape[1])
             cached = self._ranges[key] = (A.copy(), x, lo, hi, check)
         return cached
