@@ -128,13 +128,31 @@ print(json.dumps(got) if rank == 0 else "", flush=True)
 """
 
 
+def test_only_the_compiled_loops_costs_may_be_missing():
+    """NaN stands for 'no compiled loops' in spread, spread_call and fine_point only: a
+    NaN flop or pair would silently turn every comparison False."""
+    data = json.load(open(PINNED))
+    assert costs.Costs.from_dict({**data, "spread": float("nan")}, "f").compiled is False
+    for key in ("flop", "pair", "dense_node"):
+        with pytest.raises(ValueError, match=f"f: {key} must be positive"):
+            costs.Costs.from_dict({**data, key: float("nan")}, "f")
+
+
+def test_a_failure_on_rank_zero_is_raised_everywhere(fresh, monkeypatch):
+    """Whatever stops rank 0 while it measures reaches every rank (here: one rank)."""
+    monkeypatch.setattr(costs, "cache_dir", lambda: (_ for _ in ()).throw(RuntimeError("no home")))
+    with pytest.raises(RuntimeError, match="measuring the attention costs failed on rank 0: RuntimeError: no home"):
+        costs.machine_costs(MPI.COMM_WORLD)
+
+
+@pytest.mark.mpi
 def test_every_rank_takes_rank_zeros_costs(tmp_path):
+    from pdeformer.tools.parallel import mpirun_command
     script = tmp_path / "ranks.py"
     script.write_text(RANKS_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "PDEFORMER_COSTS"}
-    proc = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "3", sys.executable,
-                           str(script), str(tmp_path), PINNED], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=120)
+    proc = subprocess.run(mpirun_command(3) + [sys.executable, str(script), str(tmp_path), PINNED],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [1e-9] * 3
 

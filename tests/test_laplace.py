@@ -583,6 +583,7 @@ def test_subsample_is_a_uniform_draw_the_same_on_any_rank():
             noisy = np.where(pts == 0, rng.choice([-1e-17, -0.0, 4e-17], size=pts.shape), pts)
             assert np.array_equal(subsample(noisy, f, scale), keep)
     assert coordinate_scale(lattice, MPI.COMM_SELF) == 4.0
+    assert coordinate_scale(np.nextafter(lattice, np.inf), MPI.COMM_SELF) == 4.0   # a corner at 4 + 1 ulp
     assert subsample(grid, 1.0, 4.0).all()
 
 

@@ -397,6 +397,19 @@ def test_plot_bad_input_is_one_line(runs, tmp_path):
     with open(copy / "summary.json", "w") as f:
         json.dump({"files": {}}, f)
     check_one_line_error(run_cli(["plot", str(copy)], check=False), f"{copy / 'diagnostics.csv'}: cannot read")
+    # files that load but lack what the pictures need
+    other = tmp_path / "other"
+    shutil.copytree(runs["particles_2"], other)
+    with np.load(other / "gradient.npz") as g:
+        np.savez(other / "gradient.npz", **{k: g[k] for k in g.files if k != "dQ"})
+    check_one_line_error(run_cli(["plot", str(other)], check=False),
+                         f"{other / 'gradient.npz'}: not as pdeformer writes it (KeyError")
+    with open(other / "diagnostics.csv") as f:
+        text = f.read()
+    with open(other / "diagnostics.csv", "w") as f:
+        f.write(text.replace(",outflow", ",outgo", 1))
+    check_one_line_error(run_cli(["plot", str(other)], check=False),
+                         f"{other / 'diagnostics.csv'}: not as pdeformer writes it (KeyError")
 
 
 def test_no_pictures_with_plots_false(tmp_path):

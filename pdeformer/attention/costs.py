@@ -11,7 +11,7 @@ exponential costs 1-2 ns with a vectorised exp and 5-10 ns with a scalar one: a
 machine-independent constant would choose badly somewhere).
 
 They are measured once per machine -- CPU (model and instruction-set flags), numpy
-version, the compiled loops' build -- by one rank, in about half a second, and kept in
+version, the compiled loops' build -- by one rank, in about 0.25 s, and kept in
 ``$PDEFORMER_CACHE/costs-<key>.json``; every rank of a run takes rank 0's numbers
 (broadcast), so the ranks agree, and later runs on the machine, on any number of ranks,
 choose alike.
@@ -26,6 +26,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import tempfile
 import time
@@ -37,12 +38,17 @@ from mpi4py import MPI
 from ..tools.errors import InputError
 from .compiled import cache_dir, cpu_identity, kernel_key, kernels
 
+log = logging.getLogger("pdeformer")
+
+
+COMPILED_FIELDS = ("spread", "spread_call", "fine_point")   # NaN where there are no compiled loops
+
 
 @dataclasses.dataclass(frozen=True)
 class Costs:
     """Seconds per operation, on this machine (see the module's docstring)."""
 
-    flop: float          # one flop of a dense matrix product (BLAS, one thread)
+    flop: float          # one flop of a dense matrix product (BLAS, the measuring run's threads)
     dense_node: float    # a table's direct sums, per grid node and source besides the products
     pair: float          # direct summation: one (target, head, source) pair, forward
     spread: float        # the compiled panel spread: one source and column (nan: no compiled loops)
@@ -62,9 +68,10 @@ class Costs:
             values = {k: float(data[k]) for k in fields}
         except (TypeError, ValueError):
             raise ValueError(f"{where}: every value must be a number of seconds") from None
-        bad = [k for k, v in values.items() if not (v > 0 or np.isnan(v))]
+        bad = [k for k, v in values.items() if not (v > 0 or (np.isnan(v) and k in COMPILED_FIELDS))]
         if bad:
-            raise ValueError(f"{where}: {', '.join(bad)} must be positive seconds")
+            raise ValueError(f"{where}: {', '.join(bad)} must be positive seconds (NaN only for "
+                             f"{', '.join(COMPILED_FIELDS)}: no compiled loops)")
         return cls(**values)
 
     @property
@@ -143,7 +150,9 @@ def _measure_tables(rng) -> dict:
 
 
 def measure() -> Costs:
-    """The costs of this machine, measured now (about half a second, one thread)."""
+    """The costs of this machine, measured now (about 0.25 s), with this process's BLAS
+    threads (under mpirun pdeformer sets one per rank; a serial run may have several):
+    the first run on a machine writes the numbers later runs share."""
     rng = np.random.default_rng(0)
     flop = _measure_flop(rng)
     # the small table measured below asks for costs itself: it gets these provisional
@@ -177,14 +186,18 @@ def _read(path: Path) -> Costs:
 
 
 def _load_or_measure() -> Costs:
-    """The pinned costs (PDEFORMER_COSTS), else this machine's from the cache, else
-    measured and cached (written atomically; a cache that cannot be written is skipped)."""
+    """The pinned costs (PDEFORMER_COSTS: InputError where the file is not one), else
+    this machine's from the cache, else measured and cached (written atomically; a cache
+    that cannot be written is a warning: later runs measure again and may choose
+    otherwise, within tol)."""
     pinned = os.environ.get("PDEFORMER_COSTS")
     if pinned:
         try:
             return _read(Path(pinned))
         except OSError as e:
-            raise ValueError(f"{pinned}: cannot read it ({e.strerror})") from None
+            raise InputError(f"PDEFORMER_COSTS: {pinned}: cannot read it ({e.strerror})") from None
+        except ValueError as e:
+            raise InputError(f"PDEFORMER_COSTS: {e}") from None
     path = cache_dir() / f"costs-{machine_key()}.json"
     try:
         return _read(path)
@@ -196,8 +209,9 @@ def _load_or_measure() -> Costs:
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
             json.dump(dataclasses.asdict(costs), f, indent=1)
         os.replace(f.name, path)
-    except OSError:
-        pass
+    except OSError as e:
+        log.warning("warning: the attention costs measured here cannot be kept in %s (%s); "
+                    "set PDEFORMER_CACHE to a writable folder", path, e.strerror or e)
     return costs
 
 
@@ -208,7 +222,8 @@ _MEASURING: list = []
 def machine_costs(comm=None) -> Costs:
     """This run's costs: loaded or measured by rank 0 of ``comm`` and broadcast, the first
     time (collective then: every rank of ``comm`` calls it); the same object afterwards.
-    A run calls it once on all its ranks before anything is summed (build_problem)."""
+    A run calls it once on all its ranks before anything is summed (build_problem).
+    Whatever stops rank 0 is raised on every rank (no rank is left waiting)."""
     if _MEASURING:
         return _MEASURING[0]
     if not _COSTS:
@@ -217,11 +232,15 @@ def machine_costs(comm=None) -> Costs:
         if comm.rank == 0:
             try:
                 found = _load_or_measure()
-            except ValueError as e:      # a pinned file that is not one
-                error = str(e)
+            except InputError as e:
+                error = ("input", str(e))
+            except Exception as e:       # noqa: BLE001 (broadcast, then raised everywhere)
+                error = ("bug", f"{type(e).__name__}: {e}")
         found, error = comm.bcast((found, error), root=0)
         if error is not None:
-            raise InputError(f"PDEFORMER_COSTS: {error}")
+            if error[0] == "input":
+                raise InputError(error[1])
+            raise RuntimeError(f"measuring the attention costs failed on rank 0: {error[1]}")
         _COSTS.append(found)
     return _COSTS[0]
 

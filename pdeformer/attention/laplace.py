@@ -1223,11 +1223,13 @@ def mix64(z: np.ndarray) -> np.ndarray:
 
 
 def coordinate_scale(points: np.ndarray, comm) -> float:
-    """The power of two at or above the largest |coordinate| of all ranks' points (1
-    where there are none or all are 0): :func:`subsample`'s scale, the same on every rank."""
+    """The power of two at or above the largest |coordinate| of all ranks' points, less
+    a 2^-20 margin (1 where there are none or all are 0): :func:`subsample`'s scale, the
+    same on every rank. The margin keeps a mesh's corner at 4 computed as 4(1 + 2^-52)
+    on some partition from doubling the scale."""
     local = float(np.max(np.abs(points))) if points.size else 0.0
     largest = comm.allreduce(local if np.isfinite(local) else 0.0, op=MPI.MAX)
-    return float(2.0 ** np.ceil(np.log2(largest))) if largest > 0 else 1.0
+    return float(2.0 ** np.ceil(np.log2(largest * (1.0 - 2.0 ** -20)))) if largest > 0 else 1.0
 
 
 QUANTUM_BITS = 24   # subsample's grid: 2^-24 of the coordinates' scale

@@ -176,20 +176,24 @@ def draw_run(folder: str, fmt: str = "png", out: str | None = None, prompts: lis
     from .paraview_session import write_session
     out = out or folder
     inputs = run_inputs(folder)
-    figures = {}
+    figures = {}   # picture -> (the file it is drawn from, how)
     if "fields" in inputs:
-        figures["densities"] = lambda: density_figure(read_snapshots(inputs["fields"]))
+        figures["densities"] = (inputs["fields"], lambda: density_figure(read_snapshots(inputs["fields"])))
     if "diagnostics" in inputs:
-        figures["diagnostics"] = lambda: diagnostics_figure(read_diagnostics_table(inputs["diagnostics"]))
+        figures["diagnostics"] = (inputs["diagnostics"],
+                                  lambda: diagnostics_figure(read_diagnostics_table(inputs["diagnostics"])))
     if "history" in inputs:
-        figures["training"] = lambda: training_figure(read_table(inputs["history"]))
+        figures["training"] = (inputs["history"], lambda: training_figure(read_table(inputs["history"])))
     if "params" in inputs:
-        figures["heads"] = lambda: heads_figure(read_params(folder))
+        figures["heads"] = (inputs["params"][-1], lambda: heads_figure(read_params(folder)))
     if "gradient" in inputs:
-        figures["gradient"] = lambda: gradient_figure(read_npz(inputs["gradient"]))
+        figures["gradient"] = (inputs["gradient"], lambda: gradient_figure(read_npz(inputs["gradient"])))
     drawn = []
-    for name, make in figures.items():
-        fig = make()
+    for name, (source, make) in figures.items():
+        try:
+            fig = make()
+        except (KeyError, IndexError, ValueError, TypeError) as e:   # a file that loads, but not ours
+            raise InputError(f"{source}: not as pdeformer writes it ({type(e).__name__}: {e})") from None
         if fig is not None:
             filename = f"{name}.{fmt}"
             save_figure(os.path.join(out, filename), fig, dpi=DPI)

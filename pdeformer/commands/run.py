@@ -376,7 +376,9 @@ def _trained_densities(run: Run, trainer):
     """fields.npz's frames at the trained heads: one more forward pass (it replays the
     step plan of the last gradient, made at these heads: the densities of the last
     risk). None with ``[output] plots = false``, or where the walltime guard would stop
-    the pass (it takes about half a training step)."""
+    the pass (it takes about half a training step). Its steps and evaluations are left
+    out of the summary's counts; its time is the phase "snapshots" (the velocity and
+    transport phases include it)."""
     snapshots = run.snapshots(caption=f"trained heads, step {trainer.history[-1]['step']}"
                               if trainer.history else "")
     if snapshots is None or not trainer.history:
@@ -387,9 +389,14 @@ def _trained_densities(run: Run, trainer):
         if run.comm.bcast(late if run.comm.rank == 0 else None, root=0):
             log.warning("warning: no densities at the trained heads (the walltime is near)")
             return None
+    counted = [run.solver.stats, run.solver.velocity_field.stats]
+    before = [dict(c) for c in counted]
     with run.groups.combined():
         with run.timer.phase("snapshots"):
             run.solver.run([snapshots])
+    for c, b in zip(counted, before):   # the summary's counts are the training's
+        c.clear()
+        c.update(b)
     return snapshots
 
 
