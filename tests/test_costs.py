@@ -87,7 +87,7 @@ def test_bad_pinned_costs_are_bad_input(fresh, monkeypatch, tmp_path, content, w
 
 
 @requires_dolfinx
-def test_bad_pinned_costs_end_the_run_with_one_line(tmp_path):
+def test_bad_pinned_costs_end_the_run_with_one_line(tmp_path, monkeypatch):
     """Under mpirun: one line naming PDEFORMER_COSTS and the file, status 2, every rank ends."""
     bad = tmp_path / "costs.json"
     bad.write_text('{"flop": 1}')
@@ -104,12 +104,8 @@ kind = "gaussian_mixture"
 means = [[0.0, 0.0]]
 covs = [0.5]
 """)
-    env_before = os.environ["PDEFORMER_COSTS"]
-    os.environ["PDEFORMER_COSTS"] = str(bad)
-    try:
-        proc = run_cli(["forward", cfg], nprocs=2, check=False)
-    finally:
-        os.environ["PDEFORMER_COSTS"] = env_before
+    monkeypatch.setenv("PDEFORMER_COSTS", str(bad))
+    proc = run_cli(["forward", cfg], nprocs=2, check=False)
     check_one_line_error(proc, f"PDEFORMER_COSTS: {bad}: expected a JSON object with exactly the keys")
 
 

@@ -245,6 +245,11 @@ def machine_costs(comm=None) -> Costs:
     return _COSTS[0]
 
 
+def costs_record(costs: Costs) -> dict:
+    """The costs as summary.json records them (``attention.costs_s``; null: no compiled loops)."""
+    return {k: (v if np.isfinite(v) else None) for k, v in dataclasses.asdict(costs).items()}
+
+
 def reset() -> None:
     """Forget this process's costs (tests)."""
     _COSTS.clear()

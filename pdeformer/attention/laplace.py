@@ -759,7 +759,7 @@ class LaplaceTable(HeadSums):
                 continue
             # one product for all columns: [E0 c_0; E0 c_1; ...] E1^T
             m = blk.stop - blk.start
-            left = work[:, :, :m] if m == work.shape[2] else np.empty((len(out), n, m))
+            left = work if m == work.shape[2] else np.empty((len(out), n, m))
             for k, ck in enumerate(np.ascontiguousarray(c[blk].T)):   # (strided: 10x slower)
                 np.multiply(Eb[0], ck, out=left[k])
             out += (left.reshape(-1, m) @ Eb[1].T).reshape(len(out), n, n)
@@ -1485,7 +1485,8 @@ class TablePlanner:
         self.comm, self.tol = comm, tol
         self.plans: dict = {}
         self.targets: dict = {}      # key -> the tol the sizes aim at (below tol if signed)
-        self._ranges: dict = {}      # key -> (A, targets, lo, hi)
+        self._ranges: dict = {}      # key -> (A, targets, lo, hi, check points)
+        self._target_info = None     # (targets, their count over all ranks, coordinate scale)
         self._layouts: dict = {}
         self._points = None
         self._lib = None
@@ -1527,12 +1528,19 @@ class TablePlanner:
         cached = self._ranges.get(key)
         if cached is None or cached[1] is not x or not np.array_equal(cached[0], A):
             lo, hi = b_range(x, A, self.comm)
-            count = self.comm.allreduce(len(x), op=MPI.SUM) * len(A)
-            scale = coordinate_scale(x, self.comm)          # collective: also on a rank without targets
-            picked = x[subsample(x, CHECK_POINTS / max(count, 1), scale)] if len(x) else x
+            count, scale = self._targets(x)
+            fraction = CHECK_POINTS / max(count * len(A), 1)
+            picked = x[subsample(x, fraction, scale)] if len(x) else x
             check = np.einsum("hij,nj->hni", A, picked).reshape(-1, x.shape[1])
             cached = self._ranges[key] = (A.copy(), x, lo, hi, check)
         return cached
+
+    def _targets(self, x) -> tuple:
+        """(count over all ranks, :func:`coordinate_scale`) of the targets x: collective,
+        on every rank (also one without targets); kept while x stays."""
+        if self._target_info is None or self._target_info[0] is not x:
+            self._target_info = (x, self.comm.allreduce(len(x), op=MPI.SUM), coordinate_scale(x, self.comm))
+        return self._target_info[1:]
 
     def b_range(self, key, x, A):
         return self._attained(key, x, A)[2:4]

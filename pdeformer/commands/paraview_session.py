@@ -78,11 +78,9 @@ def recorded_ranges(folder: str) -> dict:
     path = os.path.join(folder, "fields.npz")
     if os.path.isfile(path):
         from .plot import read_npz
-        data = read_npz(path)
-        for key, a in data.items():
-            m = re.fullmatch(r"(density|velocity)_range_\d+", key)
-            if m:
-                widen(m[1], a[0], a[1])
+        pattern = re.compile(r"(density|velocity)_range_\d+")
+        for key, a in read_npz(path, pattern.fullmatch).items():   # the ranges alone
+            widen(pattern.fullmatch(key)[1], a[0], a[1])
     from .plot import read_params
     for _, p in read_params(folder):
         A = np.einsum("lhkd,lhke->lhde", p["K"], p["Q"])   # A = K^T Q per head

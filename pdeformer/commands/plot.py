@@ -59,11 +59,12 @@ def coordinate(i: int) -> str:
 
 # ------------------------------------------------------------------ reading a run
 
-def read_npz(path: str) -> dict:
-    """The arrays of an .npz file; InputError naming it if it cannot be read."""
+def read_npz(path: str, wanted=None) -> dict:
+    """The arrays of an .npz file (those whose names ``wanted`` accepts: each is read
+    only if asked for); InputError naming it if it cannot be read."""
     try:
         with np.load(path, allow_pickle=False) as f:
-            return {k: f[k] for k in f.files}
+            return {k: f[k] for k in f.files if wanted is None or wanted(k)}
     except FileNotFoundError:
         raise InputError(f"{path}: no such file") from None
     except Exception as e:   # damaged, truncated, not an npz

@@ -35,6 +35,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..fem import _dolfinx as dfx
+from ..attention.costs import costs_record, machine_costs
 from ..tools.budget import check_memory, peak_memory
 from ..tools.errors import ConfigError, PdeformerError, SolverBreakdown, status_of
 from ..solvers.forward import ForwardSolver, Tracker, build_problem
@@ -198,7 +199,9 @@ class Run:
                            stats=groups.sum_stats(sv.stats),
                            attention={"backend": self.cfg["attention"]["backend"],
                                       "tol": self.cfg["attention"]["tol"],
-                                      **groups.sum_stats(sv.velocity_field.stats)})
+                                      **groups.sum_stats(sv.velocity_field.stats),
+                                      # the costs its choices were made from
+                                      "costs_s": costs_record(machine_costs())})
         summary["parallel"] = parallel_report(self.comm, groups, meter)
         peak = self.comm.allreduce(peak_memory(), op=MPI.MAX)
         summary["memory"] = {"estimate_per_rank_gb": self.memory["total"] / 2**30,

@@ -19,7 +19,6 @@ Either way the result depends on the partition only through summation order.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import NamedTuple
 
@@ -161,11 +160,7 @@ class AttentionVelocity:
         # risks see one discrete map, a function of the heads alone (:meth:`refreeze`)
         self.freeze = False
         self.frozen: dict = {}
-        # this machine's costs the choices of auto and of the tables are made from
-        costs = {k: (v if np.isfinite(v) else None)
-                 for k, v in dataclasses.asdict(machine_costs(comm)).items()}
         self.stats = {"direct": 0, "laplace": 0, "largest_estimate": 0.0, "largest_grid": 0,
-                      "costs_s": costs,
                       **self.planner.stats}
         self.planner.stats = self.stats   # table searches, plans reused, plans grown
 
