@@ -577,7 +577,7 @@ def gradient_figure(gradient: dict):
     ax.tick_params(labelsize=7)
     risk = f" (risk {float(gradient['risk']):.4g})" if "risk" in gradient else ""
     ax.set_title(f"|dR/dθ| per head{risk}", fontsize=9)
-    fig.colorbar(image, ax=ax, label="|dR/dθ_{l,h}|")
+    fig.colorbar(image, ax=ax, label="|dR/dθ| of head (l, h)")
     return fig
 
 
