@@ -316,6 +316,8 @@ REDUCED = {  # every config in runs/, at a size a test can afford
     "disk.toml": ["discretisation.degree=1", "model.layers=1", "model.heads=2"],
     "ball.toml": ["model.layers=1", "model.heads=2"],
     "interval.toml": ["mesh.cells=[50]", "model.layers=2", "model.heads=4"],
+    "circle.toml": ["mesh.cells=[48]", "model.layers=2"],       # also in test_sphere.py
+    "sphere.toml": ["mesh.refinements=1", "model.layers=1"],
 }
 
 

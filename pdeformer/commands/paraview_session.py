@@ -89,11 +89,25 @@ def recorded_ranges(folder: str) -> dict:
     return ranges
 
 
-def run_dimension(folder: str) -> int:
-    """d of the run: fields.npz's box, else summary.json's mesh, else 2."""
+CHART_DIMENSION = {"circle": 2, "sphere": 3}   # the space a circle or sphere lies in
+
+
+def run_chart(folder: str) -> str:
+    """fields.npz's ``chart``: "circle", "sphere", or "" (a flat mesh, or no such file)."""
     try:
         with np.load(os.path.join(folder, "fields.npz"), allow_pickle=False) as f:
-            return int(f["box"].shape[1])
+            return str(f["chart"]) if "chart" in f.files else ""
+    except Exception:
+        return ""
+
+
+def run_dimension(folder: str) -> int:
+    """d of the run: fields.npz's box (the space of its circle or sphere), else
+    summary.json's mesh, else 2."""
+    try:
+        with np.load(os.path.join(folder, "fields.npz"), allow_pickle=False) as f:
+            chart = str(f["chart"]) if "chart" in f.files else ""
+            return CHART_DIMENSION[chart] if chart else int(f["box"].shape[1])
     except Exception:
         pass
     try:
@@ -124,7 +138,7 @@ def session(folder: str, data_dir: str = ".", names: list[str] | None = None) ->
                                 "range": list(ranges[array]) if array in ranges else None})
         views.append({"name": prompt if prompt is not None else "heads", "series": entries,
                       "time": "step" if prompt is None else "t"})
-    return {"dim": run_dimension(folder), "views": views}
+    return {"dim": run_dimension(folder), "chart": run_chart(folder), "views": views}
 
 
 def write_session(folder: str, out: str | None = None, names: list[str] | None = None) -> str | None:
@@ -248,10 +262,15 @@ def time_label(view, source, name):
     set_first(display, "WindowLocation", ["Upper Right Corner", "UpperRightCorner"])
 
 
-def show_density(view, reader, entry, dim):
-    """1-D: the curve x -> (x, rho); 2-D: the surface; 3-D: the slice through the centre."""
+def show_density(view, reader, entry, dim, chart=""):
+    """1-D: the curve x -> (x, rho); 2-D: the surface; 3-D: the slice through the centre;
+    a circle or sphere (``chart``) coloured by rho where it lies."""
     array, value_range = entry["array"], entry["range"]
-    if dim == 1:
+    if chart:
+        display = Show(reader, view)
+        if chart == "circle":
+            display.LineWidth = 4.0
+    elif dim == 1:
         top = value_range[1] if value_range else reader.PointData[array].GetRange()[1]
         bounds = reader.GetDataInformation().GetBounds()
         warp = WarpByScalar(Input=reader)
@@ -323,7 +342,7 @@ def build(settings):
             reader = open_series(os.path.join(folder, entry["file"]))
             first = first or reader
             if entry["kind"] in ("density", "adjoint"):
-                show_density(view, reader, entry, dim)
+                show_density(view, reader, entry, dim, settings.get("chart", ""))
             elif entry["kind"] == "velocity":
                 show_vectors(view, reader, entry, dim)
             else:

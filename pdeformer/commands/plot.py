@@ -57,6 +57,19 @@ def coordinate(i: int) -> str:
     return f"x{str(i).translate(SUBSCRIPT)}"
 
 
+CHART_AXES = {"circle": ["θ"], "sphere": ["longitude (°)", "latitude (°)"]}
+
+
+def axis_names(snap: dict) -> list[str]:
+    """The names of the axes the densities are drawn on: the token coordinates, or on a
+    circle or sphere those of its chart (fields.npz's ``chart``)."""
+    chart = str(snap.get("chart", ""))
+    if chart:
+        return CHART_AXES[chart]
+    dim = snap["box"].shape[1]
+    return ["x"] if dim == 1 else [coordinate(a) for a in range(dim)]
+
+
 # ------------------------------------------------------------------ reading a run
 
 def read_npz(path: str, wanted=None) -> dict:
@@ -263,7 +276,7 @@ def _prompt_row(fig, axes, snap: dict, i: int, name: str, frames: list[int], bot
         else:
             mappable = _draw_cells(ax, snap, snap[f"density_{i}"][k], scale, i)
         ax.set_title(f"t = {t[k]:.3g}", fontsize=9)
-        _frame_axes(ax, snap["box"], dim, first=c == 0, bottom=bottom)
+        _frame_axes(ax, snap["box"], dim, first=c == 0, bottom=bottom, names=axis_names(snap))
     last = axes[len(frames) - 1]
     _draw_target(last, snap, i, scale)
     if f"target_density_{i}" in snap and dim > 1:
@@ -271,11 +284,11 @@ def _prompt_row(fig, axes, snap: dict, i: int, name: str, frames: list[int], bot
         target_scale = scale or (0.0, float(np.max(snap[f"target_density_{i}"])))
         mappable = _draw_cells(ax, snap, snap[f"target_density_{i}"], target_scale, i)
         ax.set_title("target", fontsize=9)
-        _frame_axes(ax, snap["box"], dim, first=False, bottom=bottom)
+        _frame_axes(ax, snap["box"], dim, first=False, bottom=bottom, names=axis_names(snap))
     for ax in axes[len(frames) + (f"target_density_{i}" in snap and dim > 1):]:
         ax.set_visible(False)
     label = name if dim < 3 or tokens else f"{name}\nslice {coordinate(2)} = {slice_level(snap, i):.2g}"
-    axes[0].set_ylabel(f"{label}\n{'ρ' if dim == 1 and not tokens else coordinate(1) if dim > 1 else 'tokens'}",
+    axes[0].set_ylabel(f"{label}\n{'ρ' if dim == 1 and not tokens else axis_names(snap)[1] if dim > 1 else 'tokens'}",
                        fontsize=9)
     if mappable is not None:
         fig.colorbar(mappable, ax=list(axes), shrink=0.9, label="ρ (cell mean)")
@@ -291,13 +304,14 @@ def density_scale(snap: dict, i: int) -> tuple[float, float]:
     return low, high if high > low else low + 1.0
 
 
-def _frame_axes(ax, box: np.ndarray, dim: int, first: bool, bottom: bool = True) -> None:
+def _frame_axes(ax, box: np.ndarray, dim: int, first: bool, bottom: bool = True,
+                names: list[str] | None = None) -> None:
     """Axes over the mesh's box, few ticks (y ticks on the first panel of a row only,
-    the x label on the bottom row)."""
+    the x label -- ``names[0]`` -- on the bottom row)."""
     from matplotlib.ticker import MaxNLocator
     ax.set_xlim(box[0, 0], box[1, 0])
     if bottom:
-        ax.set_xlabel(coordinate(0) if dim > 1 else "x", fontsize=8)
+        ax.set_xlabel((names or [coordinate(0) if dim > 1 else "x"])[0], fontsize=8)
     ax.tick_params(labelsize=7)
     ax.xaxis.set_major_locator(MaxNLocator(4))
     ax.yaxis.set_major_locator(MaxNLocator(4))
@@ -371,6 +385,10 @@ def _draw_cells(ax, snap: dict, values: np.ndarray, scale, i: int):
     if snap["box"].shape[1] == 2:
         tri, cell = cell_triangles(snap["cells"], str(snap["cell_type"]))
         x = snap["points"]
+        if str(snap.get("chart", "")) == "sphere":   # cells past +-180 degrees also on the other side
+            n = len(x)
+            x = np.concatenate([x, x - [360.0, 0.0], x + [360.0, 0.0]])
+            tri, cell = np.concatenate([tri, tri + n, tri + 2 * n]), np.tile(cell, 3)
         return ax.tripcolor(x[:, 0], x[:, 1], tri, facecolors=values[cell], vmin=low, vmax=high,
                             cmap=CMAP, shading="flat", rasterized=True)
     from matplotlib.collections import PolyCollection
@@ -396,8 +414,13 @@ def _draw_tokens(ax, x: np.ndarray, w: np.ndarray, box: np.ndarray) -> None:
 def _draw_target(ax, snap: dict, i: int, scale) -> None:
     """The target on a (the last) snapshot: moments as mean (x) and 1-sigma ellipse,
     points as grey crosses, a 1-D density target as a dashed curve, the potential's
-    centre as a star."""
+    centre as a star (on a circle's or sphere's chart only the density: the others
+    live in R^d)."""
     dim = snap["box"].shape[1]
+    if str(snap.get("chart", "")):
+        if f"target_density_{i}" in snap and dim == 1:
+            _draw_density_target(ax, snap, i)
+        return
     style = {"color": "white" if dim > 1 and f"tokens_{i}" not in snap else "C3", "lw": 1.2}
     if f"target_mean_{i}" in snap:
         mean, cov = snap[f"target_mean_{i}"], snap[f"target_cov_{i}"]
@@ -412,12 +435,17 @@ def _draw_target(ax, snap: dict, i: int, scale) -> None:
         p = snap[f"target_points_{i}"]
         ax.plot(p[:, 0], p[:, 1] if dim > 1 else np.zeros(len(p)), "x", color="0.4", ms=3)
     if f"target_density_{i}" in snap and dim == 1:
-        c = snap["points"][snap["cells"]].mean(axis=1)[:, 0]
-        order = np.argsort(c)
-        ax.plot(c[order], snap[f"target_density_{i}"][order], ls="--", color="C3", lw=1)
+        _draw_density_target(ax, snap, i)
     if "objective_center" in snap:
         centre = snap["objective_center"]
         ax.plot([centre[0]], [centre[1] if dim > 1 else 0.0], marker="*", ms=8, color="C1", ls="none")
+
+
+def _draw_density_target(ax, snap: dict, i: int) -> None:
+    """A 1-D density target at the cell centres, dashed."""
+    c = snap["points"][snap["cells"]].mean(axis=1)[:, 0]
+    order = np.argsort(c)
+    ax.plot(c[order], snap[f"target_density_{i}"][order], ls="--", color="C3", lw=1)
 
 
 def ellipse(mean: np.ndarray, cov: np.ndarray, points: int = 60) -> tuple[np.ndarray, np.ndarray]:

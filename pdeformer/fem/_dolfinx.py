@@ -73,7 +73,7 @@ def cell_dofs(V) -> np.ndarray:
 def owned_node_coordinates(W) -> np.ndarray:
     """Coordinates of the owned nodes of a Lagrange space with d components (or a
     scalar space in 1-D), (n_nodes, d), in the order of its (blocked) dof array."""
-    d = W.mesh.topology.dim
+    d = W.mesh.geometry.dim
     f = dolfinx.fem.Function(W)
     f.interpolate(lambda x: x[0] if d == 1 else x[:d])
     n = W.dofmap.index_map.size_local * W.dofmap.index_map_bs
@@ -91,6 +91,20 @@ def geometry_nodes(mesh) -> np.ndarray:
     if g.num_nodes == 0:
         return np.zeros((0, 1), dtype=np.int32)
     return g.array.reshape(g.num_nodes, -1)
+
+
+def manifold_mesh(comm, cells: np.ndarray, x: np.ndarray, cell: str):
+    """A mesh of affine ``cell``s (their vertex lists ``cells``) with vertex coordinates
+    ``x`` of a larger dimension (a curve in R^2, a surface in R^3), partitioned over
+    ``comm``; the data comes from rank 0 (the other ranks pass empty arrays)."""
+    import ufl
+    gdim = x.shape[1]
+    try:
+        import basix.ufl          # dolfinx >= 0.7: the coordinate element is a basix one
+        domain = ufl.Mesh(basix.ufl.element("Lagrange", cell, 1, shape=(gdim,)))
+    except ImportError:
+        domain = ufl.Mesh(ufl.VectorElement("Lagrange", ufl.Cell(cell, geometric_dimension=gdim), 1))
+    return dolfinx.mesh.create_mesh(comm, np.asarray(cells, dtype=np.int64), np.asarray(x, float), domain)
 
 
 def cell_type_name(mesh) -> str:

@@ -1,10 +1,15 @@
-"""The token domain Omega: a built-in box mesh or a mesh file (XDMF).
+"""The token domain Omega: a built-in box mesh, a circle or sphere, or a mesh file (XDMF).
 
 ``[mesh] lower, upper, cells, cell`` builds an interval, a rectangle (triangles or
-quadrilaterals) or a box (tetrahedra or hexahedra); ``[mesh] file`` (and ``name``, the
-grid name, default "mesh") reads an XDMF mesh as dolfinx writes it. The token
-dimension d is the mesh's topological dimension, and the geometry must have the
-same dimension (a 2-D mesh stored with XY coordinates).
+quadrilaterals) or a box (tetrahedra or hexahedra); ``shape = "circle"`` (``cells =
+[n]``: a regular n-gon) and ``shape = "sphere"`` (``refinements = r``: the icosahedron
+with every triangle split into 4, r times, 20 * 4^r triangles), both of ``radius``
+(default 1) about the origin, build a closed curve in R^2 and a closed surface in R^3;
+``[mesh] file`` (and ``name``, the grid name, default "mesh") reads an XDMF mesh as
+dolfinx writes it. The token dimension d is the dimension of the mesh's coordinates:
+the topological one for a flat mesh, 2 on a circle and 3 on a sphere, whose vertices lie
+on the sphere |x| = radius (a mesh file with more coordinates than its cells'
+dimension must be such a circle or sphere about the origin).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import numpy as np
 import dolfinx.io
 import dolfinx.mesh
 
+from . import _dolfinx as dfx
 from ..tools.errors import InputError
 from ..tools.parallel import on_root
 
@@ -51,6 +57,61 @@ def box_mesh(comm, lower, upper, cells, cell: str):
                                              cell_type=CELL_TYPES[cell])
     return dolfinx.mesh.create_box(comm, [np.array(lower), np.array(upper)], cells,
                                    cell_type=CELL_TYPES[cell])
+
+
+def icosphere(refinements: int) -> tuple[np.ndarray, np.ndarray]:
+    """Vertices (on the unit sphere) and triangles of the icosahedron refined
+    ``refinements`` times: each triangle split into 4 at its edges' midpoints, which are
+    pushed out onto the sphere. Triangles are counter-clockwise seen from outside."""
+    t = (1 + 5 ** 0.5) / 2
+    x = np.array([[-1, t, 0], [1, t, 0], [-1, -t, 0], [1, -t, 0], [0, -1, t], [0, 1, t],
+                  [0, -1, -t], [0, 1, -t], [t, 0, -1], [t, 0, 1], [-t, 0, -1], [-t, 0, 1]], float)
+    x /= np.linalg.norm(x, axis=1)[:, None]
+    tri = np.array([[0, 11, 5], [0, 5, 1], [0, 1, 7], [0, 7, 10], [0, 10, 11], [1, 5, 9],
+                    [5, 11, 4], [11, 10, 2], [10, 7, 6], [7, 1, 8], [3, 9, 4], [3, 4, 2],
+                    [3, 2, 6], [3, 6, 8], [3, 8, 9], [4, 9, 5], [2, 4, 11], [6, 2, 10],
+                    [8, 6, 7], [9, 8, 1]])
+    for _ in range(refinements):
+        edges = np.sort(np.concatenate([tri[:, [0, 1]], tri[:, [1, 2]], tri[:, [2, 0]]]), axis=1)
+        unique, index = np.unique(edges, axis=0, return_inverse=True)
+        index = index.reshape(3, -1) + len(x)               # midpoint of edge ab, bc, ca
+        mid = x[unique[:, 0]] + x[unique[:, 1]]
+        x = np.vstack([x, mid / np.linalg.norm(mid, axis=1)[:, None]])
+        a, b, c = tri.T
+        ab, bc, ca = index
+        tri = np.concatenate([np.c_[a, ab, ca], np.c_[b, bc, ab], np.c_[c, ca, bc], np.c_[ab, bc, ca]])
+    return x, tri
+
+
+def circle_mesh(comm, n: int, radius: float):
+    """The regular n-gon inscribed in the circle |x| = radius (n intervals in R^2)."""
+    reproducible_partition()
+    theta = 2 * np.pi * np.arange(n) / n
+    x = radius * np.c_[np.cos(theta), np.sin(theta)]
+    cells = np.c_[np.arange(n), (np.arange(n) + 1) % n]
+    if comm.rank:
+        x, cells = x[:0], cells[:0]
+    return dfx.manifold_mesh(comm, cells, x, "interval")
+
+
+def sphere_mesh(comm, refinements: int, radius: float):
+    """The icosphere (:func:`icosphere`) of ``radius``: 20 * 4^refinements triangles in R^3."""
+    reproducible_partition()
+    x, cells = icosphere(refinements)
+    x = radius * x
+    if comm.rank:
+        x, cells = x[:0], cells[:0]
+    return dfx.manifold_mesh(comm, cells, x, "triangle")
+
+
+def sphere_radius(comm, mesh) -> float | None:
+    """The radius R of the sphere |x| = R about the origin that every vertex of a
+    manifold mesh lies on (to 1e-8 relative), None if they do not."""
+    from mpi4py import MPI
+    r = np.linalg.norm(mesh.geometry.x[:, :mesh.geometry.dim], axis=1)
+    lo = comm.allreduce(float(r.min()) if r.size else np.inf, op=MPI.MIN)
+    hi = comm.allreduce(float(r.max()) if r.size else 0.0, op=MPI.MAX)
+    return hi if lo > 0 and hi - lo <= 1e-8 * hi else None
 
 
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
@@ -190,16 +251,31 @@ def make_mesh(comm, opts):
     if opts.file is not None:
         mesh = read_mesh(comm, opts.file, opts.name)
         where = f"mesh.file: {opts.file}"
+    elif opts.shape == "circle":
+        return circle_mesh(comm, opts.cells[0], opts.radius)
+    elif opts.shape == "sphere":
+        return sphere_mesh(comm, opts.refinements, opts.radius)
     else:
         mesh = box_mesh(comm, opts.lower, opts.upper, opts.cells, opts.cell)
         where = "mesh"
     tdim, gdim = mesh.topology.dim, mesh.geometry.dim
-    if gdim != tdim:
-        raise InputError(f"{where}: geometry has {gdim} coordinates for a {tdim}-D mesh; "
-                         f"store it with {tdim} coordinates per point")
     if tdim < 1 or tdim > 3:
         raise InputError(f"{where}: {tdim}-D meshes are not supported")
+    if gdim != tdim and (gdim != tdim + 1 or sphere_radius(comm, mesh) is None):
+        raise InputError(f"{where}: geometry has {gdim} coordinates for a {tdim}-D mesh: a flat "
+                         f"mesh needs {tdim} coordinates per point, a manifold one must be a "
+                         "circle (intervals in 2-D) or sphere (triangles in 3-D) about the origin")
     return mesh
+
+
+def is_manifold(mesh) -> bool:
+    """Whether the mesh is a curve or surface (its coordinates have one more dimension)."""
+    return mesh.geometry.dim > mesh.topology.dim
+
+
+def token_dim(mesh) -> int:
+    """The token dimension d: the mesh's coordinates' (ambient on a circle or sphere)."""
+    return mesh.geometry.dim if is_manifold(mesh) else mesh.topology.dim
 
 
 def shortest_edge(comm, mesh) -> float:
@@ -209,11 +285,12 @@ def shortest_edge(comm, mesh) -> float:
     from mpi4py import MPI
     from ._dolfinx import geometry_nodes
     d = mesh.topology.dim
+    g = token_dim(mesh)
     owned = mesh.topology.index_map(d).size_local
     nodes = geometry_nodes(mesh)[:owned]
     local = np.inf
     if len(nodes):
-        x = mesh.geometry.x[:, :d][nodes]                        # (cells, nodes, d)
+        x = mesh.geometry.x[:, :g][nodes]                        # (cells, nodes, d)
         k = x.shape[1]
         i, j = np.triu_indices(k, 1)
         local = float(np.sqrt(np.min(np.sum((x[:, i] - x[:, j]) ** 2, axis=2))))
@@ -223,7 +300,7 @@ def shortest_edge(comm, mesh) -> float:
 def bounding_box(comm, mesh) -> tuple[np.ndarray, np.ndarray]:
     """Lower and upper corner of the mesh's bounding box (all ranks)."""
     from mpi4py import MPI
-    d = mesh.topology.dim
+    d = token_dim(mesh)
     x = mesh.geometry.x[:, :d]
     lo = x.min(axis=0) if x.size else np.full(d, np.inf)
     hi = x.max(axis=0) if x.size else np.full(d, -np.inf)

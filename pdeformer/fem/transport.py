@@ -38,6 +38,8 @@ import dolfinx.fem
 import dolfinx.fem.petsc
 
 from . import _dolfinx as dfx
+from .mesh import is_manifold, sphere_radius, token_dim
+from ..model.sphere import sphere_moments
 from ..tools.errors import ConfigError, InputError, SolverBreakdown
 from ..tools.parallel import any_rank, ghost_update_add, moment_sums, scatter_forward
 
@@ -151,7 +153,10 @@ class DGTransport:
                  petsc_options: dict | None = None, comm=None):
         self.mesh = mesh
         self.comm = mesh.comm if comm is None else comm
-        self.d = mesh.topology.dim
+        self.d = token_dim(mesh)          # the tokens' (ambient) dimension
+        self.tdim = mesh.topology.dim     # the cells'
+        self.manifold = is_manifold(mesh)
+        self.radius = sphere_radius(self.comm, mesh) if self.manifold else None
         self.degree = degree
         self.velocity_degree = velocity_degree
         self.facet_degree = velocity_degree + 2 * degree  # exact for v.n rho w on facets
@@ -182,10 +187,17 @@ class DGTransport:
 
     # ---------------------------------------------------------------- forms
     def _residual(self, w):
-        """R(u, v; w): the weak form above, for a test function (or any DG function) w."""
+        """R(u, v; w): the weak form above, for a test function (or any DG function) w.
+        On a circle or sphere grad is the gradient along the cells and n the co-normal
+        (in the cell's plane, out of the cell); there the two cells' co-normals at a kinked
+        facet are not opposite, and u_n = (v^+ . n^+ - v^- . n^-) / 2 is what leaves the
+        + cell and enters the - one (one flux per facet: mass is conserved)."""
         u, v = self.u, self.velocity_vector
         n = ufl.FacetNormal(self.mesh)
-        un = ufl.dot(ufl.avg(v), n("+"))
+        if self.manifold:
+            un = 0.5 * (ufl.dot(v("+"), n("+")) - ufl.dot(v("-"), n("-")))
+        else:
+            un = ufl.dot(ufl.avg(v), n("+"))
         flux = 0.5 * (un + abs(un)) * u("+") - 0.5 * (abs(un) - un) * u("-")
         return (u * ufl.dot(v, ufl.grad(w)) * ufl.dx
                 - flux * ufl.jump(w) * self._dS
@@ -240,12 +252,12 @@ class DGTransport:
             one * w0 * ufl.ds + one * (w0("+") + w0("-")) * ufl.dS))
         for b in (vol, surf):
             add_ghost_contributions(b)
-        ncell = mesh.topology.index_map(self.d).size_local
+        ncell = mesh.topology.index_map(self.tdim).size_local
         dofs0 = dfx.cell_dofs(V0)[:ncell, 0]
         self.cell_volume = vol.array_r[dofs0].copy()
         if any_rank(self.comm, np.any(~(self.cell_volume > 0))):
             raise InputError("mesh: it has cells of zero volume (degenerate or inverted)")
-        self.cell_length = 2 * self.d * self.cell_volume / surf.array_r[dofs0]
+        self.cell_length = 2 * self.tdim * self.cell_volume / surf.array_r[dofs0]
         self.cell_dofs = dfx.cell_dofs(self.V)[:ncell]
         self.velocity_cell_nodes = dfx.cell_dofs(self.W)[:ncell]
         # cell mean = sum_i mean_weights[K, i] * c_i  (integrals of the basis / |K|)
@@ -460,6 +472,16 @@ class DGTransport:
             first = m1 / mass
             cov = m2 / mass - np.outer(first, first)
         return {"mass": float(mass), "negative_mass": float(neg), "mean": centre + first, "cov": cov}
+
+    def sphere_summary(self, coeffs: np.ndarray) -> dict:
+        """On a circle or sphere, the order parameter and Fourier amplitudes of the
+        density (:func:`pdeformer.model.sphere.sphere_moments`, by the moments' quadrature);
+        empty on a flat mesh."""
+        if not self.manifold:
+            return {}
+        self.set_state(coeffs)
+        rule = self.moment_rule
+        return sphere_moments(rule.points, rule.values() * rule.measure, self.comm)
 
     def min_value(self, coeffs: np.ndarray) -> float:
         """min rho over all check points of all cells (see cell_minima)."""

@@ -295,7 +295,7 @@ class MMD(Objective):
         if cfg["bandwidth"] is None:
             raise ConfigError("objective.bandwidth", "missing (needed by kind = 'mmd')")
         check_bandwidth(cfg["bandwidth"])
-        if mesh["file"] is None:      # a built-in box: its size and cells are known now
+        if mesh["file"] is None and mesh["shape"] == "box":   # its size and cells are known now
             lo, hi = mesh["lower"], mesh["upper"]
             check_bandwidth(cfg["bandwidth"], math.dist(lo, hi),
                             min((b - a) / n for a, b, n in zip(lo, hi, mesh["cells"])))
@@ -423,9 +423,10 @@ def default_quadrature_degree(kind: str, degree: int) -> int:
     return OBJECTIVES[kind].quadrature_degree(degree)
 
 
-def make_target(spec: dict | None, d: int, index: int):
+def make_target(spec: dict | None, d: int, index: int, radius: float | None = None):
     """The target of ``prompts[index]`` for dimension d: {"kind": "moments", "mean", "cov"},
-    {"kind": <density kind>, "density"} or {"kind": "points", "points", "weights"}."""
+    {"kind": <density kind>, "density"} or {"kind": "points", "points", "weights"}
+    (``radius``: of the sphere the tokens live on, None on a flat mesh)."""
     from ..tools.errors import ConfigError
     from .prompts import is_rectangular, spd_matrix, make_prompt
     if spec is None:
@@ -441,6 +442,6 @@ def make_target(spec: dict | None, d: int, index: int):
             cov = cov[0]
         return {"kind": kind, "mean": mean, "cov": spd_matrix(f"{key}.cov", cov, d)}
     if kind == "points":
-        cloud = make_prompt(spec, d, index, key)
+        cloud = make_prompt(spec, d, index, key, radius)
         return {"kind": kind, "points": cloud.points, "weights": cloud.weights}
-    return {"kind": kind, "density": make_prompt(spec, d, index, key)}
+    return {"kind": kind, "density": make_prompt(spec, d, index, key, radius)}

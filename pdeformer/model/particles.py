@@ -59,6 +59,9 @@ class ParticleSolver:
         self.comm = problem.comm
         self.timer = timer or Timer()
         opts = problem.opts
+        if problem.mesh.geometry.dim > problem.mesh.topology.dim:
+            raise ConfigError("mesh.shape", "tokens on a circle or sphere are solved on the mesh "
+                              "only (forward, gradient, train); the particle model has no sphere yet")
         self.disc = opts.discretisation
         pc = opts.particles
         self.tokens = pc.tokens

@@ -155,6 +155,156 @@ class UniformBox:
         return np.diag((self.upper - self.lower) ** 2 / 12.0)
 
 
+class SpherePrompt:
+    """A density on the sphere |x| = radius in R^d (the circle for d = 2), with respect to
+    its arc length or area, of total mass 1 on the exact sphere; written through the unit
+    vector u = x / |x|, so that it is defined on the flat cells of a mesh of the sphere
+    as well (as its radial projection). Subclasses give ``_profile(u, ops)``."""
+
+    ufl_density = None   # set per instance (a method)
+
+    def __init__(self, d: int, radius: float):
+        self.d, self.radius = d, float(radius)
+        self.area = (2 * math.pi * radius) if d == 2 else 4 * math.pi * radius ** 2
+        self.ufl_density = self._ufl_density
+
+    @property
+    def dim(self) -> int:
+        return self.d
+
+    def density(self, x: np.ndarray) -> np.ndarray:
+        x = np.atleast_2d(x)
+        u = x / np.linalg.norm(x, axis=1)[:, None]
+        return self._profile(u.T, NUMPY_OPS)
+
+    def _ufl_density(self, x, const=None):
+        import ufl
+        u = x / ufl.sqrt(ufl.dot(x, x))
+        return self._profile([u[a] for a in range(self.d)], UFL_OPS)
+
+    def total_mass(self) -> float:
+        return 1.0
+
+
+class UniformSphere(SpherePrompt):
+    """rho = 1 / |S| on the sphere."""
+
+    kind = "uniform"
+
+    def _profile(self, u, ops):
+        return 1.0 / self.area + 0.0 * u[0]
+
+
+class VonMisesFisher(SpherePrompt):
+    """sum_c pi_c C(kappa_c) e^{kappa_c <mu_c, u>} / radius^{d-1}: on S^2
+    C = kappa / (4 pi sinh kappa), on S^1 C = 1 / (2 pi I_0(kappa)); evaluated as
+    C e^{kappa} e^{kappa (<mu, u> - 1)}, which neither overflows nor cancels."""
+
+    kind = "von_mises_fisher"
+
+    def __init__(self, d, radius, weights, means, concentrations):
+        super().__init__(d, radius)
+        self.weights = normalised(weights)
+        self.means = np.asarray(means, float) / np.linalg.norm(means, axis=1)[:, None]
+        self.kappa = np.asarray(concentrations, float)
+        self.scale = np.array([self._scaled_norm(k) for k in self.kappa]) / radius ** (d - 1)
+
+    def _scaled_norm(self, kappa: float) -> float:
+        """C(kappa) e^kappa."""
+        if self.d == 3:
+            return 1 / (4 * math.pi) if kappa == 0 else kappa / (2 * math.pi * -math.expm1(-2 * kappa))
+        n = 64 + 16 * math.ceil(math.sqrt(kappa))     # trapezoid rule: geometric convergence
+        theta = 2 * math.pi * np.arange(n) / n
+        return 1 / (2 * math.pi * float(np.mean(np.exp(kappa * (np.cos(theta) - 1)))))
+
+    def _profile(self, u, ops):
+        terms = [w * c * ops.exp(k * (sum(m[a] * u[a] for a in range(self.d)) - 1))
+                 for w, c, k, m in zip(self.weights, self.scale, self.kappa, self.means)]
+        return sum(terms[1:], terms[0])
+
+    def mean(self) -> np.ndarray:
+        """The mean in R^d: sum_c pi_c A(kappa_c) radius mu_c, A = coth k - 1/k on S^2,
+        I_1/I_0 on S^1 (by quadrature)."""
+        out = np.zeros(self.d)
+        for w, k, m in zip(self.weights, self.kappa, self.means):
+            if k == 0:
+                a = 0.0
+            elif self.d == 3:
+                a = (1 + math.exp(-2 * k)) / -math.expm1(-2 * k) - 1 / k
+            else:
+                theta = 2 * math.pi * np.arange(4096) / 4096
+                e = np.exp(k * (np.cos(theta) - 1))
+                a = float(np.sum(np.cos(theta) * e) / np.sum(e))
+            out += w * a * self.radius * m
+        return out
+
+
+class SphereHarmonics(SpherePrompt):
+    """(1 / |S|) (1 + sum c Y(u)) over ``coefficients`` [[l, m, c], ...]: on S^2 the real
+    spherical harmonics, orthonormal on the unit sphere (:func:`real_harmonic`); on S^1
+    cos(l theta) for m = l and sin(l theta) for m = -l (theta the angle of u)."""
+
+    kind = "harmonics"
+
+    def __init__(self, d, radius, coefficients):
+        super().__init__(d, radius)
+        self.coefficients = [(int(l), int(m), float(c)) for l, m, c in coefficients]
+
+    def _profile(self, u, ops):
+        total = 1.0 + 0.0 * u[0]
+        for l, m, c in self.coefficients:
+            total = total + c * (real_harmonic(l, m, u) if self.d == 3 else fourier_mode(l, m, u))
+        return total / self.area
+
+
+class _Ops:
+    def __init__(self, exp):
+        self.exp = exp
+
+
+NUMPY_OPS = _Ops(np.exp)
+
+
+class _UflOps:
+    @property
+    def exp(self):
+        import ufl
+        return ufl.exp
+
+
+UFL_OPS = _UflOps()
+
+
+def _powers(m: int, u):
+    """Re and Im of (u_0 + i u_1)^m, as polynomials of u (numpy arrays or UFL)."""
+    c, s = 1.0 + 0.0 * u[0], 0.0 * u[0]
+    for _ in range(m):
+        c, s = c * u[0] - s * u[1], s * u[0] + c * u[1]
+    return c, s
+
+
+def fourier_mode(l: int, m: int, u):
+    """cos(l theta) (m = l) or sin(l theta) (m = -l) for u = (cos theta, sin theta)."""
+    c, s = _powers(l, u)
+    return c if m == l else s
+
+
+def real_harmonic(l: int, m: int, u):
+    """The real spherical harmonic Y_lm at unit vectors u (orthonormal on S^2, no
+    Condon-Shortley phase): N_lm Q_l^|m|(u_2) Re (u_0 + i u_1)^m (m >= 0) or Im ... (m < 0),
+    with Q_l^m = P_l^m / (1 - z^2)^{m/2} the polynomial of the associated Legendre
+    recurrence, N_lm = sqrt((2l+1)/(4 pi) (l-|m|)!/(l+|m|)!) (x sqrt 2 for m != 0)."""
+    a, z = abs(m), u[2]
+    q_prev, q = 0.0 * z, float(np.prod(np.arange(1, 2 * a, 2))) + 0.0 * z   # Q_a^a = (2a-1)!!
+    for k in range(a + 1, l + 1):
+        q_prev, q = q, ((2 * k - 1) * z * q - (k + a - 1) * q_prev) / (k - a)
+    norm = math.sqrt((2 * l + 1) / (4 * math.pi) * math.factorial(l - a) / math.factorial(l + a))
+    c, s = _powers(a, u)
+    if m == 0:
+        return norm * q
+    return math.sqrt(2) * norm * q * (c if m > 0 else s)
+
+
 class PointCloud:
     """A discrete measure sum_j w_j delta_{y_j} (a prompt of the particle model and of
     the NTK test, a target for mmd): inline, or .npz with ``points`` (n, d) and optional
@@ -398,7 +548,7 @@ def _weights(key: str, given, n: int, what: str) -> np.ndarray:
     return w
 
 
-def _gaussian_mixture(spec: dict, d: int, key: str):
+def _gaussian_mixture(spec: dict, d: int, key: str, radius=None):
     means = vector_list(f"{key}.means", spec["means"], d)
     n = means.shape[0]
     covs = spec["covs"]
@@ -411,7 +561,15 @@ def _gaussian_mixture(spec: dict, d: int, key: str):
     return GaussianMixture(w, means, covs)
 
 
-def _uniform(spec: dict, d: int, key: str):
+def _uniform(spec: dict, d: int, key: str, radius=None):
+    if radius is not None:
+        for name in ("lower", "upper"):
+            if spec[name] is not None:
+                raise ConfigError(f"{key}.{name}", "not on a circle or sphere (uniform on all of it)")
+        return UniformSphere(d, radius)
+    for name in ("lower", "upper"):
+        if spec[name] is None:
+            raise ConfigError(f"{key}.{name}", "missing (required on a flat mesh)")
     lo = np.asarray(spec["lower"], float) if is_rectangular(spec["lower"]) else None
     hi = np.asarray(spec["upper"], float) if is_rectangular(spec["upper"]) else None
     for name, a in (("lower", lo), ("upper", hi)):
@@ -423,11 +581,11 @@ def _uniform(spec: dict, d: int, key: str):
     return UniformBox(lo, hi)
 
 
-def _file(spec: dict, d: int, key: str):
+def _file(spec: dict, d: int, key: str, radius=None):
     return PointDensity.read(spec["path"], d, f"{key}.path")
 
 
-def _points(spec: dict, d: int, key: str):
+def _points(spec: dict, d: int, key: str, radius=None):
     if spec["path"] is not None:
         return PointCloud.read(spec["path"], d, f"{key}.path")
     points = vector_list(f"{key}.points", spec["points"], d)
@@ -439,16 +597,56 @@ def _points(spec: dict, d: int, key: str):
     return PointCloud(points, w)
 
 
-# prompt kind -> its builder (spec, d, key): a new kind is a builder here and its keys in
-# the config schema
+def _on_sphere(key: str, kind: str, radius) -> None:
+    if radius is None:
+        raise ConfigError(f"{key}.kind", f"{kind!r} is a density on a circle or sphere: use it "
+                          "with mesh.shape = \"circle\" or \"sphere\" (or a manifold mesh file)")
+
+
+def _von_mises_fisher(spec: dict, d: int, key: str, radius=None):
+    _on_sphere(key, "von_mises_fisher", radius)
+    means = vector_list(f"{key}.means", spec["means"], d)
+    n = len(means)
+    if np.any(np.linalg.norm(means, axis=1) == 0):
+        raise ConfigError(f"{key}.means", "a mean direction is the zero vector")
+    kappa = _weights(f"{key}.concentrations", spec["concentrations"], n, "mean")
+    if np.any(kappa < 0) or not np.all(np.isfinite(kappa)):
+        raise ConfigError(f"{key}.concentrations", "concentrations must be >= 0")
+    w = _weights(f"{key}.weights", spec["weights"], n, "mean")
+    if np.any(w <= 0):
+        raise ConfigError(f"{key}.weights", "weights must be positive")
+    return VonMisesFisher(d, radius, w, means, kappa)
+
+
+def _harmonics(spec: dict, d: int, key: str, radius=None):
+    _on_sphere(key, "harmonics", radius)
+    coefficients = spec["coefficients"]
+    if not isinstance(coefficients, list):
+        raise ConfigError(f"{key}.coefficients", f"expected [[l, m, c], ...], got {coefficients!r}")
+    rows = []
+    for i, row in enumerate(coefficients):
+        k = f"{key}.coefficients[{i}]"
+        if not (isinstance(row, list) and len(row) == 3 and all(float(v).is_integer() for v in row[:2])):
+            raise ConfigError(k, f"expected [l, m, c] (integers l, m and a number c), got {row!r}")
+        l, m = int(row[0]), int(row[1])
+        if not 1 <= l <= 32 or (d == 3 and abs(m) > l) or (d == 2 and abs(m) != l):
+            allowed = "-l <= m <= l" if d == 3 else "m = l (cos) or m = -l (sin)"
+            raise ConfigError(k, f"l = {l}, m = {m}: need 1 <= l <= 32 and {allowed}")
+        rows.append((l, m, float(row[2])))
+    return SphereHarmonics(d, radius, rows)
+
+
+# prompt kind -> its builder (spec, d, key, radius: of the sphere, None on a flat mesh): a
+# new kind is a builder here and its keys in the config schema
 PROMPT_KINDS = {"gaussian_mixture": _gaussian_mixture, "uniform": _uniform, "file": _file,
-                "points": _points}
+                "points": _points, "von_mises_fisher": _von_mises_fisher, "harmonics": _harmonics}
 
 
-def make_prompt(spec: dict, d: int, index: int, key: str | None = None):
+def make_prompt(spec: dict, d: int, index: int, key: str | None = None, radius: float | None = None):
     """Build the density object of a checked ``[[prompts]]`` table (or of a density
-    target, whose errors name ``key``) for dimension d."""
+    target, whose errors name ``key``) for dimension d; ``radius``: the tokens live on
+    the sphere (circle) of this radius about the origin."""
     key = key or f"prompts[{index}]"
     if spec["kind"] not in PROMPT_KINDS:
         raise ConfigError(f"{key}.kind", f"unknown kind {spec['kind']!r}")
-    return PROMPT_KINDS[spec["kind"]](spec, d, key)
+    return PROMPT_KINDS[spec["kind"]](spec, d, key, radius)

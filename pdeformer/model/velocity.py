@@ -1,6 +1,9 @@
 """The attention velocity on the mesh: sources from rho, targets at the velocity nodes.
 
-v_t[rho](x) = (1/H) sum_h V_h grad Lambda_rho(A_h x) (design §1). Sources are rho's
+v_t[rho](x) = (1/H) sum_h V_h grad Lambda_rho(beta A_h x) (design §1; ``[attention] beta``,
+default 1), and on the sphere |x| = R (a circle or sphere mesh) its tangential part
+P_x v = v - <v, u> u, u = x / |x|, at the radial projections R u of the velocity nodes
+(the mesh's nodes lie on flat cells). Sources are rho's
 quadrature points on every rank's owned cells; targets are the rank's own nodes of the
 Lagrange velocity space. Two ways to sum (``[attention] backend``):
 
@@ -33,6 +36,7 @@ from ..attention.laplace import (N_MAX, N_MAX_FORCED, SIZES, LaplaceTable, Table
                       direct_seconds, exact_pair_vjp, laplace_seconds, panel_nodes, source_extent)
 from ..attention.costs import machine_costs
 from ..tools.parallel import allgather_rows, any_rank
+from .sphere import on_sphere, tangential
 
 log = logging.getLogger("pdeformer")
 
@@ -139,9 +143,13 @@ class AttentionVelocity:
     """The attention velocity of a head measure at this rank's targets: the nodes of a
     velocity space (:meth:`on_space`), or points given per call (particles)."""
 
-    def __init__(self, targets, heads: HeadMeasure, attention, comm):
-        """``attention``: the ``[attention]`` options (config.SECTIONS["attention"])."""
-        self.targets = targets
+    def __init__(self, targets, heads: HeadMeasure, attention, comm, radius: float | None = None):
+        """``attention``: the ``[attention]`` options (config.SECTIONS["attention"]);
+        ``radius``: tokens on the sphere (circle) of this radius about the origin, whose
+        velocity is projected onto its tangent space (None: flat)."""
+        self.radius = radius
+        self.targets = targets if targets is None or radius is None else on_sphere(targets, radius)
+        self.beta = attention.beta
         self.heads = heads  # read at every call: training updates it in place
         self.backend = attention.backend
         self.summation = BACKENDS[self.backend]()
@@ -170,9 +178,18 @@ class AttentionVelocity:
         return None if self.last_sum is None else self.last_sum.plan
 
     @classmethod
-    def on_space(cls, W, heads: HeadMeasure, attention, comm=None):
+    def on_space(cls, W, heads: HeadMeasure, attention, comm=None, radius: float | None = None):
         from ..fem._dolfinx import owned_node_coordinates   # the finite-element layer, only here
-        return cls(owned_node_coordinates(W), heads, attention, comm or W.mesh.comm)
+        return cls(owned_node_coordinates(W), heads, attention, comm or W.mesh.comm, radius)
+
+    def matrices(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """beta A_h and V_h of ``layer``: the scores beta <A_h x, y>."""
+        A = self.heads.attention_matrices(layer)
+        return (A if self.beta == 1 else self.beta * A), self.heads.values(layer)
+
+    def tangential(self, x: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """P_x v on the sphere (:func:`pdeformer.model.sphere.tangential`), v on a flat mesh."""
+        return v if self.radius is None else tangential(x, v)
 
     # ------------------------------------------------------------------ helpers
     def _all_points(self, points):
@@ -234,7 +251,7 @@ class AttentionVelocity:
         ``step`` names the evaluation whose plan is kept and replayed. ``signed``: whether
         any rank has a negative weight, where the caller knows (else found out here)."""
         x = self.targets if targets is None else targets
-        A, V = self.heads.attention_matrices(layer), self.heads.values(layer)
+        A, V = self.matrices(layer)
         replayed = self.freeze and step is not None and step in self.frozen
         if replayed:
             found = self._replayed(points, weights, x, A, V, self.frozen[step])
@@ -248,11 +265,11 @@ class AttentionVelocity:
             self.stats["direct"] += 1
             all_points, _ = self._all_points(points)
             sources = Sources.from_arrays(all_points, allgather_rows(self.comm, weights))
-            return attention_velocity(x, sources, A, V, chunk_mb=self.chunk_mb)
+            return self.tangential(x, attention_velocity(x, sources, A, V, chunk_mb=self.chunk_mb))
         self.stats["laplace"] += 1
         v, plan = found
         self.last_sum = TableSum(plan, *self.planner.built)
-        return v
+        return self.tangential(x, v)
 
     def partition_ratio(self, points: np.ndarray, weights: np.ndarray, layer: int,
                         x: np.ndarray) -> np.ndarray:
@@ -260,7 +277,7 @@ class AttentionVelocity:
         the softmax's partition function Z_h(x) = sum_j w_j e^{<A_h x, y_j>} over the same
         sum with |w_j|. 1 for a density >= 0; near 0 or negative where negative weights
         carry the tilted measure, and the velocity is then ill-defined."""
-        b = np.einsum("hij,j->hi", self.heads.attention_matrices(layer), x)
+        b = np.einsum("hij,j->hi", self.matrices(layer)[0], x)
         origin = np.zeros(len(x))
         shifts, sums = [], []
         for w in (weights, np.abs(weights)):
@@ -291,7 +308,17 @@ class AttentionVelocity:
         forward evaluation's own table and interpolant, built for the same sources,
         targets and heads, without building them again."""
         x = self.targets if targets is None else targets
-        A, V = self.heads.attention_matrices(layer), self.heads.values(layer)
+        A, V = self.matrices(layer)
+        if self.radius is not None:
+            if positions:
+                raise NotImplementedError("position cotangents on the sphere")
+            g = self.tangential(x, g)
+        ct = self._vjp(points, weights, x, A, V, g, plan, positions)
+        if self.beta != 1:              # d/dA of <g, v(beta A)>
+            ct.A = self.beta * ct.A
+        return ct
+
+    def _vjp(self, points, weights, x, A, V, g, plan, positions) -> VelocityCotangent:
         if plan is None:
             all_points, mine = self._all_points(points)
             ct = attention_velocity_vjp(x, all_points, allgather_rows(self.comm, weights),

@@ -32,7 +32,7 @@ from ..integrator.march import march
 from ..attention.costs import machine_costs
 from ..attention.softmax import value_gain
 from ..model.heads import HeadMeasure
-from ..fem.mesh import bounding_box, make_mesh, shortest_edge
+from ..fem.mesh import bounding_box, is_manifold, make_mesh, shortest_edge, sphere_radius, token_dim
 from ..tools.parallel import PromptGroups, Timer, any_rank, on_root
 from ..model.objectives import make_objective, make_target
 from ..model.prompts import make_prompt
@@ -85,7 +85,7 @@ class Problem:
 
     @property
     def dim(self) -> int:
-        return self.mesh.topology.dim
+        return token_dim(self.mesh)
 
 
 def build_heads(comm, model, d: int) -> HeadMeasure:
@@ -112,13 +112,14 @@ def build_problem(cfg: dict, comm, differentiable: bool = False,
     if differentiable and opts.objective.kind is None:
         raise ConfigError("objective.kind", "missing: gradient and train need an [objective]")
     mesh = make_mesh(comm, opts.mesh)
-    d = mesh.topology.dim
+    d = token_dim(mesh)
+    radius = sphere_radius(comm, mesh) if is_manifold(mesh) else None
     heads = build_heads(comm, opts.model, d)
     # the record says what was run: the heads' sizes as read or resolved
     cfg["model"].update(layers=heads.layers, heads=heads.heads, key_dim=heads.key_dim)
-    prompts = on_root(comm, lambda: [(p["name"], make_prompt(p, d, i))
+    prompts = on_root(comm, lambda: [(p["name"], make_prompt(p, d, i, radius=radius))
                                      for i, p in enumerate(opts.prompts)])
-    targets = on_root(comm, lambda: [make_target(p["target"], d, i)
+    targets = on_root(comm, lambda: [make_target(p["target"], d, i, radius)
                                      for i, p in enumerate(opts.prompts)])
     for key in ("center", "direction"):
         value = getattr(opts.objective, key)
@@ -292,7 +293,8 @@ class ForwardSolver:
             self.transport = DGTransport(problem.mesh, disc.degree, disc.velocity_degree,
                                          disc.quadrature_degree, opts.petsc, comm=self.comm)
             self.velocity_field = AttentionVelocity.on_space(self.transport.W, problem.heads,
-                                                             opts.attention, self.comm)
+                                                             opts.attention, self.comm,
+                                                             radius=self.transport.radius)
         self.scheme = SCHEMES[disc.scheme]
         # uniform steps per frame with counts frozen at the frame's start (gradients need
         # a step plan that does not move with the heads); step_counts can be preset
@@ -338,7 +340,11 @@ class ForwardSolver:
         else:
             rho0 = tr.interpolant(prompt.density, disc.degree + 2)
         coeffs, mass = tr.project(rho0, disc.prompt_quadrature_degree)
-        if prompt.kind == "uniform" and self.problem.opts.mesh.file is None:
+        if tr.manifold:
+            # a closed curve or surface holds all of a density on it; its mass differs
+            # from 1 by the flat cells' area error (O(h^2)), normalised away below
+            truncated = 0.0
+        elif prompt.kind == "uniform" and self.problem.opts.mesh.file is None:
             # the indicator's quadrature on cut cells is inexact; on a box mesh the
             # truncation is known exactly
             truncated = 1.0 - prompt.mass_inside(*bounding_box(self.comm, self.problem.mesh))
@@ -591,9 +597,11 @@ class ForwardSolver:
 
     # ------------------------------------------------------------ diagnostics
     def diagnostics(self, frame: Frame) -> dict:
-        """mass, outflow, min rho and moments of the normalised density at a frame."""
+        """mass, outflow, min rho and moments of the normalised density at a frame (and on
+        a circle or sphere, ``extras``: its order parameter and Fourier amplitudes)."""
         with self.timer.phase("diagnostics"):
             s = self.transport.summary(frame.coeffs, self.centre)
             return {"prompt": frame.prompt, "t": frame.t, "mass": s["mass"], "outflow": frame.outflow,
                     "min_rho": self.transport.min_value(frame.coeffs), "mean": s["mean"], "cov": s["cov"],
-                    "negative_mass": s["negative_mass"]}
+                    "negative_mass": s["negative_mass"],
+                    "extras": self.transport.sphere_summary(frame.coeffs)}

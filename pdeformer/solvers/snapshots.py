@@ -10,7 +10,11 @@ Contents (``i`` the prompt's index in the config):
 * ``version``, ``caption`` (what the frames are, e.g. "trained heads, step 20"), ``dim``, ``cell_type``, ``prompts`` (names), ``box`` (2, d): the mesh's
   bounding box, ``points`` (n, d) and ``cells`` (cells, vertices per cell): the mesh's
   vertices and cell connectivity (vertices in dolfinx's order: quadrilaterals and
-  hexahedra tensor-product, not cyclic);
+  hexahedra tensor-product, not cyclic); ``chart``: "" for a flat mesh; on a circle
+  "circle" and on a sphere "sphere", where ``points``, ``box``, ``node_x`` and ``dim``
+  are those of the chart the pictures use (the angle theta in (-pi, pi]; longitude and
+  latitude in degrees), each cell's corners unwrapped next to each other (a cell across
+  theta = pi ends past it), while ``mean_i`` and the targets stay in R^d;
 * ``t_i`` (frames,): depth t of every frame (t = 0 and every frame end), ``mean_i``
   (frames, d): the mean at each frame (diagnostics.csv's);
 * Eulerian runs: ``density_i`` (frames, cells): the cell means of rho; in 1-D also
@@ -51,6 +55,37 @@ def sorted_rows(keys: np.ndarray) -> np.ndarray:
     return np.lexsort(keys.T[::-1]) if len(keys) else np.zeros(0, dtype=np.int64)
 
 
+def chart(corners: np.ndarray, kind: str) -> np.ndarray:
+    """Chart coordinates of points (cells, nodes, d) of a circle (the angle theta) or a
+    sphere (longitude, latitude in degrees), (cells, nodes, 1 or 2): each cell's angles
+    unwrapped to within pi (180 degrees) of each other (a node at a pole takes its
+    cell's mean longitude), the cell's mean angle in [-pi, pi) (degrees: [-180, 180))."""
+    x = corners
+    period = 2 * np.pi if kind == "circle" else 360.0
+    angle = np.arctan2(x[..., 1], x[..., 0])
+    if kind == "sphere":
+        angle = np.degrees(angle)
+        r = np.linalg.norm(x, axis=-1)
+        lat = np.degrees(np.arcsin(np.clip(x[..., 2] / r, -1, 1)))
+        polar = np.abs(x[..., 2]) >= r * (1 - 1e-12)
+        ref = np.take_along_axis(angle, np.argmax(~polar, axis=1)[:, None], axis=1)   # a non-polar node
+    else:
+        ref = angle[:, :1]
+    angle = angle + period * np.round((ref - angle) / period)
+    if kind == "sphere" and np.any(polar):
+        mean = np.array([np.mean(a[~p]) if np.any(~p) else 0.0 for a, p in zip(angle, polar)])
+        angle = np.where(polar, mean[:, None], angle)
+    # the whole cell shifted so that its mean angle lies in [-period/2, period/2): the
+    # same chart whatever node comes first
+    angle -= period * np.floor(angle.mean(axis=1, keepdims=True) / period + 0.5)
+    if kind == "circle":
+        return angle[..., None]
+    return np.stack([angle, lat], axis=-1)
+
+
+CHART_BOX = {"circle": np.array([[-np.pi], [np.pi]]), "sphere": np.array([[-180.0, -90.0], [180.0, 90.0]])}
+
+
 class MeshCells:
     """The owned cells of a mesh, gathered to rank 0 of ``comm`` in centroid order.
 
@@ -60,18 +95,23 @@ class MeshCells:
     def __init__(self, mesh, comm):
         self.comm = comm
         self.dim = mesh.topology.dim
+        g = mesh.geometry.dim
+        self.chart = "" if g == self.dim else ("circle" if g == 2 else "sphere")
         self.cell_type = dfx.cell_type_name(mesh)
         nv = VERTICES[self.cell_type]
         owned = dfx.owned_cells(mesh).size
         nodes = dfx.geometry_nodes(mesh)[:owned, :nv].reshape(owned, nv)
-        local = mesh.geometry.x[nodes, :self.dim].reshape(owned, nv, self.dim)
+        local = mesh.geometry.x[nodes, :g].reshape(owned, nv, g)
         parts = comm.gather(local, root=0)
         self.order = None
         if comm.rank == 0:
             self._arrange(np.concatenate(parts))
 
-    def _arrange(self, corners: np.ndarray) -> None:
-        """Cells sorted by centroid; vertices numbered in sorted order (rank 0)."""
+    def _arrange(self, ambient: np.ndarray) -> None:
+        """Cells sorted by centroid; vertices numbered in sorted order (rank 0). On a
+        circle or sphere the cells are drawn in the chart (:func:`chart`) and
+        ``centroids`` stay in R^d (where targets are evaluated)."""
+        corners = chart(ambient, self.chart) if self.chart else ambient
         m, nv, d = corners.shape
         flat = corners.reshape(-1, d)
         lower = flat.min(axis=0)
@@ -83,7 +123,9 @@ class MeshCells:
         _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
         self.points = corners.reshape(-1, d)[first]
         self.cells = np.asarray(inverse).reshape(m, nv)
-        self.centroids = corners.mean(axis=1)
+        self.centroids = ambient[self.order].mean(axis=1)
+        if self.chart:
+            self.box = CHART_BOX[self.chart]
 
     def gather(self, values: np.ndarray) -> np.ndarray | None:
         """Per-cell values of this rank's owned cells -> all cells in centroid order on
@@ -92,7 +134,7 @@ class MeshCells:
         return np.concatenate(parts)[self.order] if self.comm.rank == 0 else None
 
     def arrays(self) -> dict:
-        return {"dim": np.array(self.dim), "cell_type": np.array(self.cell_type),
+        return {"dim": np.array(self.dim), "cell_type": np.array(self.cell_type), "chart": np.array(self.chart),
                 "points": self.points, "cells": self.cells, "box": self.box}
 
 
@@ -183,6 +225,8 @@ class FieldSnapshots(Snapshots):
         self.mean_weights, self.cell_dofs = tr.mean_weights, tr.cell_dofs
         if first and self.mesh_cells.dim == 1:
             x = tr.V.tabulate_dof_coordinates()[self.cell_dofs, 0]
+            if self.mesh_cells.chart:
+                x = chart(tr.V.tabulate_dof_coordinates()[self.cell_dofs, :2], "circle")[..., 0]
             self.node_order = np.argsort(x, axis=1)
             node_x = self.mesh_cells.gather(np.take_along_axis(x, self.node_order, axis=1))
             if node_x is not None:

@@ -86,7 +86,8 @@ class DiagnosticsTable(Tracker):
         self.rows = sorted(groups.gather_lists(self.rows), key=lambda r: order[r["prompt"]])
         self.written = True
         if self.dim is not None:
-            on_root(groups.world, write_csv, self.filename, diagnostics_header(self.dim),
+            extras = (self.rows[0].get("extras") or {}) if self.rows else {}
+            on_root(groups.world, write_csv, self.filename, diagnostics_header(self.dim, extras),
                     [diagnostics_row(r) for r in self.rows])
 
     def final(self) -> list[dict]:

@@ -50,9 +50,13 @@ SIMPLICES_PER_BOX_CELL = {"interval": 1, "triangle": 2, "quadrilateral": 1, "tet
 
 
 def mesh_size(mesh: dict) -> tuple[int, int, str] | None:
-    """(cells, dimension, cell type) of the [mesh] section: the box's, or read from the
+    """(cells, the cells' dimension, cell type) of the [mesh] section: the box's, or read from the
     Topology of the XDMF file's grid (no mesh data is loaded); None if the file does not
     say (reading the mesh then reports what is wrong with it)."""
+    if mesh["shape"] == "circle":
+        return mesh["cells"][0], 1, "interval"
+    if mesh["shape"] == "sphere":
+        return 20 * 4 ** mesh["refinements"], 2, "triangle"
     if mesh["file"] is None:
         d = len(mesh["cells"])
         cell = mesh["cell"] or {1: "interval", 2: "triangle", 3: "tetrahedron"}[d]
@@ -81,9 +85,10 @@ def estimate(cfg: dict, command: str, group_size: int, differentiable: bool = Fa
     """Bytes per rank, by part (see the module docstring), and their total.
     ``differentiable``: the run keeps a tape for gradients."""
     size = mesh_size(cfg["mesh"])
-    cells, d, cell = size if size is not None else (0, 3, "tetrahedron")
+    cells, tdim, cell = size if size is not None else (0, 3, "tetrahedron")
+    d = tdim + (cfg["mesh"]["shape"] != "box")     # the tokens' dimension (ambient on a sphere)
     disc, model = cfg["discretisation"], cfg["model"]
-    coeffs = cells * dofs_per_cell(cell, disc["degree"], d)
+    coeffs = cells * dofs_per_cell(cell, disc["degree"], tdim)
     parts = {"base": BASE,
              "mesh": PER_COEFFICIENT * coeffs / group_size + PER_CELL_EVERYWHERE * cells}
     if cfg["attention"]["backend"] in ("laplace", "auto") and d <= 2:

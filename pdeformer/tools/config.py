@@ -176,8 +176,9 @@ TOL_WHY = (" (a laplace table's values carry rounding of about 1e-13 of their si
            "smaller error can be certified; for exact sums set attention.backend = 'direct')")
 
 CELLS = {1: ("interval",), 2: ("triangle", "quadrilateral"), 3: ("tetrahedron", "hexahedron")}
+SHAPES = ("box", "circle", "sphere")
 SCHEMES = ("auto", "euler", "ssprk2", "ssprk3", "ssprk104")
-PROMPT_KINDS = ("gaussian_mixture", "uniform", "file", "points")
+PROMPT_KINDS = ("gaussian_mixture", "uniform", "file", "points", "von_mises_fisher", "harmonics")
 NAME = r"[A-Za-z0-9_-]{1,64}"   # prompt names go into file names: short and portable
 
 SCHEMA: dict[str, dict[str, Key]] = {
@@ -189,6 +190,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "cells": Key(positive_int_list, None, "cells per direction of the built-in box"),
         "cell": Key(string(tuple(c for cs in CELLS.values() for c in cs)), None,
                     "cell type of the built-in box (default: simplices)"),
+        "shape": Key(string(SHAPES), "box", "built-in domain: a box (lower, upper, cells), a "
+                     "circle (cells = [n]) or a sphere (refinements), about the origin"),
+        "radius": Key(number(positive=True), 1.0, "radius of the circle or sphere"),
+        "refinements": Key(integer(0, 9), None, "sphere: the icosahedron refined this often "
+                           "(20 * 4^r triangles)"),
     },
     "discretisation": {
         "degree": Key(integer(1, 3), 1, "DG degree of the density"),
@@ -223,6 +229,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "tol": Key(number(positive=True, lo=TOL_MIN, hi=1e-1, why=TOL_WHY), 1e-8,
                    "accuracy of the laplace table (relative to its values' size)"),
         "chunk_mb": Key(number(positive=True, hi=4096), 2.0, "working memory of one kernel chunk (MB)"),
+        "beta": Key(number(positive=True), 1.0, "inverse temperature: scores beta <A x, y>"),
         "tape_mb": Key(number(nonnegative=True, hi=1e7), 256.0,
                        "laplace tables a gradient keeps per rank and prompt for its adjoint (MB); "
                        "past it the adjoint builds them again"),
@@ -309,8 +316,16 @@ PROMPT_KEYS: dict[str, dict[str, Key]] = {
         "covs": Key(array, REQUIRED, "component covariances: d x d matrices or variances"),
     },
     "uniform": {
-        "lower": Key(array, REQUIRED),
-        "upper": Key(array, REQUIRED),
+        "lower": Key(array, None, "lower corner of the box (flat meshes; not on a sphere)"),
+        "upper": Key(array, None, "upper corner of the box"),
+    },
+    "von_mises_fisher": {
+        "weights": Key(array, None, "mixture weights (positive; normalised)"),
+        "means": Key(array, REQUIRED, "mean directions, one d-vector each (normalised)"),
+        "concentrations": Key(array, REQUIRED, "concentration kappa >= 0 of each component"),
+    },
+    "harmonics": {
+        "coefficients": Key(array, REQUIRED, "[[l, m, c], ...]: rho = (1 + sum c Y_lm) / |S|"),
     },
     "file": {
         "path": Key(path, REQUIRED, ".npz (points, density) or .csv (x0..,density)"),
@@ -418,7 +433,7 @@ def _check_prompt(i: int, p) -> dict:
     if not isinstance(p, dict):
         raise ConfigError(prefix, f"expected a table, got {_typename(p)}")
     if "kind" not in p:
-        raise ConfigError(f"{prefix}.kind", "missing (required: gaussian_mixture, uniform, file or points)")
+        raise ConfigError(f"{prefix}.kind", f"missing (required: {', '.join(PROMPT_KINDS)})")
     kind = PROMPT_KEYS["common"]["kind"].check(f"{prefix}.kind", p["kind"])
     keys = {**PROMPT_KEYS["common"], **PROMPT_KEYS[kind],
             "target": Key(lambda key, v: _check_target(key, v), None, "the objective's target")}
@@ -521,7 +536,15 @@ def _check_mesh(m: dict) -> None:
         if box or m["cell"] is not None:
             k = box[0] if box else "cell"
             raise ConfigError(f"mesh.{k}", "give either mesh.file or a built-in box, not both")
+        if m["shape"] != "box":
+            raise ConfigError("mesh.shape", "give either mesh.file or a built-in shape, not both")
         return
+    if m["shape"] != "box":
+        _check_manifold(m)
+        return
+    for k in ("radius", "refinements"):
+        if m[k] != SCHEMA["mesh"][k].default:
+            raise ConfigError(f"mesh.{k}", "only for shape = \"circle\" or \"sphere\"")
     for k in ("lower", "upper", "cells"):
         if m[k] is None:
             raise ConfigError(f"mesh.{k}", "missing: give mesh.file or mesh.lower, mesh.upper and mesh.cells")
@@ -536,6 +559,22 @@ def _check_mesh(m: dict) -> None:
         m["cell"] = CELLS[d][0]
     elif m["cell"] not in CELLS[d]:
         raise ConfigError("mesh.cell", f"{m['cell']!r} is not a {d}-D cell (use {' or '.join(CELLS[d])})")
+
+
+def _check_manifold(m: dict) -> None:
+    """A circle (cells = [n], n >= 3) or a sphere (refinements): no box keys."""
+    shape = m["shape"]
+    for k in ("lower", "upper", "cell") + (("cells",) if shape == "sphere" else ()):
+        if m[k] is not None:
+            raise ConfigError(f"mesh.{k}", f"not for shape = {shape!r} (a {shape} about the origin "
+                              "of mesh.radius)")
+    if shape == "circle":
+        if m["refinements"] is not None:
+            raise ConfigError("mesh.refinements", "only for shape = \"sphere\" (a circle takes cells = [n])")
+        if m["cells"] is None or len(m["cells"]) != 1 or m["cells"][0] < 3:
+            raise ConfigError("mesh.cells", f"a circle takes cells = [n] with n >= 3, got {m['cells']}")
+    elif m["refinements"] is None:
+        raise ConfigError("mesh.refinements", "missing: a sphere takes refinements = r (20 * 4^r triangles)")
 
 
 MAX_HEADS_TOTAL = 10**7

@@ -29,14 +29,17 @@ from .errors import InputError, OutputError
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # pdeformer/
 
 
-def diagnostics_header(d: int) -> list[str]:
+def diagnostics_header(d: int, extras=()) -> list[str]:
+    """The columns of diagnostics.csv; ``extras``: the names of a run's further columns
+    (on a circle or sphere: order, fourier_l)."""
     return (["prompt", "t", "mass", "outflow", "min_rho"] + [f"mean_{i}" for i in range(d)]
-            + [f"cov_{i}{j}" for i in range(d) for j in range(d)])
+            + [f"cov_{i}{j}" for i in range(d) for j in range(d)] + list(extras))
 
 
 def diagnostics_row(diag: dict) -> list:
     return ([diag["prompt"], diag["t"], diag["mass"], diag["outflow"], diag["min_rho"]]
-            + list(np.ravel(diag["mean"])) + list(np.ravel(diag["cov"])))
+            + list(np.ravel(diag["mean"])) + list(np.ravel(diag["cov"]))
+            + list((diag.get("extras") or {}).values()))
 
 
 @contextmanager

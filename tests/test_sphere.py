@@ -1,0 +1,406 @@
+"""Tokens on the circle and the sphere: meshes, prompts, the projected attention
+velocity, and exact answers (docs/sphere.md): the linear growth rate of a mode of the
+uniform density, mass conservation, tangency, exact gradients, rank independence."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+
+import numpy as np
+import pytest
+
+from pdeformer.model.prompts import fourier_mode, real_harmonic
+from pdeformer.tools.config import check_config
+from pdeformer.tools.errors import ConfigError
+
+from conftest import ROOT, requires_dolfinx, run_cli
+
+
+# ------------------------------------------------------------------ quadrature on S^1, S^2
+
+def sphere_rule(n: int = 48):
+    """Points u (N, 3) and weights of a rule on the unit sphere exact for polynomials of
+    degree < 2n in z (Gauss-Legendre) and < 2n in phi (trapezoid)."""
+    z, wz = np.polynomial.legendre.leggauss(n)
+    phi = 2 * np.pi * np.arange(2 * n) / (2 * n)
+    Z, P = np.meshgrid(z, phi, indexing="ij")
+    r = np.sqrt(1 - Z ** 2)
+    u = np.stack([r * np.cos(P), r * np.sin(P), Z], -1).reshape(-1, 3)
+    w = (wz[:, None] * np.full(2 * n, 2 * np.pi / (2 * n))[None, :]).ravel()
+    return u, w
+
+
+def circle_rule(n: int = 512):
+    theta = 2 * np.pi * np.arange(n) / n
+    return np.stack([np.cos(theta), np.sin(theta)], -1), np.full(n, 2 * np.pi / n)
+
+
+def bessel_i(l: int, beta: float) -> float:
+    """I_l(beta) = (1/pi) int_0^pi e^{beta cos t} cos(l t) dt (midpoint rule: spectral)."""
+    t = np.pi * (np.arange(4096) + 0.5) / 4096
+    return float(np.mean(np.exp(beta * np.cos(t)) * np.cos(l * t)))
+
+
+def legendre_moment(l: int, beta: float) -> float:
+    """int_{-1}^{1} e^{beta t} P_l(t) dt (= 2 i_l(beta), Gauss-Legendre)."""
+    t, w = np.polynomial.legendre.leggauss(80)
+    return float(np.sum(w * np.exp(beta * t) * np.polynomial.legendre.Legendre.basis(l)(t)))
+
+
+def circle_rate(l: int, beta: float) -> float:
+    """Growth rate of cos(l theta) about the uniform density on S^1 (V = I, A = I):
+    l^2 I_l(beta) / (beta I_0(beta)) (docs/sphere.md)."""
+    return l * l * bessel_i(l, beta) / (beta * bessel_i(0, beta))
+
+
+def sphere_rate(l: int, beta: float) -> float:
+    """Growth rate of Y_lm about the uniform density on S^2 (V = I, A = I):
+    l (l + 1) mu_l / (beta mu_0), mu_l = int e^{beta t} P_l(t) dt (docs/sphere.md)."""
+    return l * (l + 1) * legendre_moment(l, beta) / (beta * legendre_moment(0, beta))
+
+
+# ------------------------------------------------------------------ meshes (numpy part)
+
+def test_icosphere_counts_orientation_and_radius():
+    from pdeformer.fem.mesh import icosphere
+    for r in range(4):
+        x, tri = icosphere(r)
+        assert len(tri) == 20 * 4 ** r and len(x) == 10 * 4 ** r + 2
+        assert np.allclose(np.linalg.norm(x, axis=1), 1.0, atol=1e-15)
+        edges = {tuple(sorted(e)) for t in tri for e in ((t[0], t[1]), (t[1], t[2]), (t[2], t[0]))}
+        assert len(x) - len(edges) + len(tri) == 2                       # Euler: a sphere
+        n = np.cross(x[tri[:, 1]] - x[tri[:, 0]], x[tri[:, 2]] - x[tri[:, 0]])
+        assert np.all(np.einsum("ij,ij->i", n, x[tri].mean(axis=1)) > 0)  # outward, counter-clockwise
+
+
+# ------------------------------------------------------------------ prompts on the sphere
+
+def test_real_spherical_harmonics_are_orthonormal():
+    u, w = sphere_rule()
+    modes = [(l, m) for l in range(5) for m in range(-l, l + 1)]
+    Y = np.array([real_harmonic(l, m, u.T) if l else np.full(len(u), 1 / math.sqrt(4 * math.pi))
+                  for l, m in modes])
+    gram = (Y * w) @ Y.T
+    assert np.abs(gram - np.eye(len(modes))).max() < 1e-12
+    # Y_1m are sqrt(3 / 4 pi) times the coordinates (m = 1: x, -1: y, 0: z)
+    for m, a in ((1, 0), (-1, 1), (0, 2)):
+        assert np.allclose(real_harmonic(1, m, u.T), math.sqrt(3 / (4 * math.pi)) * u[:, a], atol=1e-14)
+
+
+def sphere_prompt(kind: str, d: int, radius: float = 1.0, **keys):
+    from pdeformer.model.prompts import make_prompt
+    return make_prompt({"kind": kind, "weights": None, "lower": None, "upper": None, **keys}, d, 0,
+                       radius=radius)
+
+
+@pytest.mark.parametrize("d", [2, 3])
+def test_sphere_prompts_have_mass_one_and_the_stated_mean(d):
+    """von Mises-Fisher mixtures, harmonics and the uniform density integrate to 1 over
+    the sphere of radius 1.5 (quadrature), and the vMF mean is sum w A(kappa) R mu."""
+    R = 1.5
+    u, w = sphere_rule() if d == 3 else circle_rule()
+    x, w = R * u, w * R ** (d - 1)
+    means = [[1.0, 0.5, -0.2][:d], [-0.3, 1.0, 0.4][:d]]
+    vmf = sphere_prompt("von_mises_fisher", d, R, means=means, concentrations=[7.0, 0.0],
+                        weights=[0.7, 0.3])
+    harm = sphere_prompt("harmonics", d, R, coefficients=[[2, 2, 0.4], [3, -3, 0.2]] if d == 2
+                         else [[2, -1, 0.4], [3, 2, 0.2]])
+    uniform = sphere_prompt("uniform", d, R)
+    for p in (vmf, harm, uniform):
+        assert w @ p.density(x) == pytest.approx(1.0, abs=1e-12)
+    assert np.allclose((w * vmf.density(x)) @ x, vmf.mean(), atol=1e-12)
+    # large concentrations neither overflow nor lose the normalisation
+    sharp = sphere_prompt("von_mises_fisher", d, 1.0, means=[[0.0] * (d - 1) + [1.0]], concentrations=[800.0])
+    top = sharp.density(np.eye(d)[-1:])[0]
+    t = np.pi * (np.arange(8192) + 0.5) / 8192          # e^{-800} I_0(800) by the midpoint rule
+    exact = 800 / (2 * np.pi) if d == 3 else 1 / (2 * np.pi * np.mean(np.exp(800 * (np.cos(t) - 1))))
+    assert top == pytest.approx(exact, rel=1e-10)
+
+
+@pytest.mark.parametrize("spec, d, key", [
+    ({"kind": "harmonics", "coefficients": [[1, 2, 0.1]]}, 3, "coefficients[0]"),
+    ({"kind": "harmonics", "coefficients": [[2, 1, 0.1]]}, 2, "coefficients[0]"),
+    ({"kind": "harmonics", "coefficients": [[1.5, 1, 0.1]]}, 3, "coefficients[0]"),
+    ({"kind": "von_mises_fisher", "means": [[0.0, 0.0, 0.0]], "concentrations": [1.0]}, 3, "means"),
+    ({"kind": "von_mises_fisher", "means": [[1.0, 0.0, 0.0]], "concentrations": [-1.0]}, 3, "concentrations"),
+    ({"kind": "von_mises_fisher", "means": [[1.0, 0.0]], "concentrations": [1.0, 2.0]}, 2, "concentrations"),
+    ({"kind": "uniform", "lower": [0, 0, 0], "upper": [1, 1, 1]}, 3, "lower"),
+])
+def test_bad_sphere_prompts_name_their_key(spec, d, key):
+    import re
+    with pytest.raises(ConfigError, match="^" + re.escape(f"prompts[0].{key}")):
+        sphere_prompt(spec.pop("kind"), d, **spec)
+
+
+def test_sphere_prompts_need_a_sphere():
+    from pdeformer.model.prompts import make_prompt
+    with pytest.raises(ConfigError, match=r"^prompts\[0\]\.kind: 'von_mises_fisher' is a density on a circle"):
+        make_prompt({"kind": "von_mises_fisher", "means": [[1.0, 0.0]], "concentrations": [1.0],
+                     "weights": None}, 2, 0)
+
+
+@pytest.mark.parametrize("mesh, key", [
+    ({"shape": "circle"}, "mesh.cells"),
+    ({"shape": "circle", "cells": [2]}, "mesh.cells"),
+    ({"shape": "circle", "cells": [8, 8]}, "mesh.cells"),
+    ({"shape": "circle", "cells": [8], "refinements": 2}, "mesh.refinements"),
+    ({"shape": "sphere"}, "mesh.refinements"),
+    ({"shape": "sphere", "refinements": 2, "cells": [4]}, "mesh.cells"),
+    ({"shape": "sphere", "refinements": 2, "lower": [0, 0]}, "mesh.lower"),
+    ({"shape": "sphere", "refinements": 2, "radius": 0}, "mesh.radius"),
+    ({"shape": "torus", "refinements": 2}, "mesh.shape"),
+    ({"lower": [0, 0], "upper": [1, 1], "cells": [2, 2], "radius": 2.0}, "mesh.radius"),
+    ({"file": "m.xdmf", "shape": "sphere"}, "mesh.shape"),
+])
+def test_bad_manifold_meshes_name_their_key(mesh, key):
+    raw = {"mesh": mesh, "model": {"layers": 1, "heads": 1},
+           "prompts": [{"kind": "uniform"}]}
+    with pytest.raises(ConfigError, match=rf"^{key}:"):
+        check_config(raw, ".")
+
+
+# ------------------------------------------------------------------ solver helpers
+
+def manifold_config(shape: str, size: int, prompt: dict, **sections) -> dict:
+    mesh = {"shape": shape, **({"cells": [size]} if shape == "circle" else {"refinements": size})}
+    raw = {"mesh": mesh, "discretisation": {"degree": 1, "limiter": False, "steps_per_layer": 40},
+           "model": {"layers": 4, "heads": 1}, "attention": {"backend": "direct"},
+           "output": {"fields": False}, "prompts": [prompt]}
+    for name, table in sections.items():   # a key given as None is left out
+        raw[name] = {k: v for k, v in {**raw.get(name, {}), **table}.items() if v is not None}
+    return raw
+
+
+def identity_heads(layers: int, d: int):
+    """Q = K = V = I in every layer (one head): A = I."""
+    from pdeformer.model.heads import HeadMeasure
+    h = HeadMeasure.random(layers, 1, d, d, seed=0)
+    h.Q[:], h.K[:], h.V[:] = np.eye(d), np.eye(d), np.eye(d)
+    return h
+
+
+def solve(raw: dict, tmp_path, heads=None):
+    """(forward solver, its frames' diagnostics) of a config (in this process)."""
+    from mpi4py import MPI
+    from pdeformer.solvers.forward import ForwardSolver, build_problem
+    from pdeformer.solvers.trackers import DiagnosticsTable
+    cfg = check_config(raw, str(tmp_path))
+    problem = build_problem(cfg, MPI.COMM_WORLD)
+    if heads is not None:
+        problem.heads = heads
+    solver = ForwardSolver(problem)
+    table = DiagnosticsTable(str(tmp_path / "diagnostics.csv"))
+    solver.solve_prompt(0, [table])
+    return solver, table.rows
+
+
+def mode_amplitude(row: dict, d: int, l: int) -> float:
+    """A diagnostic proportional to the amplitude of the mode started: l = 1 the mean
+    along its axis (x on S^1, z on S^2), l = 2 the covariance's anisotropy."""
+    mean, cov = row["mean"], row["cov"]
+    if l == 1:
+        return mean[0] if d == 2 else mean[2]
+    return cov[0, 0] - cov[1, 1] if d == 2 else cov[2, 2] - 0.5 * (cov[0, 0] + cov[1, 1])
+
+
+# ------------------------------------------------------------------ exact answers
+
+@requires_dolfinx
+@pytest.mark.parametrize("shape, sizes, l, beta", [
+    ("circle", (32, 64, 128), 1, 1.0),
+    ("circle", (32, 64, 128), 2, 4.0),
+    ("sphere", (2, 3), 1, 1.0),
+])
+def test_a_mode_of_the_uniform_density_grows_at_the_linear_rate(tmp_path, shape, sizes, l, beta):
+    """rho_0 = (1 + eps Y_l) / |S| with V = Q = K = I: the amplitude grows as e^{lambda t},
+    lambda = l^2 I_l(beta) / (beta I_0(beta)) on S^1 and l (l+1) mu_l / (beta mu_0) on S^2
+    (docs/sphere.md). eps = 1e-4 makes the nonlinear part ~1e-4 of the growth; the
+    discrete growth converges to e^lambda at order 2 (P1 geometry, DG-1, 40 RK2 steps
+    per layer: time error ~1e-6)."""
+    d = 2 if shape == "circle" else 3
+    eps = 1e-4
+    exact = math.exp(circle_rate(l, beta) if d == 2 else sphere_rate(l, beta))
+    errors = []
+    for size in sizes:
+        raw = manifold_config(shape, size, {"kind": "harmonics", "coefficients": [[l, l if d == 2 else 0, eps]]},
+                              attention={"beta": beta})
+        _, rows = solve(raw, tmp_path, identity_heads(4, d))
+        growth = mode_amplitude(rows[-1], d, l) / mode_amplitude(rows[0], d, l)
+        errors.append(abs(growth / exact - 1))
+    orders = np.log2(np.array(errors[:-1]) / np.array(errors[1:]))
+    assert np.all(np.abs(orders - 2) < 0.3), (errors, orders)
+    assert errors[-1] < (1e-3 if d == 2 else 5e-3), errors
+
+
+@requires_dolfinx
+def test_mass_is_conserved_and_the_velocity_is_tangent_on_the_sphere(tmp_path):
+    """Random heads at beta = 2 on an icosphere, limiter on: mass + outflow stays 1 to
+    round-off with no outflow, the velocity at every node is tangent to the sphere, and
+    the density does move (its mean and covariance)."""
+    raw = manifold_config("sphere", 2, {"kind": "von_mises_fisher", "means": [[1.0, 0.0, 0.2], [0.0, -1.0, -0.5]],
+                                        "concentrations": [5.0, 3.0]},
+                          discretisation={"limiter": True, "steps_per_layer": None},
+                          model={"layers": 2, "heads": 3, "seed": 5, "init_scale": 1.5},
+                          attention={"beta": 2.0})
+    solver, rows = solve(raw, tmp_path)
+    for r in rows:
+        assert abs(r["mass"] - 1) < 1e-12 and r["outflow"] == 0.0, r
+    moved = np.linalg.norm(rows[-1]["mean"] - rows[0]["mean"]) + np.linalg.norm(rows[-1]["cov"] - rows[0]["cov"])
+    assert moved > 1e-2, moved
+    v = solver.velocity(solver.initial_coeffs[0], 0)
+    x = solver.velocity_field.targets
+    assert np.allclose(np.linalg.norm(x, axis=1), 1.0, atol=1e-14)
+    radial = np.abs(np.einsum("nd,nd->n", v, x))
+    assert radial.max() < 1e-13 * np.abs(v).max()
+
+
+@requires_dolfinx
+def test_uniform_density_is_stationary_up_to_the_mesh_error(tmp_path):
+    """With A = I the uniform density on S^2 has zero velocity (by symmetry); the discrete
+    velocity of the projected uniform density vanishes at order 2 under refinement."""
+    top = []
+    for r in (2, 3):
+        raw = manifold_config("sphere", r, {"kind": "uniform"}, attention={"beta": 3.0})
+        from mpi4py import MPI
+        from pdeformer.solvers.forward import ForwardSolver, build_problem
+        problem = build_problem(check_config(raw, str(tmp_path)), MPI.COMM_WORLD)
+        problem.heads = identity_heads(4, 3)
+        solver = ForwardSolver(problem)
+        top.append(np.abs(solver.velocity(solver.initial_coeffs[0], 0)).max())
+    assert top[0] < 1e-2 and math.log2(top[0] / top[1]) > 1.7, top
+
+
+@requires_dolfinx
+def test_gradient_on_the_sphere_is_exact(tmp_path):
+    """The adjoint on the sphere (projected velocity, manifold DG, beta = 1.7): Taylor
+    remainders of order 2 and central differences (tests/test_adjoint.py)."""
+    from mpi4py import MPI
+    from pdeformer.solvers.adjoint import AdjointSolver
+    from pdeformer.solvers.forward import ForwardSolver, build_problem
+    from test_adjoint import assert_exact_gradient
+    raw = manifold_config("sphere", 2, {"kind": "von_mises_fisher", "means": [[1, 0.2, 0], [0, 0, -1]],
+                                        "concentrations": [3, 2],
+                                        "target": {"mean": [0.1, 0.2, 0.3], "cov": 0.1}},
+                          discretisation={"steps_per_layer": 12},
+                          model={"layers": 2, "heads": 2, "seed": 4, "init_scale": 1.5},
+                          attention={"beta": 1.7}, objective={"kind": "moments"})
+    problem = build_problem(check_config(raw, str(tmp_path)), MPI.COMM_WORLD, differentiable=True)
+    adj = AdjointSolver(ForwardSolver(problem), problem.objective, problem.targets)
+    assert_exact_gradient(adj, adj.gradient(), fd_step=1e-4)
+
+
+@requires_dolfinx
+def test_beta_scales_the_scores(tmp_path):
+    """beta = 2 with heads (Q, K, V) is the model with (2Q, K, V) at beta = 1: the same
+    velocity, and d/dA twice the other's (A = K^T Q doubles)."""
+    from mpi4py import MPI
+    from pdeformer.model.heads import HeadMeasure
+    from pdeformer.model.velocity import AttentionVelocity
+    from pdeformer.tools.config import options
+    rng = np.random.default_rng(2)
+    heads = HeadMeasure.random(1, 3, 2, 2, seed=1)
+    doubled = HeadMeasure.random(1, 3, 2, 2, seed=1)
+    doubled.Q[:] *= 2
+    y, w, x, g = rng.normal(size=(50, 2)), rng.uniform(0.1, 1, 50), rng.normal(size=(20, 2)), rng.normal(size=(20, 2))
+    out = []
+    for h, beta in ((heads, 2.0), (doubled, 1.0)):
+        cfg = check_config({"mesh": {"lower": [0, 0], "upper": [1, 1], "cells": [1, 1]},
+                            "model": {"layers": 1, "heads": 3}, "attention": {"backend": "direct", "beta": beta},
+                            "prompts": [{"kind": "uniform", "lower": [0, 0], "upper": [1, 1]}]}, str(tmp_path))
+        field = AttentionVelocity(x, h, options(cfg).attention, MPI.COMM_SELF)
+        out.append((field(y, w, 0), field.vjp(y, w, 0, g)))
+    (v1, ct1), (v2, ct2) = out
+    assert np.allclose(v1, v2, rtol=1e-13, atol=1e-15)
+    assert np.allclose(ct1.A, 2 * ct2.A, rtol=1e-12, atol=1e-15)
+    assert np.allclose(ct1.V, ct2.V, rtol=1e-12, atol=1e-15)
+
+
+# ------------------------------------------------------------------ meshes in dolfinx
+
+@requires_dolfinx
+def test_circle_and_sphere_meshes_converge_to_their_length_and_area(tmp_path):
+    """The n-gon and the icosphere of radius 1.5: cells as stated, every vertex on the
+    sphere, length and area within O(h^2) of 2 pi R and 4 pi R^2 (ratio 4 per halving)."""
+    from mpi4py import MPI
+    import dolfinx.fem
+    import ufl
+    from pdeformer.fem.mesh import circle_mesh, sphere_mesh
+    from pdeformer.fem import _dolfinx as dfx
+    R, comm = 1.5, MPI.COMM_WORLD
+    errors = {"circle": [], "sphere": []}
+    for k in range(3):
+        for shape, mesh, exact in (("circle", circle_mesh(comm, 16 * 2 ** k, R), 2 * np.pi * R),
+                                   ("sphere", sphere_mesh(comm, k + 1, R), 4 * np.pi * R ** 2)):
+            assert dfx.global_cells(mesh) == (16 * 2 ** k if shape == "circle" else 20 * 4 ** (k + 1))
+            assert np.allclose(np.linalg.norm(mesh.geometry.x[:, :mesh.geometry.dim], axis=1), R, rtol=1e-14)
+            one = dolfinx.fem.Constant(mesh, 1.0)
+            size = comm.allreduce(dolfinx.fem.assemble_scalar(dolfinx.fem.form(one * ufl.dx(domain=mesh))))
+            errors[shape].append(exact - size)
+    for shape, e in errors.items():
+        ratios = np.array(e[:-1]) / np.array(e[1:])
+        assert np.all(np.array(e) > 0) and np.all(np.abs(ratios - 4) < 0.2), (shape, e)
+
+
+@requires_dolfinx
+def test_a_manifold_mesh_file_must_be_a_sphere(tmp_path):
+    """An icosphere written as XDMF is read as a sphere (d = 3); the same mesh stretched
+    along z is refused in one line naming the file."""
+    from mpi4py import MPI
+    import dolfinx.io
+    from pdeformer.fem.mesh import make_mesh, sphere_mesh, token_dim
+    from pdeformer.tools.config import options
+    from pdeformer.tools.errors import InputError
+    comm = MPI.COMM_WORLD
+    for name, stretch in (("round", 1.0), ("stretched", 1.1)):
+        mesh = sphere_mesh(comm, 1, 1.0)
+        mesh.geometry.x[:, 2] *= stretch
+        with dolfinx.io.XDMFFile(comm, str(tmp_path / f"{name}.xdmf"), "w") as f:
+            f.write_mesh(mesh)
+    raw = {"mesh": {"file": str(tmp_path / "round.xdmf")}, "model": {"layers": 1, "heads": 1},
+           "prompts": [{"kind": "uniform"}]}
+    mesh = make_mesh(comm, options(check_config(raw, str(tmp_path))).mesh)
+    assert token_dim(mesh) == 3 and mesh.topology.dim == 2
+    raw["mesh"]["file"] = str(tmp_path / "stretched.xdmf")
+    with pytest.raises(InputError, match=r"^mesh.file: .*stretched.xdmf: geometry has 3 coordinates for a 2-D mesh"):
+        make_mesh(comm, options(check_config(raw, str(tmp_path))).mesh)
+
+
+# ------------------------------------------------------------------ shipped configs, ranks
+
+def _diagnostics(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+@requires_dolfinx
+@pytest.mark.parametrize("name, sets", [
+    ("circle", ["mesh.cells=[64]", "model.layers=3"]),
+    ("sphere", ["mesh.refinements=2", "model.layers=2"]),
+])
+def test_shipped_manifold_configs_on_one_and_two_ranks(tmp_path, name, sets):
+    """runs/circle.toml and runs/sphere.toml (made smaller): forward and gradient run on
+    1 and 2 ranks with the same diagnostics (order parameter, Fourier amplitudes
+    included) and gradient to 1e-10; the pictures use the circle's or sphere's chart."""
+    config = os.path.join(ROOT, "runs", f"{name}.toml")
+    found = {}
+    for P in (1, 2):
+        out = tmp_path / f"P{P}"
+        for command in ("forward", "gradient"):
+            run_cli([command, config, "--set", f"output.dir={out / command}", *sets], nprocs=P,
+                    plots=(P == 1 and command == "forward"))
+        with np.load(out / "gradient" / "gradient.npz") as g:
+            gradient = np.concatenate([g[k].ravel() for k in ("dQ", "dK", "dV")])
+        found[P] = (_diagnostics(out / "forward" / "diagnostics.csv"), gradient)
+    rows, gradient = found[1]
+    assert "order" in rows[0] and (("fourier_3" in rows[0]) == (name == "circle"))
+    for a, b in zip(rows, found[2][0]):
+        for k in a:
+            if k != "prompt":
+                assert abs(float(a[k]) - float(b[k])) <= 1e-10 * max(1.0, abs(float(a[k]))), (k, a, b)
+    assert np.abs(found[2][1] - gradient).max() <= 1e-10 * np.abs(gradient).max()
+    with np.load(tmp_path / "P1" / "forward" / "fields.npz") as f:
+        assert str(f["chart"]) == name
+        assert f["box"].tolist() == ([[-np.pi], [np.pi]] if name == "circle" else [[-180, -90], [180, 90]])
+    assert (tmp_path / "P1" / "forward" / "densities.png").stat().st_size > 2000
