@@ -134,11 +134,15 @@ def test_bad_sphere_prompts_name_their_key(spec, d, key):
         sphere_prompt(spec.pop("kind"), d, **spec)
 
 
-def test_sphere_prompts_need_a_sphere():
+def test_sphere_prompts_need_a_sphere_and_flat_ones_a_flat_mesh():
     from pdeformer.model.prompts import make_prompt
     with pytest.raises(ConfigError, match=r"^prompts\[0\]\.kind: 'von_mises_fisher' is a density on a circle"):
         make_prompt({"kind": "von_mises_fisher", "means": [[1.0, 0.0]], "concentrations": [1.0],
                      "weights": None}, 2, 0)
+    for spec in ({"kind": "gaussian_mixture", "means": [[1.0, 0.0]], "covs": [0.1], "weights": None},
+                 {"kind": "file", "path": "rho.npz"}):
+        with pytest.raises(ConfigError, match=rf"^prompts\[0\]\.kind: '{spec['kind']}' is a density on R\^d"):
+            make_prompt(spec, 2, 0, radius=1.0)
 
 
 @pytest.mark.parametrize("mesh, key", [
@@ -380,27 +384,126 @@ def _diagnostics(path):
     ("sphere", ["mesh.refinements=2", "model.layers=2"]),
 ])
 def test_shipped_manifold_configs_on_one_and_two_ranks(tmp_path, name, sets):
-    """runs/circle.toml and runs/sphere.toml (made smaller): forward and gradient run on
-    1 and 2 ranks with the same diagnostics (order parameter, Fourier amplitudes
-    included) and gradient to 1e-10; the pictures use the circle's or sphere's chart."""
+    """runs/circle.toml and runs/sphere.toml (made smaller): forward, gradient and
+    particles run on 1 and 2 ranks with the same diagnostics (order parameter, Fourier
+    amplitudes included) and gradient to 1e-10; the pictures use the circle's or
+    sphere's chart."""
     config = os.path.join(ROOT, "runs", f"{name}.toml")
     found = {}
     for P in (1, 2):
         out = tmp_path / f"P{P}"
-        for command in ("forward", "gradient"):
-            run_cli([command, config, "--set", f"output.dir={out / command}", *sets], nprocs=P,
-                    plots=(P == 1 and command == "forward"))
+        for command in ("forward", "gradient", "particles"):
+            run_cli([command, config, "--set", f"output.dir={out / command}", *sets, "particles.tokens=300"],
+                    nprocs=P, plots=(P == 1 and command != "gradient"))
         with np.load(out / "gradient" / "gradient.npz") as g:
             gradient = np.concatenate([g[k].ravel() for k in ("dQ", "dK", "dV")])
-        found[P] = (_diagnostics(out / "forward" / "diagnostics.csv"), gradient)
-    rows, gradient = found[1]
-    assert "order" in rows[0] and (("fourier_3" in rows[0]) == (name == "circle"))
-    for a, b in zip(rows, found[2][0]):
-        for k in a:
-            if k != "prompt":
-                assert abs(float(a[k]) - float(b[k])) <= 1e-10 * max(1.0, abs(float(a[k]))), (k, a, b)
+        found[P] = (_diagnostics(out / "forward" / "diagnostics.csv"), gradient,
+                    _diagnostics(out / "particles" / "diagnostics.csv"))
+    rows, gradient, tokens = found[1]
+    for table in (rows, tokens):
+        assert "order" in table[0] and (("fourier_3" in table[0]) == (name == "circle"))
+    for one, two in ((rows, found[2][0]), (tokens, found[2][2])):
+        for a, b in zip(one, two, strict=True):
+            for k in a:
+                if k not in ("prompt", "min_rho"):
+                    assert abs(float(a[k]) - float(b[k])) <= 1e-10 * max(1.0, abs(float(a[k]))), (k, a, b)
     assert np.abs(found[2][1] - gradient).max() <= 1e-10 * np.abs(gradient).max()
     with np.load(tmp_path / "P1" / "forward" / "fields.npz") as f:
         assert str(f["chart"]) == name
         assert f["box"].tolist() == ([[-np.pi], [np.pi]] if name == "circle" else [[-180, -90], [180, 90]])
-    assert (tmp_path / "P1" / "forward" / "densities.png").stat().st_size > 2000
+    for command in ("forward", "particles"):
+        assert (tmp_path / "P1" / command / "densities.png").stat().st_size > 2000
+
+
+# ------------------------------------------------------------------ particles on the sphere
+
+@pytest.mark.parametrize("d", [2, 3])
+def test_sphere_samplers_draw_the_stated_densities(d):
+    """Seeded draws lie on the sphere (radius 1.5) and have the moments of the density:
+    the vMF mixture's mean (sum w A(kappa) R mu) and, for harmonics, E[Y(u)] =
+    c / |S^{d-1}| for the unit sphere's measure (4 pi: orthonormal Y; S^1: c / 2 for cos
+    l theta), to 5 standard errors; the uniform density has mean 0."""
+    rng = np.random.default_rng(11)
+    R, n = 1.5, 40000
+    means = [[1.0, 0.5, -0.2][:d], [-0.3, 1.0, 0.4][:d]]
+    vmf = sphere_prompt("von_mises_fisher", d, R, means=means, concentrations=[7.0, 2.0], weights=[0.7, 0.3])
+    l, m, c = (3, -3, 0.6) if d == 2 else (2, 1, 1.5)
+    harm = sphere_prompt("harmonics", d, R, coefficients=[[l, m, c]])
+    uniform = sphere_prompt("uniform", d, R)
+    for p in (vmf, harm, uniform):
+        x = p.sample(n, rng)
+        assert np.allclose(np.linalg.norm(x, axis=1), R, rtol=1e-14)
+        if p is vmf:
+            assert np.all(np.abs(x.mean(axis=0) - vmf.mean()) < 5 * x.std(axis=0) / math.sqrt(n))
+        elif p is uniform:
+            assert np.all(np.abs(x.mean(axis=0)) < 5 * R / math.sqrt(n))
+        else:
+            u = (x / R).T
+            y = fourier_mode(l, m, u) if d == 2 else real_harmonic(l, m, u)
+            expected = c / 2 if d == 2 else c / (4 * math.pi)
+            assert abs(y.mean() - expected) < 5 * y.std() / math.sqrt(n), (y.mean(), expected)
+
+
+def test_a_harmonics_prompt_must_not_be_negative():
+    """1 + 5 Y_10 < 0 near the south pole: refused naming the coefficients (the mesh
+    model would project a signed density, the particle model could not sample it)."""
+    with pytest.raises(ConfigError, match=r"^prompts\[0\]\.coefficients: 1 \+ sum c Y_lm is negative somewhere \(down to -1.4"):
+        sphere_prompt("harmonics", 3, coefficients=[[1, 0, 5.0]])
+    sphere_prompt("harmonics", 3, coefficients=[[1, 0, 0.99 * math.sqrt(4 * math.pi / 3)]])   # min 0.01
+
+
+@requires_dolfinx
+@pytest.mark.parametrize("shape, backend", [("sphere", "direct"), ("circle", "laplace")])
+def test_particle_gradient_on_the_sphere_is_exact(tmp_path, shape, backend):
+    """Tokens renormalised after every SSP-RK3 stage, velocity projected: the particle
+    gradient (renormalisation and the moving projection differentiated) has Taylor
+    remainders of order 2; tokens stay on the sphere to rounding."""
+    from mpi4py import MPI
+    from pdeformer.model.particles import ParticleAdjoint, ParticleSolver
+    from pdeformer.solvers.forward import build_problem
+    from test_particles import assert_taylor_order_two
+    d = 3 if shape == "sphere" else 2
+    raw = manifold_config(shape, 1 if d == 3 else 16,
+                          {"kind": "von_mises_fisher", "means": [[1, 0.2, 0][:d], [0, -1, -1][:d]],
+                           "concentrations": [3, 2], "target": {"mean": [0.1, 0.2, 0.3][:d], "cov": 0.1}},
+                          discretisation={"scheme": "ssprk3", "steps_per_layer": None},
+                          model={"layers": 2, "heads": 2, "seed": 4, "init_scale": 1.5},
+                          attention={"backend": backend, "beta": 1.7, "tol": 1e-10},
+                          particles={"tokens": 60, "steps_per_layer": 5}, objective={"kind": "moments"})
+    problem = build_problem(check_config(raw, str(tmp_path)), MPI.COMM_WORLD, differentiable=True)
+    solver = ParticleSolver(problem)
+    x, _ = solver.solve_prompt(0)
+    assert np.abs(np.linalg.norm(x, axis=1) - 1).max() < 1e-14
+    adj = ParticleAdjoint(solver, problem.objective, problem.targets)
+    assert_taylor_order_two(adj, adj.gradient(), problem.heads, np.random.default_rng(1))
+    if backend == "laplace":
+        assert solver.velocity_field.stats["laplace"] > 0 and solver.velocity_field.stats["direct"] == 0
+
+
+@requires_dolfinx
+def test_particles_and_mesh_agree_on_the_sphere(tmp_path):
+    """The same vMF prompt and random heads (beta = 2) on an icosphere of 1,280 triangles
+    and with 4,000 tokens: the means move alike (the change of the mean to 6e-3, a tenth
+    of it; the means to 3e-2, four sampling standard errors) and the order parameters
+    agree to 2e-2."""
+    from pdeformer.model.particles import ParticleSolver
+    from pdeformer.solvers.trackers import DiagnosticsTable
+    from pdeformer.solvers.forward import ForwardSolver, build_problem
+    from mpi4py import MPI
+    raw = manifold_config("sphere", 3, {"kind": "von_mises_fisher", "means": [[1.0, 0.0, 0.2], [0.0, -1.0, -0.5]],
+                                        "concentrations": [5.0, 3.0]},
+                          discretisation={"limiter": True, "steps_per_layer": None},
+                          model={"layers": 3, "heads": 3, "seed": 5, "init_scale": 1.5},
+                          attention={"beta": 2.0}, particles={"tokens": 4000, "steps_per_layer": 10, "seed": 3})
+    problem = build_problem(check_config(raw, str(tmp_path)), MPI.COMM_WORLD)
+    rows = {}
+    for solver in (ForwardSolver(problem), ParticleSolver(problem)):
+        table = DiagnosticsTable(str(tmp_path / "d.csv"))
+        solver.solve_prompt(0, [table])
+        rows[type(solver).__name__] = table.rows
+    mesh, part = rows["ForwardSolver"], rows["ParticleSolver"]
+    moved = mesh[-1]["mean"] - mesh[0]["mean"]
+    assert np.linalg.norm(moved) > 0.05
+    assert np.abs((part[-1]["mean"] - part[0]["mean"]) - moved).max() < 6e-3
+    assert np.abs(part[-1]["mean"] - mesh[-1]["mean"]).max() < 3e-2
+    assert abs(part[-1]["extras"]["order"] - mesh[-1]["extras"]["order"]) < 2e-2

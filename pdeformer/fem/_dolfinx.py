@@ -104,7 +104,14 @@ def manifold_mesh(comm, cells: np.ndarray, x: np.ndarray, cell: str):
         domain = ufl.Mesh(basix.ufl.element("Lagrange", cell, 1, shape=(gdim,)))
     except ImportError:
         domain = ufl.Mesh(ufl.VectorElement("Lagrange", ufl.Cell(cell, geometric_dimension=gdim), 1))
-    return dolfinx.mesh.create_mesh(comm, np.asarray(cells, dtype=np.int64), np.asarray(x, float), domain)
+    cells, x = np.asarray(cells, dtype=np.int64), np.asarray(x, float)
+    # ghosts across shared facets, as the built-in boxes have: the DG fluxes on facets
+    # between ranks need both cells (0.9's create_mesh ghosts nothing unless told)
+    shared = dolfinx.mesh.GhostMode.shared_facet
+    if "ghost_mode" in inspect.signature(dolfinx.mesh.create_mesh).parameters:
+        return dolfinx.mesh.create_mesh(comm, cells, x, domain, ghost_mode=shared)
+    return dolfinx.mesh.create_mesh(comm, cells, x, domain,
+                                    partitioner=dolfinx.mesh.create_cell_partitioner(shared))
 
 
 def cell_type_name(mesh) -> str:

@@ -25,6 +25,7 @@ import dolfinx.io
 import dolfinx.mesh
 
 from . import _dolfinx as dfx
+from ..model.sphere import common_radius
 from ..tools.errors import InputError
 from ..tools.parallel import on_root
 
@@ -107,11 +108,7 @@ def sphere_mesh(comm, refinements: int, radius: float):
 def sphere_radius(comm, mesh) -> float | None:
     """The radius R of the sphere |x| = R about the origin that every vertex of a
     manifold mesh lies on (to 1e-8 relative), None if they do not."""
-    from mpi4py import MPI
-    r = np.linalg.norm(mesh.geometry.x[:, :mesh.geometry.dim], axis=1)
-    lo = comm.allreduce(float(r.min()) if r.size else np.inf, op=MPI.MIN)
-    hi = comm.allreduce(float(r.max()) if r.size else 0.0, op=MPI.MAX)
-    return hi if lo > 0 and hi - lo <= 1e-8 * hi else None
+    return common_radius(comm, mesh.geometry.x[:, :mesh.geometry.dim])
 
 
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"

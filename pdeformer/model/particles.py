@@ -18,6 +18,12 @@ prompt groups a prompt's tokens are dealt over the ranks of the group that owns 
 live in R^d: none leave, so ``mass`` is 1 and ``outflow`` 0 in diagnostics.csv, and
 ``min_rho`` (a density minimum) is not defined (nan).
 
+On a circle or sphere (``[mesh] shape``, or a mesh file of one: docs/sphere.md) the
+tokens are drawn on it, the velocity is its tangential part, and every stage of the
+scheme is followed by the renormalisation x <- R x / |x| (differentiated in the
+adjoint); diagnostics.csv gains the order parameter (and on a circle the Fourier
+amplitudes), as for the mesh model.
+
 Gradients (:class:`ParticleAdjoint`) are the exact discrete adjoint of this ODE system
 (positions and head cotangents through the reverse mode of the sum each forward stage
 made: direct summation, or the laplace table with its plan recorded on the tape).
@@ -32,13 +38,14 @@ import math
 import numpy as np
 from mpi4py import MPI
 
-from ..tools.errors import ConfigError, SolverBreakdown
+from ..tools.errors import ConfigError, InputError, SolverBreakdown
 from ..integrator.frames import Frame, Tracker, located
 from .heads import Gradient
 from ..integrator.march import FixedSteps, march, sweep_back
 from .objectives import OBJECTIVES
 from ..tools.parallel import Timer, allgather_rows, any_rank, moment_sums, on_root
 from ..integrator.schemes import SCHEMES, ssp_step, ssp_step_vjp
+from .sphere import common_radius, on_sphere, projection_vjp, sphere_moments, tangential_position_vjp
 from .velocity import AttentionVelocity
 
 log = logging.getLogger("pdeformer")
@@ -59,9 +66,10 @@ class ParticleSolver:
         self.comm = problem.comm
         self.timer = timer or Timer()
         opts = problem.opts
-        if problem.mesh.geometry.dim > problem.mesh.topology.dim:
-            raise ConfigError("mesh.shape", "tokens on a circle or sphere are solved on the mesh "
-                              "only (forward, gradient, train); the particle model has no sphere yet")
+        mesh = problem.mesh
+        # tokens on the sphere the mesh discretises (None: flat)
+        self.radius = common_radius(self.comm, mesh.geometry.x[:, :mesh.geometry.dim]) \
+            if mesh.geometry.dim > mesh.topology.dim else None
         self.disc = opts.discretisation
         pc = opts.particles
         self.tokens = pc.tokens
@@ -74,7 +82,7 @@ class ParticleSolver:
                               f"layer ({self.steps_per_layer})")
         self.scheme = SCHEMES[self.disc.scheme]
         attention = dataclasses.replace(opts.attention, **({"backend": backend} if backend else {}))
-        self.velocity_field = AttentionVelocity(None, problem.heads, attention, self.comm)
+        self.velocity_field = AttentionVelocity(None, problem.heads, attention, self.comm, self.radius)
         self.stats = {"steps": 0, "velocity_evaluations": 0}
         self.current_prompt, self.evaluations = None, 0   # set per prompt (laplace plan keys)
         self.prompt_info = [{"name": n, "tokens": len(p.points) if p.kind == "points" else self.tokens}
@@ -97,8 +105,13 @@ class ParticleSolver:
         if prompt.kind == "points":
             x, w = prompt.points, prompt.weights
         else:
-            x = prompt.sample(self.tokens, np.random.default_rng([self.seed, index]))
+            try:
+                x = prompt.sample(self.tokens, np.random.default_rng([self.seed, index]))
+            except InputError as e:
+                raise InputError(f"prompts[{index}]: {e}") from None
             w = np.full(self.tokens, 1.0 / self.tokens)
+        if self.radius is not None:     # on the sphere exactly (point clouds too)
+            x = on_sphere(x, self.radius)
         block = np.array_split(np.arange(len(w)), self.comm.size)[self.comm.rank]
         return np.ascontiguousarray(x[block]), np.ascontiguousarray(w[block])
 
@@ -154,15 +167,23 @@ class ParticleSolver:
         return x, w
 
     def _step(self, x, w, dt, layer, tape):
+        """One step; on the sphere each stage renormalised (the tape keeps, per stage, its
+        positions, plan and -- on the sphere -- velocity, radial part of the unprojected
+        one and the stage before renormalising)."""
         stages = []
 
         def rhs(Y, j):
             v = self.velocity(Y[0], w, layer)
             if tape is not None:
-                stages.append((Y[0], self.velocity_field.last_plan))
+                stages.append([Y[0], self.velocity_field.last_plan, v, self.velocity_field.last_radial])
             return [v]
 
-        new = ssp_step(self.scheme, [x], dt, rhs)[0]
+        def renormalise(Y):
+            if tape is not None:
+                stages[-1].append(Y[0])
+            return [on_sphere(Y[0], self.radius)]
+
+        new = ssp_step(self.scheme, [x], dt, rhs, renormalise if self.radius is not None else None)[0]
         if tape is not None:
             tape.append((layer, dt, stages))
         if any_rank(self.comm, not np.all(np.isfinite(new))):
@@ -174,8 +195,9 @@ class ParticleSolver:
         """The forward columns for tokens: weighted moments (mass 1, outflow 0, min_rho nan)."""
         mass, mean, cov = weighted_moments(self.comm, frame.coeffs, frame.extra["weights"],
                                            np.zeros(frame.coeffs.shape[1]))
+        extras = sphere_moments(frame.coeffs, frame.extra["weights"], self.comm) if self.radius else {}
         return {"prompt": frame.prompt, "t": frame.t, "mass": mass, "outflow": 0.0,
-                "min_rho": math.nan, "mean": mean, "cov": cov}
+                "min_rho": math.nan, "mean": mean, "cov": cov, "extras": extras}
 
 
 class TokenOutput(Tracker):
@@ -277,17 +299,24 @@ class ParticleAdjoint:
         return value_gradient
 
     def _step_vjp(self, lam, w, layer, dt, stages, dA, dV):
+        radius = self.solver.radius
+        renormalise_vjp = None if radius is None else \
+            (lambda i, Ybar: projection_vjp(stages[i - 1][4], radius, Ybar))   # stage i from rhs i-1
         return ssp_step_vjp(self.solver.scheme, lam, dt,
-                            lambda j, Lbar: self._rate_vjp(stages[j], w, layer, Lbar, dA, dV))
+                            lambda j, Lbar: self._rate_vjp(stages[j], w, layer, Lbar, dA, dV),
+                            renormalise_vjp)
 
     def _rate_vjp(self, stage, w, layer, g, dA, dV):
         """Cotangent of the positions for the cotangent g of v(x) (targets and sources
         are the same tokens: both parts add up), through the sum the forward stage made
         (its laplace plan, or direct summation)."""
-        x, plan = stage
+        x, plan, v, radial = stage[:4]
         sv = self.solver
         with sv.timer.phase("adjoint velocity"):
             ct = sv.velocity_field.vjp(x, w, layer, g, plan, targets=x, positions=True)
         dA[layer] += ct.A
         dV[layer] += ct.V
-        return ct.targets + ct.points
+        xbar = ct.targets + ct.points
+        if sv.radius is not None:       # the projection P_x moves with the targets
+            xbar = xbar + tangential_position_vjp(x, v, radial, g)
+        return xbar

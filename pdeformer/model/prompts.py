@@ -185,6 +185,28 @@ class SpherePrompt:
     def total_mass(self) -> float:
         return 1.0
 
+    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """n tokens on the sphere, by rejection from the uniform density (the bound of
+        :meth:`_bound`); subclasses with an exact sampler override it. Tokens lie on
+        |x| = radius to rounding."""
+        top = self._bound()
+        out = np.zeros((0, self.d))
+        while len(out) < n:
+            x = _uniform_directions(max(64, 2 * (n - len(out))), self.d, rng)
+            f = self.density(x)
+            if np.any(f < 0):
+                raise InputError(f"{self.kind}: the density is negative somewhere (min found "
+                                 f"{f.min():.3g}): no tokens can be drawn from it")
+            keep = rng.random(len(x)) * top < f
+            out = np.vstack([out, x[keep]])
+        return self.radius * out[:n]
+
+
+def _uniform_directions(n: int, d: int, rng: np.random.Generator) -> np.ndarray:
+    """n unit vectors uniform on S^{d-1} (normalised Gaussians)."""
+    z = rng.standard_normal((n, d))
+    return z / np.linalg.norm(z, axis=1)[:, None]
+
 
 class UniformSphere(SpherePrompt):
     """rho = 1 / |S| on the sphere."""
@@ -194,6 +216,8 @@ class UniformSphere(SpherePrompt):
     def _profile(self, u, ops):
         return 1.0 / self.area + 0.0 * u[0]
 
+    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        return self.radius * _uniform_directions(n, self.d, rng)
 
 class VonMisesFisher(SpherePrompt):
     """sum_c pi_c C(kappa_c) e^{kappa_c <mu_c, u>} / radius^{d-1}: on S^2
@@ -216,6 +240,33 @@ class VonMisesFisher(SpherePrompt):
         n = 64 + 16 * math.ceil(math.sqrt(kappa))     # trapezoid rule: geometric convergence
         theta = 2 * math.pi * np.arange(n) / n
         return 1 / (2 * math.pi * float(np.mean(np.exp(kappa * (np.cos(theta) - 1)))))
+
+    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """Exact draws: the component, then on S^1 the angle from numpy's von Mises
+        sampler, on S^2 the cosine w to the mean from its inverse distribution function
+        w = 1 + log(xi + (1 - xi) e^{-2 kappa}) / kappa and a uniform direction about it."""
+        comp = rng.choice(len(self.weights), size=n, p=self.weights)
+        out = np.empty((n, self.d))
+        for c in range(len(self.weights)):
+            idx = np.flatnonzero(comp == c)
+            mu, k = self.means[c], self.kappa[c]
+            if self.d == 2:
+                angle = rng.vonmises(math.atan2(mu[1], mu[0]), k, size=len(idx))
+                out[idx] = np.c_[np.cos(angle), np.sin(angle)]
+                continue
+            xi = rng.random(len(idx))
+            w = 2 * xi - 1 if k == 0 else 1 + np.log(xi + (1 - xi) * math.exp(-2 * k)) / k
+            w = np.clip(w, -1.0, 1.0)
+            e1 = np.cross(mu, [1.0, 0.0, 0.0] if abs(mu[0]) < 0.9 else [0.0, 1.0, 0.0])
+            e1 /= np.linalg.norm(e1)
+            e2 = np.cross(mu, e1)
+            phi = 2 * np.pi * rng.random(len(idx))
+            s = np.sqrt(1 - w * w)
+            out[idx] = w[:, None] * mu + (s * np.cos(phi))[:, None] * e1 + (s * np.sin(phi))[:, None] * e2
+        return self.radius * out
+
+    def _bound(self) -> float:
+        return float(np.sum(self.weights * self.scale))
 
     def _profile(self, u, ops):
         terms = [w * c * ops.exp(k * (sum(m[a] * u[a] for a in range(self.d)) - 1))
@@ -249,6 +300,13 @@ class SphereHarmonics(SpherePrompt):
     def __init__(self, d, radius, coefficients):
         super().__init__(d, radius)
         self.coefficients = [(int(l), int(m), float(c)) for l, m, c in coefficients]
+
+    def _bound(self) -> float:
+        """(1 + sum |c| max |Y|) / |S|: |Y_lm| <= sqrt((2l+1)/(4 pi)) on S^2 (the
+        addition theorem), |cos|, |sin| <= 1 on S^1."""
+        top = sum(abs(c) * (math.sqrt((2 * l + 1) / (4 * math.pi)) if self.d == 3 else 1.0)
+                  for l, _, c in self.coefficients)
+        return (1.0 + top) / self.area
 
     def _profile(self, u, ops):
         total = 1.0 + 0.0 * u[0]
@@ -548,7 +606,14 @@ def _weights(key: str, given, n: int, what: str) -> np.ndarray:
     return w
 
 
+def _flat_only(key: str, kind: str, radius, instead: str) -> None:
+    if radius is not None:
+        raise ConfigError(f"{key}.kind", f"{kind!r} is a density on R^d, not on a circle or sphere: "
+                          f"use {instead}")
+
+
 def _gaussian_mixture(spec: dict, d: int, key: str, radius=None):
+    _flat_only(key, "gaussian_mixture", radius, "von_mises_fisher (its spherical counterpart)")
     means = vector_list(f"{key}.means", spec["means"], d)
     n = means.shape[0]
     covs = spec["covs"]
@@ -582,6 +647,7 @@ def _uniform(spec: dict, d: int, key: str, radius=None):
 
 
 def _file(spec: dict, d: int, key: str, radius=None):
+    _flat_only(key, "file", radius, "points (a point cloud), von_mises_fisher, harmonics or uniform")
     return PointDensity.read(spec["path"], d, f"{key}.path")
 
 
@@ -633,7 +699,24 @@ def _harmonics(spec: dict, d: int, key: str, radius=None):
             allowed = "-l <= m <= l" if d == 3 else "m = l (cos) or m = -l (sin)"
             raise ConfigError(k, f"l = {l}, m = {m}: need 1 <= l <= 32 and {allowed}")
         rows.append((l, m, float(row[2])))
-    return SphereHarmonics(d, radius, rows)
+    prompt = SphereHarmonics(d, radius, rows)
+    low = float(prompt.density(radius * _direction_grid(d)).min()) * prompt.area
+    if low < 0:
+        raise ConfigError(f"{key}.coefficients", f"1 + sum c Y_lm is negative somewhere (down to "
+                          f"{low:.3g}): a prompt is a probability density; use smaller coefficients")
+    return prompt
+
+
+def _direction_grid(d: int, n: int = 128) -> np.ndarray:
+    """Unit vectors on a grid of the circle (4n angles) or the sphere (n latitudes x 2n
+    longitudes, cell centres): fine enough to see the sign of harmonics up to l = 32."""
+    if d == 2:
+        theta = 2 * np.pi * np.arange(4 * n) / (4 * n)
+        return np.c_[np.cos(theta), np.sin(theta)]
+    lat = np.pi * (np.arange(n) + 0.5) / n - np.pi / 2
+    lon = np.pi * (np.arange(2 * n) + 0.5) / n
+    LA, LO = np.meshgrid(lat, lon, indexing="ij")
+    return np.stack([np.cos(LA) * np.cos(LO), np.cos(LA) * np.sin(LO), np.sin(LA)], -1).reshape(-1, 3)
 
 
 # prompt kind -> its builder (spec, d, key, radius: of the sphere, None on a flat mesh): a

@@ -11,6 +11,15 @@ from mpi4py import MPI
 FOURIER_MODES = 3   # on a circle: |rho_hat_l| for l = 1..3 in the diagnostics
 
 
+def common_radius(comm, points: np.ndarray) -> float | None:
+    """The radius R of the sphere |x| = R about the origin that every rank's points lie
+    on (to 1e-8 relative), None if they do not (one collective of two reductions)."""
+    r = np.linalg.norm(points, axis=1)
+    lo = comm.allreduce(float(r.min()) if r.size else np.inf, op=MPI.MIN)
+    hi = comm.allreduce(float(r.max()) if r.size else 0.0, op=MPI.MAX)
+    return hi if lo > 0 and hi - lo <= 1e-8 * hi else None
+
+
 def on_sphere(x: np.ndarray, radius: float) -> np.ndarray:
     """The radial projections R x / |x| of points x (n, d)."""
     return radius * x / np.linalg.norm(x, axis=1)[:, None]

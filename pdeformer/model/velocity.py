@@ -162,6 +162,7 @@ class AttentionVelocity:
         self._gathered = None  # (points object, all points, slice of this rank)
         self._limits = {}      # key -> (A, points, targets, n_max): the auto cost model
         self.last_sum = None    # how the last velocity was summed: None (direct) or a TableSum
+        self.last_radial = None  # on the sphere: <w, u> of the last unprojected velocity w
         self.last_finite = None  # whether it is finite on every rank, where already agreed
         # frozen plans (gradients): each evaluation's plan kept by its step and replayed
         # when that step comes again, so forward passes of a gradient evaluation and its
@@ -188,8 +189,13 @@ class AttentionVelocity:
         return (A if self.beta == 1 else self.beta * A), self.heads.values(layer)
 
     def tangential(self, x: np.ndarray, v: np.ndarray) -> np.ndarray:
-        """P_x v on the sphere (:func:`pdeformer.model.sphere.tangential`), v on a flat mesh."""
-        return v if self.radius is None else tangential(x, v)
+        """P_x v on the sphere (:func:`pdeformer.model.sphere.tangential`; its radial part
+        <v, u> kept as :attr:`last_radial`, which the reverse mode through moving targets
+        needs), v on a flat mesh."""
+        if self.radius is None:
+            return v
+        self.last_radial = np.einsum("nd,nd->n", v, x) / np.linalg.norm(x, axis=1)
+        return tangential(x, v)
 
     # ------------------------------------------------------------------ helpers
     def _all_points(self, points):
@@ -303,16 +309,16 @@ class AttentionVelocity:
         """Cotangents of <g, v> (g at this rank's nodes): this rank's source weights,
         and A, V of ``layer`` (this rank's share; the caller sums over ranks); with
         ``positions`` (particles) also the cotangents of this rank's targets and of its
-        source points. ``plan`` is the forward evaluation's :attr:`last_plan`: the same sum
+        source points (on the sphere the targets' through the unprojected velocity only:
+        the caller adds the part through P_x, :func:`pdeformer.model.sphere.tangential_position_vjp`).
+        ``plan`` is the forward evaluation's :attr:`last_plan`: the same sum
         is differentiated; its :attr:`last_sum` (a :class:`TableSum`) differentiates the
         forward evaluation's own table and interpolant, built for the same sources,
         targets and heads, without building them again."""
         x = self.targets if targets is None else targets
         A, V = self.matrices(layer)
-        if self.radius is not None:
-            if positions:
-                raise NotImplementedError("position cotangents on the sphere")
-            g = self.tangential(x, g)
+        if self.radius is not None:     # P_x is symmetric (the caller adds d/dx through P_x)
+            g = tangential(x, g)
         ct = self._vjp(points, weights, x, A, V, g, plan, positions)
         if self.beta != 1:              # d/dA of <g, v(beta A)>
             ct.A = self.beta * ct.A
