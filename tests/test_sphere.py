@@ -553,3 +553,17 @@ def test_particles_agree_with_the_peer_code_to_its_time_step_error(tmp_path, d):
     errors = np.array([np.abs(peer_euler(x0, 1.0, T, dt) - x).max() for dt in (0.1, 0.05, 0.025)])
     ratios = errors[:-1] / errors[1:]
     assert np.all(np.abs(ratios - 2) < 0.2) and errors[0] < 0.1, (errors, ratios)
+
+
+@requires_dolfinx
+def test_ntk_takes_sphere_prompts_by_quadrature(tmp_path):
+    """The NTK test on the circle's and sphere's prompts (no closed form: the quadrature
+    of their DG projections) runs and finds the shipped prompts independent."""
+    for name, sets in (("circle", ["mesh.cells=[32]"]), ("sphere", ["mesh.refinements=2"])):
+        out = tmp_path / name
+        run_cli(["ntk", os.path.join(ROOT, "runs", f"{name}.toml"), "--set", f"output.dir={out}", *sets])
+        import json
+        with open(out / "ntk.json") as f:
+            result = json.load(f)
+        assert all("quadrature" in p["measure"] for p in result["prompts"]), result["prompts"]
+        assert result["lse"]["independent"] and result["lse"]["ratio"] > 1e-2

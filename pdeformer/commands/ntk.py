@@ -235,8 +235,8 @@ def prompt_measures(problem, timer) -> tuple[list, list]:
     """The measures the test looks at, one per prompt, and how each was obtained.
 
     Without ``ntk.depth``: the prompts themselves -- closed forms for Gaussian mixtures,
-    uniform boxes and point clouds; a density file through the quadrature of its DG
-    projection. With a depth t: the state of a forward run at t -- mesh densities by
+    uniform boxes and point clouds; a density file or a density on a circle or sphere
+    through the quadrature of its DG projection. With a depth t: the state of a forward run at t -- mesh densities by
     quadrature (DG, ``ntk.quadrature_degree``), point clouds as tokens of the particle
     model."""
     from ..solvers.forward import ForwardSolver
@@ -249,8 +249,8 @@ def prompt_measures(problem, timer) -> tuple[list, list]:
     prompts = problem.prompts
     measures: list = [m for _, m in prompts]
     how = ["closed form"] * len(prompts)
-    on_mesh = [i for i, (_, m) in enumerate(prompts)
-               if m.kind != "points" and (t is not None or m.kind == "file")]
+    on_mesh = [i for i, (_, m) in enumerate(prompts)   # no closed form: a file, a sphere's density
+               if m.kind != "points" and (t is not None or not isinstance(m, (GaussianMixture, UniformBox)))]
     as_tokens = [i for i, (_, m) in enumerate(prompts) if m.kind == "points" and t]
     if on_mesh:
         sub = dataclasses.replace(problem, prompts=[prompts[i] for i in on_mesh], groups=None)
