@@ -6,7 +6,7 @@
 Tokens on S^1 or S^2 under one attention head per layer with Q = K = V = I (A = I) at
 inverse temperature beta, run to time T (L layers of V = T I: depth t in [0, 1] is the
 time t T of Geshkovski et al.). The prompt is the uniform density with a small seeded
-perturbation (``harmonics``, modes l = 1..4 with coefficients 0.05): the uniform density
+perturbation (``harmonics``, modes l = 1..4 with coefficients 0.2 on S^1 and 0.1 on S^2, random signs: above the sampling noise 1/sqrt(N) of the particle runs): the uniform density
 is stationary but unstable (every mode grows, docs/sphere.md), so clusters form, and
 then merge. For every (shape, beta) it runs the mesh model (``pdeformer forward``, with
 field series) and the particle model at several N (``pdeformer particles``, tokens drawn
@@ -43,8 +43,8 @@ SETTINGS = {   # shape: (mesh keys, time T, particle counts, d)
     "sphere": ({"shape": "sphere", "refinements": 3}, 20.0, [100, 1000, 4000], 3),
 }
 PERTURBATION = {   # small random-signed modes l = 1..4 of the uniform density
-    2: [[l, s * l, 0.05] for l in range(1, 5) for s in (1, -1)],
-    3: [[l, m, 0.05] for l in range(1, 5) for m in (-1, 0, 1)],
+    2: [[l, s * l, 0.2] for l in range(1, 5) for s in (1, -1)],
+    3: [[l, m, 0.1] for l in range(1, 5) for m in (-1, 0, 1)],
 }
 
 

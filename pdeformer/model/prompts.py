@@ -315,6 +315,82 @@ class SphereHarmonics(SpherePrompt):
         return total / self.area
 
 
+class SphereFile(SpherePrompt):
+    """Density values at scattered points on the sphere, interpolated linearly on the
+    sphere's own triangulation of them: on S^1 in the angle between neighbours (around
+    the circle), on S^2 on the convex hull of the points' directions (its facets are the
+    spherical Delaunay triangles), each direction u taking the barycentric combination
+    of the facet the ray through u crosses. Normalised to mass 1 by the mesh model; the
+    particle model samples it by rejection."""
+
+    kind = "file"
+
+    def __init__(self, d, radius, points, values, source: str = "<array>"):
+        super().__init__(d, radius)
+        self.ufl_density = None          # projected through its interpolant at the DG nodes
+        self.values = np.asarray(values, float)
+        self.directions = np.asarray(points, float) / np.linalg.norm(points, axis=1)[:, None]
+        self.source = source
+        if d == 2:
+            angle = np.arctan2(self.directions[:, 1], self.directions[:, 0])
+            order = np.argsort(angle)
+            self._angle, self._ordered = angle[order], self.values[order]
+        else:
+            self._facets = self._hull()
+
+    def _hull(self):
+        try:
+            from scipy.spatial import ConvexHull, QhullError, cKDTree
+        except ImportError:
+            raise InputError(f"{self.source}: density files on a sphere need scipy "
+                             "(Debian: apt-get install python3-scipy)") from None
+        try:
+            hull = ConvexHull(self.directions)
+        except QhullError:
+            raise InputError(f"{self.source}: the points do not surround the sphere's centre "
+                             "(their convex hull is flat)") from None
+        corners = self.directions[hull.simplices]                      # (F, 3, 3)
+        if np.any(hull.equations[:, 3] >= -1e-12):     # the origin on or outside a facet's plane
+            raise InputError(f"{self.source}: the points do not surround the sphere's centre")
+        inverse = np.linalg.inv(corners.transpose(0, 2, 1))             # u = C lam -> lam = C^-1 u
+        centres = corners.mean(axis=1)
+        return hull.simplices, inverse, cKDTree(centres / np.linalg.norm(centres, axis=1)[:, None])
+
+    def _profile(self, u, ops):
+        if ops is not NUMPY_OPS:
+            raise TypeError("a density file has no UFL expression")
+        u = np.asarray(u).T
+        if self.d == 2:
+            theta = np.arctan2(u[:, 1], u[:, 0])
+            a, f = self._angle, self._ordered
+            period = 2 * np.pi
+            return np.interp(theta, np.r_[a[-1] - period, a, a[0] + period], np.r_[f[-1], f, f[0]])
+        simplices, inverse, tree = self._facets
+        out = np.full(len(u), np.nan)
+        k = min(len(simplices), 8)   # a hull has at least 4 facets
+        _, near = tree.query(u, k=k)
+        for j in range(k):           # the nearest facet centres, until one contains the ray
+            todo = np.isnan(out)
+            if not todo.any():
+                break
+            f = near[todo, j]
+            lam = np.einsum("nij,nj->ni", inverse[f], u[todo])
+            inside = np.all(lam >= -1e-12, axis=1)
+            idx = np.flatnonzero(todo)[inside]
+            lam = lam[inside] / lam[inside].sum(axis=1, keepdims=True)
+            out[idx] = np.einsum("ni,ni->n", lam, self.values[simplices[f[inside]]])
+        if np.any(np.isnan(out)):     # (not met: a ray crosses one of the nearest facets)
+            lam = np.einsum("fij,nj->nfi", inverse, u[np.isnan(out)])
+            f = np.argmax(lam.min(axis=2), axis=1)
+            best = lam[np.arange(len(f)), f]
+            out[np.isnan(out)] = np.einsum("ni,ni->n", best / best.sum(axis=1, keepdims=True),
+                                           self.values[simplices[f]])
+        return out
+
+    def _bound(self) -> float:
+        return float(self.values.max())
+
+
 class _Ops:
     def __init__(self, exp):
         self.exp = exp
@@ -647,8 +723,17 @@ def _uniform(spec: dict, d: int, key: str, radius=None):
 
 
 def _file(spec: dict, d: int, key: str, radius=None):
-    _flat_only(key, "file", radius, "points (a point cloud), von_mises_fisher, harmonics or uniform")
-    return PointDensity.read(spec["path"], d, f"{key}.path")
+    if radius is None:
+        return PointDensity.read(spec["path"], d, f"{key}.path")
+    try:
+        points, values = _read_point_data(spec["path"], d, "density", "density")
+        if len(points) < d + 1 or np.any(np.linalg.norm(points, axis=1) == 0):
+            raise InputError(f"{spec['path']}: needs at least {d + 1} points, none at the origin")
+        if np.any(values < 0) or not np.any(values > 0):
+            raise InputError(f"{spec['path']}: density values must be >= 0, not all zero")
+        return SphereFile(d, radius, points, values, spec["path"])
+    except InputError as e:
+        raise InputError(f"{key}.path: {e}") from None
 
 
 def _points(spec: dict, d: int, key: str, radius=None):
