@@ -147,7 +147,9 @@ def main():
     with open(os.path.join(args.out, "clustering.md"), "w") as f:
         f.write("\n".join(table) + "\n")
     draw(curves, args.shapes, args.betas, os.path.join(args.out, "clustering.png"))
-    print(f"clustering.md, clustering.png in {args.out}")
+    for shape in args.shapes:
+        draw_snapshots(args.out, shape, args.betas, os.path.join(args.out, f"{shape}-snapshots.png"))
+    print(f"clustering.md, clustering.png, <shape>-snapshots.png in {args.out}")
 
 
 def draw(curves: dict, shapes: list, betas: list, path: str) -> None:
@@ -168,6 +170,46 @@ def draw(curves: dict, shapes: list, betas: list, path: str) -> None:
             ax.set_ylabel("order |∫ u ρ|", fontsize=8)
             ax.tick_params(labelsize=7)
     axes[0, 0].legend(fontsize=7)
+    fig.savefig(path, dpi=90)
+
+
+def draw_snapshots(folder: str, shape: str, betas: list, path: str, frames: int = 5) -> None:
+    """The mesh densities of every beta at ``frames`` times, on a log scale (clusters are
+    orders of magnitude above the rest): the circle against its angle, the sphere on its
+    longitude-latitude chart (fields.npz of each run)."""
+    from matplotlib.colors import LogNorm
+    from matplotlib.figure import Figure
+    from pdeformer.commands.plot import read_snapshots, snapshot_frames
+    _, T, _, _ = SETTINGS[shape]
+    fig = Figure(figsize=(2.4 * frames + 0.8, 1.9 * len(betas)), layout="constrained")
+    axes = fig.subplots(len(betas), frames, squeeze=False)
+    for i, beta in enumerate(betas):
+        snap = read_snapshots(os.path.join(folder, f"{shape}_beta{beta:g}", "mesh", "fields.npz"))
+        t = snap["t_0"]
+        top = float(np.max(snap["density_0"]))
+        norm = LogNorm(vmin=1e-4 * top, vmax=top)
+        for j, k in enumerate(snapshot_frames(len(t), frames)):
+            ax = axes[i, j]
+            if shape == "circle":
+                x, y = snap["node_x"].ravel(), snap["nodes_0"][k].ravel()
+                order = np.argsort(x)
+                ax.semilogy(x[order], np.maximum(y[order], 1e-4 * top), lw=1)
+                ax.set_ylim(1e-4 * top, 2 * top)
+            else:
+                x, tri = snap["points"], snap["cells"]
+                n = len(x)
+                x = np.concatenate([x, x - [360.0, 0.0], x + [360.0, 0.0]])
+                tri = np.concatenate([tri, tri + n, tri + 2 * n])
+                values = np.maximum(np.tile(snap["density_0"][k], 3), 1e-4 * top)
+                mappable = ax.tripcolor(x[:, 0], x[:, 1], tri, facecolors=values, norm=norm, cmap="viridis",
+                                        shading="flat", rasterized=True)
+                ax.set_xlim(-180, 180)
+                ax.set_ylim(-90, 90)
+                ax.set_aspect("equal")
+            ax.set_title(f"β = {beta:g}, t T = {t[k] * T:.3g}", fontsize=8)
+            ax.tick_params(labelsize=6)
+        if shape == "sphere":
+            fig.colorbar(mappable, ax=list(axes[i]), shrink=0.9, label="ρ")
     fig.savefig(path, dpi=90)
 
 
