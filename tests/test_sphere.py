@@ -161,6 +161,7 @@ def test_a_density_file_on_the_sphere_interpolates_on_the_sphere(tmp_path, d):
     x = R * sphere_prompt("uniform", d, 1.0).sample(500, rng)
     top = vmf.density(x).max()
     assert np.abs(f.density(x) - vmf.density(x)).max() < (2e-2 if d == 3 else 5e-3) * top
+    assert f.total_mass() == pytest.approx(1.0, rel=2e-2)     # vMF values: mass 1 on the sphere
     draws = f.sample(40000, rng)
     assert np.allclose(np.linalg.norm(draws, axis=1), R, rtol=1e-14)
     assert np.abs(draws.mean(axis=0) - vmf.mean()).max() < 3e-2 * R
@@ -391,6 +392,9 @@ def test_a_manifold_mesh_file_must_be_a_sphere(tmp_path):
            "prompts": [{"kind": "uniform"}]}
     mesh = make_mesh(comm, options(check_config(raw, str(tmp_path))).mesh)
     assert token_dim(mesh) == 3 and mesh.topology.dim == 2
+    from pdeformer.tools.budget import mesh_size, token_dimension
+    cells, tdim, _ = mesh_size(check_config(raw, str(tmp_path))["mesh"])
+    assert (cells, tdim, token_dimension(check_config(raw, str(tmp_path))["mesh"], tdim)) == (80, 2, 3)
     raw["mesh"]["file"] = str(tmp_path / "stretched.xdmf")
     with pytest.raises(InputError, match=r"^mesh.file: .*stretched.xdmf: geometry has 3 coordinates for a 2-D mesh"):
         make_mesh(comm, options(check_config(raw, str(tmp_path))).mesh)
@@ -438,6 +442,17 @@ def test_shipped_manifold_configs_on_one_and_two_ranks(tmp_path, name, sets):
         assert f["box"].tolist() == ([[-np.pi], [np.pi]] if name == "circle" else [[-180, -90], [180, 90]])
     for command in ("forward", "particles"):
         assert (tmp_path / "P1" / command / "densities.png").stat().st_size > 2000
+    # the tokens are drawn on the chart: their angles (longitudes) spread over it
+    from pdeformer.commands.plot import density_figure, read_snapshots
+    fig = density_figure(read_snapshots(str(tmp_path / "P1" / "particles" / "fields.npz")))
+    ax = fig.axes[0]
+    if name == "circle":     # a histogram over theta
+        edges = [p.get_x() for p in ax.patches]
+        assert min(edges) >= -np.pi - 1e-9 and max(edges) > 2.0
+    else:
+        lon_lat = ax.collections[0].get_offsets()
+        assert np.all(np.abs(lon_lat[:, 0]) <= 180) and np.all(np.abs(lon_lat[:, 1]) <= 90)
+        assert np.ptp(lon_lat[:, 0]) > 180
 
 
 # ------------------------------------------------------------------ particles on the sphere
@@ -467,6 +482,17 @@ def test_sphere_samplers_draw_the_stated_densities(d):
             y = fourier_mode(l, m, u) if d == 2 else real_harmonic(l, m, u)
             expected = c / 2 if d == 2 else c / (4 * math.pi)
             assert abs(y.mean() - expected) < 5 * y.std() / math.sqrt(n), (y.mean(), expected)
+
+
+def test_a_von_mises_fisher_narrower_than_the_mesh_is_refused():
+    """Width R/sqrt(kappa) below 1/8 of the shortest edge: one error naming the
+    concentrations and the kappa that would do; a resolvable one passes."""
+    vmf = sphere_prompt("von_mises_fisher", 3, 2.0, means=[[1.0, 0.0, 0.0]] * 2, concentrations=[10.0, 1e6])
+    error = vmf.unresolved(0.1, "prompts[0]")
+    assert isinstance(error, ConfigError) and str(error).startswith("prompts[0].concentrations: component 1")
+    assert "kappa <= 2.56e+04" in str(error)
+    assert sphere_prompt("von_mises_fisher", 3, 2.0, means=[[1.0, 0.0, 0.0]],
+                         concentrations=[2.5e4]).unresolved(0.1, "prompts[0]") is None
 
 
 def test_a_harmonics_prompt_must_not_be_negative():
@@ -610,3 +636,55 @@ def test_a_density_file_on_the_sphere_runs_like_its_density(tmp_path):
         _, rows = solve(raw, tmp_path)
         means.append(np.array([rows[0]["mean"], rows[-1]["mean"]]))
     assert np.abs(means[0] - means[1]).max() < 1e-2, means
+
+
+@requires_dolfinx
+def test_gradient_with_the_limiter_does_not_hang_where_a_rank_limits_nothing(tmp_path):
+    """A 12-gon on 3 ranks: at the first limited stage one rank has no cell to limit. The
+    limiter's Jacobian basis is a JIT compilation (collective): compiled on some ranks
+    only it hung the gradient (found on this circle; a flat mesh can meet it too). Now it
+    ends, with the gradient of one rank to 1e-10."""
+    config = os.path.join(ROOT, "runs", "circle.toml")
+    grads = []
+    for P in (1, 3):
+        out = tmp_path / f"P{P}"
+        run_cli(["gradient", config, "--set", f"output.dir={out}", "mesh.cells=[12]", "model.layers=2"],
+                nprocs=P, timeout=240)
+        with np.load(out / "gradient.npz") as g:
+            grads.append(np.concatenate([g[k].ravel() for k in ("dQ", "dK", "dV")]))
+    assert np.abs(grads[1] - grads[0]).max() <= 1e-10 * np.abs(grads[0]).max()
+
+
+@pytest.mark.parametrize("mesh, prompt, key", [
+    ({"file": "m.xdmf", "radius": 2.0}, {"kind": "uniform"}, "mesh.radius"),
+    ({"shape": "sphere", "refinements": 1}, {"kind": "harmonics", "coefficients": [[[1], 0, 0.1]]},
+     "prompts[0].coefficients[0]"),
+    ({"shape": "sphere", "refinements": 1}, {"kind": "points", "points": [[0.0, 0.0, 0.0], [1.0, 0.0, 0.0]]},
+     "prompts[0].points"),
+    ({"shape": "circle", "cells": [8]}, {"kind": "gaussian_mixture", "means": [[1.0, 0.0]], "covs": [0.1]},
+     "prompts[0].kind"),
+])
+def test_bad_manifold_inputs_are_one_line_errors(tmp_path, mesh, prompt, key):
+    """Through the command line: exit status 2 and one line naming the key."""
+    raw = {"mesh": mesh, "model": {"layers": 1, "heads": 1}, "prompts": [prompt]}
+    path = tmp_path / "bad.toml"
+    path.write_text(toml_dumps(raw))
+    proc = run_cli(["forward", str(path), "--set", f"output.dir={tmp_path / 'out'}"], check=False)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and key in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+
+
+def toml_dumps(raw: dict) -> str:
+    """A small TOML writer for these tables (numbers, strings, nested lists)."""
+    import json
+    out = []
+    for section, table in raw.items():
+        if section == "prompts":
+            for p in table:
+                out.append("[[prompts]]")
+                out += [f"{k} = {json.dumps(v)}" for k, v in p.items()]
+        else:
+            out.append(f"[{section}]")
+            out += [f"{k} = {json.dumps(v)}" for k, v in table.items()]
+    return "\n".join(out) + "\n"

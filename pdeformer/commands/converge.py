@@ -150,10 +150,16 @@ class Case:
             raise ConfigError("parallel.prompt_groups", "converge runs every case as one group of "
                               f"all ranks: prompt groups are not supported (set 1, got "
                               f"{cfg['parallel']['prompt_groups']})")
+        if cfg["mesh"]["shape"] != "box":
+            raise ConfigError("mesh.shape", "convergence studies on a circle or sphere are not "
+                              "supported yet (tests/test_sphere.py measures the orders there)")
         t0 = time.perf_counter()
         check_memory(cfg, command, comm, differentiable=gradient or command == "gradient")
         differentiable = command == "gradient"
         self.problem = build_problem(cfg, comm, differentiable)
+        if self.problem.mesh.geometry.dim > self.problem.mesh.topology.dim:
+            raise ConfigError("mesh.file", "convergence studies on a circle or sphere are not "
+                              "supported yet (tests/test_sphere.py measures the orders there)")
         self.means, self.covs, self.risks, self.grad = [], [], [], None
         if command == "particles":
             self._run_particles(timer, gradient)

@@ -275,21 +275,23 @@ def prompt_measures(problem, timer) -> tuple[list, list]:
 
 
 def ntk_heads(problem) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
-    """Q, K, V of the head measure in the Gram matrix, and a description of it."""
+    """Q, K, V of the head measure in the Gram matrix, and a description of it. The
+    scores beta <Q x, K y> (``[attention] beta``) are those of the heads (beta Q, K)."""
     ntk = problem.opts.ntk
     heads, d = problem.heads, problem.dim
+    beta = problem.opts.attention.beta
     if ntk.heads == "sampled":
         h = HeadMeasure.random(1, ntk.head_count, heads.key_dim, d, seed=ntk.seed,
                                scale=ntk.head_scale)
-        return h.Q[0], h.K[0], h.V[0], {"heads": "sampled", "count": ntk.head_count,
-                                        "scale": ntk.head_scale, "seed": ntk.seed}
+        return beta * h.Q[0], h.K[0], h.V[0], {"heads": "sampled", "count": ntk.head_count,
+                                               "scale": ntk.head_scale, "seed": ntk.seed, "beta": beta}
     layer = ntk.layer
     if layer is None:
         layer = heads.layer_of(ntk.depth) if ntk.depth is not None else 0
     if layer >= heads.layers:
         raise ConfigError("ntk.layer", f"{layer} is not a layer of the model (0..{heads.layers - 1})")
-    return heads.Q[layer], heads.K[layer], heads.V[layer], \
-        {"heads": "run", "layer": layer, "count": heads.heads}
+    return beta * heads.Q[layer], heads.K[layer], heads.V[layer], \
+        {"heads": "run", "layer": layer, "count": heads.heads, "beta": beta}
 
 
 def query_points(ntk, d: int, prompts: int) -> np.ndarray:

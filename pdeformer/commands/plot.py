@@ -39,6 +39,7 @@ import re
 
 import numpy as np
 
+from ..tools.charts import chart
 from ..tools.errors import InputError, OutputError
 from ..tools.output import read_diagnostics, save_figure
 
@@ -270,7 +271,8 @@ def _prompt_row(fig, axes, snap: dict, i: int, name: str, frames: list[int], bot
     for c, k in enumerate(frames):
         ax = axes[c]
         if tokens:
-            _draw_tokens(ax, snap[f"tokens_{i}"][k], snap[f"weights_{i}"], snap["box"])
+            _draw_tokens(ax, snap[f"tokens_{i}"][k], snap[f"weights_{i}"], snap["box"],
+                         str(snap.get("chart", "")))
         elif dim == 1:
             _draw_curves(ax, snap["node_x"], snap[f"nodes_{i}"][k], scale)
         else:
@@ -400,9 +402,11 @@ def _draw_cells(ax, snap: dict, values: np.ndarray, scale, i: int):
     return pc
 
 
-def _draw_tokens(ax, x: np.ndarray, w: np.ndarray, box: np.ndarray) -> None:
-    """Tokens as points (every k-th beyond MOST_TOKENS; 3-D: projected on x₀x₁), in
-    1-D a histogram of their weights."""
+def _draw_tokens(ax, x: np.ndarray, w: np.ndarray, box: np.ndarray, kind: str = "") -> None:
+    """Tokens as points (every k-th beyond MOST_TOKENS; 3-D: projected on x₀x₁, on a
+    sphere its chart), in 1-D (and on a circle's angle) a histogram of their weights."""
+    if kind:
+        x = chart(x[:, None, :], kind)[:, 0, :]
     if x.shape[1] == 1:
         ax.hist(x[:, 0], bins=40, range=(box[0, 0], box[1, 0]), weights=w, density=True, color="C0",
                 alpha=0.8)

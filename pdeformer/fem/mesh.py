@@ -258,7 +258,8 @@ def make_mesh(comm, opts):
     tdim, gdim = mesh.topology.dim, mesh.geometry.dim
     if tdim < 1 or tdim > 3:
         raise InputError(f"{where}: {tdim}-D meshes are not supported")
-    if gdim != tdim and (gdim != tdim + 1 or sphere_radius(comm, mesh) is None):
+    if gdim != tdim and (dfx.cell_type_name(mesh) not in ("interval", "triangle") or gdim != tdim + 1
+                         or sphere_radius(comm, mesh) is None):
         raise InputError(f"{where}: geometry has {gdim} coordinates for a {tdim}-D mesh: a flat "
                          f"mesh needs {tdim} coordinates per point, a manifold one must be a "
                          "circle (intervals in 2-D) or sphere (triangles in 3-D) about the origin")

@@ -381,6 +381,10 @@ class DGTransport:
 
         With ``record`` (a list) appends what :meth:`limit_vjp` needs: None if no cell
         was limited, else a :class:`LimitedCells`."""
+        if record is not None and self._check_basis is None:
+            # compiled here, on every rank (a JIT compilation is collective): a rank whose
+            # cells need no limiting yet must not leave the others waiting in it
+            self._check_basis = dfx.expression(ufl.TestFunction(self.V), self._check_points)
         low, arg = self.cell_minima(coeffs, where=True)
         c = self.u.x.array
         bad = low < 0.0
@@ -403,11 +407,9 @@ class DGTransport:
 
     def _minimum_gradient(self, cells: np.ndarray, points: np.ndarray) -> np.ndarray:
         """d min_K / d c_K: the basis functions of each cell at its minimum's check point
-        (a row per cell; a unit vector where the minimum is a Lagrange node)."""
+        (``_check_basis``: phi_i at the check points, compiled by :meth:`limit`; a row per
+        cell; a unit vector where the minimum is a Lagrange node)."""
         n = self.cell_dofs.shape[1]
-        if self._check_basis is None:   # phi_i at the check points, (points, dofs), on each cell
-            w = ufl.TestFunction(self.V)
-            self._check_basis = dfx.expression(w, self._check_points)
         basis = dfx.evaluate(self._check_basis, self.mesh, self.sources.cells[cells])
         basis = basis.reshape(len(cells), -1, n)
         out = np.zeros((len(cells), n))

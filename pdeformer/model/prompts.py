@@ -40,6 +40,12 @@ def normalised(weights) -> np.ndarray:
 MIN_SIGMA_CELLS = 1.0 / 8
 
 
+def narrowest(widths: np.ndarray, cell: float) -> int | None:
+    """The narrowest component if its width is below MIN_SIGMA_CELLS x ``cell``, else None."""
+    c = int(np.argmin(widths))
+    return c if widths[c] < MIN_SIGMA_CELLS * cell else None
+
+
 class GaussianMixture:
     kind = "gaussian_mixture"
 
@@ -84,8 +90,8 @@ class GaussianMixture:
         the mesh cannot resolve it, whatever part of its mass the projection shows.
         ``key``: the prompt's (``prompts[0]``); the error names the component's cov."""
         sigma = np.sqrt(np.linalg.eigvalsh(self.covs)[:, 0])
-        c = int(np.argmin(sigma))
-        if sigma[c] >= MIN_SIGMA_CELLS * cell:
+        c = narrowest(sigma, cell)
+        if c is None:
             return None
         return ConfigError(f"{key}.covs[{c}]", f"standard deviation {sigma[c]:.3g} (in its narrowest "
                            f"direction) is below 1/{1 / MIN_SIGMA_CELLS:g} of the mesh's cell size "
@@ -268,6 +274,20 @@ class VonMisesFisher(SpherePrompt):
     def _bound(self) -> float:
         return float(np.sum(self.weights * self.scale))
 
+    def unresolved(self, cell: float, key: str) -> ConfigError | None:
+        """The error for a component narrower than the mesh resolves: its width
+        radius / sqrt(kappa) (the standard deviation of the angle, times R, for large
+        kappa) below MIN_SIGMA_CELLS x the shortest cell edge (as for Gaussians)."""
+        with np.errstate(divide="ignore"):
+            sigma = self.radius / np.sqrt(self.kappa)
+        c = narrowest(sigma, cell)
+        if c is None:
+            return None
+        return ConfigError(f"{key}.concentrations", f"component {c}: width radius/sqrt(kappa) = "
+                           f"{sigma[c]:.3g} is below 1/{1 / MIN_SIGMA_CELLS:g} of the mesh's cell size "
+                           f"{cell:.3g}: the mesh cannot resolve it; refine the mesh or use kappa <= "
+                           f"{(self.radius / (MIN_SIGMA_CELLS * cell)) ** 2:.3g}")
+
     def _profile(self, u, ops):
         terms = [w * c * ops.exp(k * (sum(m[a] * u[a] for a in range(self.d)) - 1))
                  for w, c, k, m in zip(self.weights, self.scale, self.kappa, self.means)]
@@ -389,6 +409,17 @@ class SphereFile(SpherePrompt):
 
     def _bound(self) -> float:
         return float(self.values.max())
+
+    def total_mass(self) -> float:
+        """The interpolant's integral over the sphere (the values are not normalised), by
+        the midpoint rule on the grid of :func:`_direction_grid` (cos(latitude) weights
+        on S^2)."""
+        u = _direction_grid(self.d)
+        f = self.density(self.radius * u)
+        if self.d == 2:
+            return float(f.mean() * self.area)
+        w = np.sqrt(1 - u[:, 2] ** 2)          # cos(latitude)
+        return float(f @ w / w.sum() * self.area)
 
 
 class _Ops:
@@ -737,6 +768,18 @@ def _file(spec: dict, d: int, key: str, radius=None):
 
 
 def _points(spec: dict, d: int, key: str, radius=None):
+    cloud = _point_cloud(spec, d, key)
+    if radius is not None:      # on the circle or sphere: the points' radial projections
+        norms = np.linalg.norm(cloud.points, axis=1)
+        if np.any(norms == 0):
+            which = f"{key}.path" if spec["path"] is not None else f"{key}.points"
+            raise ConfigError(which, f"point {int(np.argmin(norms))} is the origin, which has no "
+                              "direction on the sphere")
+        cloud.points = radius * cloud.points / norms[:, None]
+    return cloud
+
+
+def _point_cloud(spec: dict, d: int, key: str) -> "PointCloud":
     if spec["path"] is not None:
         return PointCloud.read(spec["path"], d, f"{key}.path")
     points = vector_list(f"{key}.points", spec["points"], d)
@@ -777,7 +820,9 @@ def _harmonics(spec: dict, d: int, key: str, radius=None):
     rows = []
     for i, row in enumerate(coefficients):
         k = f"{key}.coefficients[{i}]"
-        if not (isinstance(row, list) and len(row) == 3 and all(float(v).is_integer() for v in row[:2])):
+        if not (isinstance(row, list) and len(row) == 3
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row)
+                and all(float(v).is_integer() for v in row[:2])):
             raise ConfigError(k, f"expected [l, m, c] (integers l, m and a number c), got {row!r}")
         l, m = int(row[0]), int(row[1])
         if not 1 <= l <= 32 or (d == 3 and abs(m) > l) or (d == 2 and abs(m) != l):

@@ -17,7 +17,7 @@ def common_radius(comm, points: np.ndarray) -> float | None:
     r = np.linalg.norm(points, axis=1)
     lo = comm.allreduce(float(r.min()) if r.size else np.inf, op=MPI.MIN)
     hi = comm.allreduce(float(r.max()) if r.size else 0.0, op=MPI.MAX)
-    return hi if lo > 0 and hi - lo <= 1e-8 * hi else None
+    return hi if 0 < lo <= hi and hi - lo <= 1e-8 * hi else None
 
 
 def on_sphere(x: np.ndarray, radius: float) -> np.ndarray:

@@ -325,6 +325,11 @@ class ForwardSolver:
     def describe(self) -> str:
         return f"DG-{self.disc.degree}"
 
+    @property
+    def _refine_key(self) -> str:
+        """The key that refines the mesh: mesh.refinements on a built-in sphere."""
+        return "mesh.refinements" if self.problem.opts.mesh.shape == "sphere" else "mesh.cells"
+
     # ------------------------------------------------------------ building blocks
     def initial_state(self, index: int) -> tuple[np.ndarray, dict]:
         """rho_0 projected onto DG-k and normalised to mass 1 on the mesh."""
@@ -332,7 +337,7 @@ class ForwardSolver:
         tr = self.transport
         disc = self.disc
         key = f"prompts[{index}]"
-        if prompt.kind == "gaussian_mixture" and (error := prompt.unresolved(self.cell, key)):
+        if hasattr(prompt, "unresolved") and (error := prompt.unresolved(self.cell, key)):
             raise error
         x = ufl.SpatialCoordinate(self.problem.mesh)
         if prompt.ufl_density is not None:
@@ -453,7 +458,7 @@ class ForwardSolver:
             f"partition function is tiny or negative there (head {h}: Z = {ratio[h]:.3g} times its "
             "value for |rho|) where the heads weight the density's negative undershoot"
             + ("; set discretisation.limiter = true" if not self.disc.limiter
-               else "; refine mesh.cells"))
+               else f"; refine {self._refine_key}"))
 
     @property
     def _replan_factor(self) -> float:
@@ -504,7 +509,7 @@ class ForwardSolver:
         else:
             cause = ("the steps kept the CFL limit, so the mesh does not resolve the density these "
                      "heads make or their feedback (the velocity's change with the density) is faster "
-                     "than the step: refine mesh.cells or lower discretisation.cfl"
+                     f"than the step: refine {self._refine_key} or lower discretisation.cfl"
                      + ("" if self.disc.limiter else " (or set discretisation.limiter = true)"))
         return SolverBreakdown(f"{where}: the density blew up: {what}; {cause}")
 

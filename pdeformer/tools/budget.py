@@ -74,6 +74,20 @@ def mesh_size(mesh: dict) -> tuple[int, int, str] | None:
     return cells, d, cell
 
 
+def token_dimension(mesh: dict, tdim: int) -> int:
+    """d of the tokens: the cells' dimension, or one more on a circle or sphere (built
+    in, or a mesh file whose Geometry has more coordinates than its cells' dimension)."""
+    if mesh["file"] is None:
+        return tdim + (mesh["shape"] != "box")
+    try:
+        root = ET.parse(mesh["file"]).getroot()
+        grid = next(g for g in root.iter("Grid") if g.get("Name") == mesh["name"])
+        gdim = {"X": 1, "XY": 2, "XYZ": 3}.get(grid.find("Geometry").get("GeometryType", ""), tdim)
+    except (OSError, ET.ParseError, StopIteration, AttributeError):
+        return tdim
+    return gdim if gdim == tdim + 1 else tdim
+
+
 def dofs_per_cell(cell: str, degree: int, d: int) -> int:
     """DG-k coefficients per cell: simplices C(k + d, d), boxes (k + 1)^d."""
     if cell in ("quadrilateral", "hexahedron"):
@@ -86,7 +100,7 @@ def estimate(cfg: dict, command: str, group_size: int, differentiable: bool = Fa
     ``differentiable``: the run keeps a tape for gradients."""
     size = mesh_size(cfg["mesh"])
     cells, tdim, cell = size if size is not None else (0, 3, "tetrahedron")
-    d = tdim + (cfg["mesh"]["shape"] != "box")     # the tokens' dimension (ambient on a sphere)
+    d = token_dimension(cfg["mesh"], tdim)     # the tokens' (ambient on a sphere)
     disc, model = cfg["discretisation"], cfg["model"]
     coeffs = cells * dofs_per_cell(cell, disc["degree"], tdim)
     parts = {"base": BASE,

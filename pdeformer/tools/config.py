@@ -538,6 +538,9 @@ def _check_mesh(m: dict) -> None:
             raise ConfigError(f"mesh.{k}", "give either mesh.file or a built-in box, not both")
         if m["shape"] != "box":
             raise ConfigError("mesh.shape", "give either mesh.file or a built-in shape, not both")
+        for k in ("radius", "refinements"):
+            if m[k] != SCHEMA["mesh"][k].default:
+                raise ConfigError(f"mesh.{k}", "not with mesh.file (a sphere's radius is read from it)")
         return
     if m["shape"] != "box":
         _check_manifold(m)
