@@ -179,7 +179,7 @@ def draw_snapshots(folder: str, shape: str, betas: list, path: str, frames: int 
     longitude-latitude chart (fields.npz of each run)."""
     from matplotlib.colors import LogNorm
     from matplotlib.figure import Figure
-    from pdeformer.commands.plot import read_snapshots, snapshot_frames
+    from pdeformer.commands.plot import read_snapshots, snapshot_frames, sphere_chart_triangles
     _, T, _, _ = SETTINGS[shape]
     fig = Figure(figsize=(2.4 * frames + 0.8, 1.9 * len(betas)), layout="constrained")
     axes = fig.subplots(len(betas), frames, squeeze=False)
@@ -196,11 +196,8 @@ def draw_snapshots(folder: str, shape: str, betas: list, path: str, frames: int 
                 ax.semilogy(x[order], np.maximum(y[order], 1e-4 * top), lw=1)
                 ax.set_ylim(1e-4 * top, 2 * top)
             else:
-                x, tri = snap["points"], snap["cells"]
-                n = len(x)
-                x = np.concatenate([x, x - [360.0, 0.0], x + [360.0, 0.0]])
-                tri = np.concatenate([tri, tri + n, tri + 2 * n])
-                values = np.maximum(np.tile(snap["density_0"][k], 3), 1e-4 * top)
+                x, tri, cell = sphere_chart_triangles(snap["points"], snap["cells"], np.arange(len(snap["cells"])))
+                values = np.maximum(snap["density_0"][k][cell], 1e-4 * top)
                 mappable = ax.tripcolor(x[:, 0], x[:, 1], tri, facecolors=values, norm=norm, cmap="viridis",
                                         shading="flat", rasterized=True)
                 ax.set_xlim(-180, 180)

@@ -688,3 +688,26 @@ def toml_dumps(raw: dict) -> str:
             out.append(f"[{section}]")
             out += [f"{k} = {json.dumps(v)}" for k, v in table.items()]
     return "\n".join(out) + "\n"
+
+
+@pytest.mark.parametrize("r", [1, 2, 3])
+def test_the_sphere_chart_tiles_the_longitude_latitude_rectangle(r):
+    """The icosphere's cells on the chart (tools/charts.py), polar triangles made
+    quadrilaterals (plot.polar_quads): their areas add up to 360 x 180 exactly (no gap,
+    no overlap; a cell across +-180 counts once); without the quadrilaterals the polar
+    wedges are missing. (r >= 1: the poles are vertices; a cell with a pole inside, as
+    on the bare icosahedron, has no place on the chart.)"""
+    from pdeformer.commands.plot import polar_quads
+    from pdeformer.fem.mesh import icosphere
+    from pdeformer.tools.charts import chart
+    x, tri = icosphere(r)
+    points = chart(x[tri], "sphere").reshape(-1, 2)           # every cell's corners
+    cells = np.arange(3 * len(tri)).reshape(-1, 3)
+
+    def area(points, cells):
+        p = points[cells]
+        return 0.5 * np.abs((p[:, 1, 0] - p[:, 0, 0]) * (p[:, 2, 1] - p[:, 0, 1])
+                            - (p[:, 2, 0] - p[:, 0, 0]) * (p[:, 1, 1] - p[:, 0, 1])).sum()
+    assert area(points, cells) < 0.97 * 360 * 180
+    points, cells, _ = polar_quads(points, cells, np.arange(len(tri)))
+    assert area(points, cells) == pytest.approx(360.0 * 180.0, rel=1e-12)

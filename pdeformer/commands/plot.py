@@ -342,6 +342,38 @@ def cell_triangles(cells: np.ndarray, cell_type: str) -> tuple[np.ndarray, np.nd
     return cells, np.arange(len(cells))
 
 
+def sphere_chart_triangles(x: np.ndarray, tri: np.ndarray, cell: np.ndarray):
+    """The triangles to draw the sphere's cells on its chart: polar triangles as
+    quadrilaterals (:func:`polar_quads`), and every cell also shifted by -+360 degrees, so
+    that cells past +-180 show on both sides (points, triangles, the cell of each)."""
+    x, tri, cell = polar_quads(x, tri, cell)
+    n = len(x)
+    x = np.concatenate([x, x - [360.0, 0.0], x + [360.0, 0.0]])
+    return x, np.concatenate([tri, tri + n, tri + 2 * n]), np.tile(cell, 3)
+
+
+def polar_quads(x: np.ndarray, tri: np.ndarray, cell: np.ndarray):
+    """On the longitude-latitude chart a triangle with a vertex at a pole is a quadrilateral:
+    the pole is the segment latitude = +-90 between its other vertices' longitudes. Each
+    such triangle becomes two triangles over that segment (the chart's points, triangles
+    and the cell of each)."""
+    polar = np.abs(x[tri, 1]) >= 90.0 - 1e-9                   # (triangles, 3)
+    one = np.flatnonzero(polar.sum(axis=1) == 1)
+    if len(one) == 0:
+        return x, tri, cell
+    k = np.argmax(polar[one], axis=1)                           # the polar corner
+    p = tri[one, k]
+    a, b = tri[one, (k + 1) % 3], tri[one, (k + 2) % 3]
+    pa = np.c_[x[a, 0], x[p, 1]]                                # the pole at a's and b's longitude
+    pb = np.c_[x[b, 0], x[p, 1]]
+    n, m = len(x), len(one)
+    ia, ib = n + np.arange(m), n + m + np.arange(m)
+    keep = np.setdiff1d(np.arange(len(tri)), one)
+    tri = np.concatenate([tri[keep], np.c_[a, b, ib], np.c_[a, ib, ia]])
+    cell = np.concatenate([cell[keep], cell[one], cell[one]])
+    return np.concatenate([x, pa, pb]), tri, cell
+
+
 EDGES = {   # vertex pairs of the edges of 3-D cells (dolfinx's vertex order)
     "tetrahedron": [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)],
     "hexahedron": [(0, 1), (0, 2), (0, 4), (1, 3), (1, 5), (2, 3), (2, 6), (3, 7),
@@ -387,10 +419,8 @@ def _draw_cells(ax, snap: dict, values: np.ndarray, scale, i: int):
     if snap["box"].shape[1] == 2:
         tri, cell = cell_triangles(snap["cells"], str(snap["cell_type"]))
         x = snap["points"]
-        if str(snap.get("chart", "")) == "sphere":   # cells past +-180 degrees also on the other side
-            n = len(x)
-            x = np.concatenate([x, x - [360.0, 0.0], x + [360.0, 0.0]])
-            tri, cell = np.concatenate([tri, tri + n, tri + 2 * n]), np.tile(cell, 3)
+        if str(snap.get("chart", "")) == "sphere":
+            x, tri, cell = sphere_chart_triangles(x, tri, cell)
         return ax.tripcolor(x[:, 0], x[:, 1], tri, facecolors=values[cell], vmin=low, vmax=high,
                             cmap=CMAP, shading="flat", rasterized=True)
     from matplotlib.collections import PolyCollection
