@@ -157,7 +157,7 @@ class Case:
         check_memory(cfg, command, comm, differentiable=gradient or command == "gradient")
         differentiable = command == "gradient"
         self.problem = build_problem(cfg, comm, differentiable)
-        if self.problem.mesh.geometry.dim > self.problem.mesh.topology.dim:
+        if self.problem.radius is not None:
             raise ConfigError("mesh.file", "convergence studies on a circle or sphere are not "
                               "supported yet (tests/test_sphere.py measures the orders there)")
         self.means, self.covs, self.risks, self.grad = [], [], [], None

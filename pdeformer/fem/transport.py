@@ -38,7 +38,7 @@ import dolfinx.fem
 import dolfinx.fem.petsc
 
 from . import _dolfinx as dfx
-from .mesh import is_manifold, sphere_radius, token_dim
+from .mesh import is_manifold, token_dim
 from ..model.sphere import sphere_moments
 from ..tools.errors import ConfigError, InputError, SolverBreakdown
 from ..tools.parallel import any_rank, ghost_update_add, moment_sums, scatter_forward
@@ -156,7 +156,6 @@ class DGTransport:
         self.d = token_dim(mesh)          # the tokens' (ambient) dimension
         self.tdim = mesh.topology.dim     # the cells'
         self.manifold = is_manifold(mesh)
-        self.radius = sphere_radius(self.comm, mesh) if self.manifold else None
         self.degree = degree
         self.velocity_degree = velocity_degree
         self.facet_degree = velocity_degree + 2 * degree  # exact for v.n rho w on facets

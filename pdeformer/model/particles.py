@@ -45,7 +45,7 @@ from ..integrator.march import FixedSteps, march, sweep_back
 from .objectives import OBJECTIVES
 from ..tools.parallel import Timer, allgather_rows, any_rank, moment_sums, on_root
 from ..integrator.schemes import SCHEMES, ssp_step, ssp_step_vjp
-from .sphere import common_radius, on_sphere, projection_vjp, sphere_moments, tangential_position_vjp
+from .sphere import on_sphere, projection_vjp, sphere_moments, tangential_position_vjp
 from .velocity import AttentionVelocity
 
 log = logging.getLogger("pdeformer")
@@ -66,10 +66,7 @@ class ParticleSolver:
         self.comm = problem.comm
         self.timer = timer or Timer()
         opts = problem.opts
-        mesh = problem.mesh
-        # tokens on the sphere the mesh discretises (None: flat)
-        self.radius = common_radius(self.comm, mesh.geometry.x[:, :mesh.geometry.dim]) \
-            if mesh.geometry.dim > mesh.topology.dim else None
+        self.radius = problem.radius     # tokens on the sphere the mesh discretises (None: flat)
         self.disc = opts.discretisation
         pc = opts.particles
         self.tokens = pc.tokens

@@ -76,8 +76,11 @@ class Problem:
     targets: list = None       # per prompt (None where the objective needs none)
     groups: PromptGroups = None  # default: one group of all ranks of comm
     opts: Options = None         # cfg as typed sections, what the solvers read (default: from cfg)
+    radius: float | None = None  # tokens on the sphere |x| = radius (the mesh's; None: flat)
 
     def __post_init__(self):
+        if self.radius is None and is_manifold(self.mesh):   # every rank of comm constructs it
+            self.radius = sphere_radius(self.comm, self.mesh)
         if self.groups is None:
             self.groups = PromptGroups.single(self.comm, [n for n, _ in self.prompts])
         if self.opts is None:
@@ -130,7 +133,7 @@ def build_problem(cfg: dict, comm, differentiable: bool = False,
     if spl is not None and spl % fpl:
         raise ConfigError("output.frames_per_layer",
                           f"{fpl} does not divide discretisation.steps_per_layer = {spl}")
-    return Problem(comm, cfg, mesh, heads, prompts, objective, targets, groups, options(cfg))
+    return Problem(comm, cfg, mesh, heads, prompts, objective, targets, groups, options(cfg), radius)
 
 
 class FramePlan:
@@ -294,7 +297,7 @@ class ForwardSolver:
                                          disc.quadrature_degree, opts.petsc, comm=self.comm)
             self.velocity_field = AttentionVelocity.on_space(self.transport.W, problem.heads,
                                                              opts.attention, self.comm,
-                                                             radius=self.transport.radius)
+                                                             radius=problem.radius)
         self.scheme = SCHEMES[disc.scheme]
         # uniform steps per frame with counts frozen at the frame's start (gradients need
         # a step plan that does not move with the heads); step_counts can be preset
