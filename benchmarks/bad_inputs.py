@@ -120,8 +120,6 @@ def cases(tmp):
         ("`particles.tokens = 1e8`", pdeformer("particles", run, *out, "particles.tokens=100000000"), None),
         ("L·H·key_dim huge (500 × 20000 × 1024)",
          pdeformer("forward", run, *out, "model.layers=500", "model.heads=20000", "model.key_dim=1024"), None),
-        ("`attention.backend = \"laplace\"` with 3-D tokens",
-         pdeformer("forward", "runs/ball.toml", *out, 'attention.backend="laplace"'), None),
         ("a 250-character prompt name", pdeformer("forward", run, *out, f'prompts[0].name="{"a" * 250}"'), None),
         ("mmd bandwidth 1e-300", pdeformer("gradient", run, *out, 'objective.kind="mmd"',
                                            "objective.bandwidth=1e-300"), None),

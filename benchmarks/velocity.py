@@ -1,7 +1,16 @@
-"""Attention velocity: direct summation against the laplace table (d = 2).
+"""Attention velocity: direct summation against the laplace table (d = 2 and 3).
 
     .venv/bin/python benchmarks/velocity.py            # the full table (several minutes)
     .venv/bin/python benchmarks/velocity.py --quick    # N = 1e4 only
+    .venv/bin/python benchmarks/velocity.py --dim 3    # d = 3: N = 1e4, 1e5, 1e6 (~15 min)
+    .venv/bin/python benchmarks/velocity.py --dim 3 --kind box
+
+In 3-D (``--dim 3``) the sources and targets are N points on the unit sphere with a
+mixture of two von Mises-Fisher weights (``--kind sphere``, the LayerNorm geometry) or
+uniform in [-1.5, 1.5]^3 with two Gaussian blobs as weights (``--kind box``), heads as
+in 2-D (Q, K, V ~ N(0, 1/d)); direct summation is timed on the first 500 targets (200
+for N = 1e6) and scaled; only the first table is printed (the H-growth and FMA parts are
+2-D).
 
 For sources = targets = N in {1e4, 3e4, 1e5} and H in {1, 16, 64} heads: wall time of
 direct summation and of the laplace backend (tol 1e-8; the best of three calls, each
@@ -37,7 +46,8 @@ from mpi4py import MPI  # noqa: E402
 
 from pdeformer.attention.softmax import Sources, attention_matrices, attention_velocity  # noqa: E402
 from pdeformer.attention.compiled import KERNEL_DEGREE, VECTOR_C, _compile  # noqa: E402
-from pdeformer.attention.laplace import N_MAX_FORCED, b_range, choose_table, fine_grid  # noqa: E402
+from pdeformer.attention.laplace import (N_MAX_FORCED, b_range, choose_table, fine_grid,  # noqa: E402
+                                        largest_size)
 
 SUBSET = 2000
 REPEAT = 3       # laplace times: the best of three calls (a call takes 0.02-0.5 s)
@@ -64,10 +74,26 @@ def problem(N, H, seed=0):
     return x, y, w, attention_matrices(Q, K), V
 
 
+def problem3(N, H, kind, seed=0):
+    """d = 3: sources and targets on the unit sphere (von Mises-Fisher weights) or in a box."""
+    rng = np.random.default_rng(seed)
+    if kind == "sphere":
+        y, x = rng.normal(size=(N, 3)), rng.normal(size=(N, 3))
+        y /= np.linalg.norm(y, axis=1)[:, None]
+        x /= np.linalg.norm(x, axis=1)[:, None]
+        w = np.exp(4.0 * y @ [0.6, 0.0, 0.8]) + 0.5 * np.exp(2.0 * y @ [-1.0, 0.0, 0.0])
+    else:
+        y, x = rng.uniform(-1.5, 1.5, (N, 3)), rng.uniform(-1.5, 1.5, (N, 3))
+        w = np.exp(-np.sum((y - [0.4, 0, 0]) ** 2, 1) / 0.4) + np.exp(-np.sum((y + [0.3, -0.2, 0.4]) ** 2, 1) / 0.3)
+    Q, K, V = (rng.standard_normal((H, 3, 3)) / np.sqrt(3) for _ in range(3))
+    return x, y, w / w.sum(), attention_matrices(Q, K), V
+
+
 def laplace_velocity(x, y, w, A, V, tol, comm=MPI.COMM_SELF, box=None):
     """The laplace velocity, its table size, fine grid and estimate; ``box``: the b-range
     to tabulate (default: that of A)."""
-    table, est = choose_table(y, w, *(box or b_range(x, A, comm)), comm, tol, n_max=N_MAX_FORCED)
+    table, est = choose_table(y, w, *(box or b_range(x, A, comm)), comm, tol,
+                              n_max=largest_size(y.shape[1], forced=True))
     interp = fine_grid(table, tol) or table
     return interp.velocity(x, A, V), table.n, getattr(interp, "nf", None), est
 
@@ -152,7 +178,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tol", type=float, default=1e-8)
+    ap.add_argument("--dim", type=int, choices=(2, 3), default=2)
+    ap.add_argument("--kind", choices=("sphere", "box"), default="sphere", help="d = 3: the sources")
     args = ap.parse_args()
+    if args.dim == 3:
+        return main3(args)
     sizes = [10_000] if args.quick else [10_000, 30_000, 100_000]
     print(f"{'N':>7} {'H':>3} {'direct [s]':>11} {'laplace [s]':>11} {'ratio':>8} {'max rel err':>11}  table")
     rates = []
@@ -194,6 +224,24 @@ def main():
     er = exp_rate()
     print(f"\nnumpy exp: {er:.3e} elements/s; direct kernel: {np.median(rates):.3e} pairs/s "
           f"= {np.median(rates) / er:.2f} of the exp rate (median over the table)")
+
+
+def main3(args):
+    sizes = [10_000] if args.quick else [10_000, 100_000, 1_000_000]
+    print(f"d = 3, {args.kind}, tol {args.tol:g}")
+    print(f"{'N':>8} {'H':>3} {'direct [s]':>11} {'laplace [s]':>11} {'ratio':>8} {'max rel err':>11}  table")
+    for N in sizes:
+        for H in (1, 16, 64):
+            x, y, w, A, V = problem3(N, H, args.kind)
+            n_sub = min(N, 200 if N >= 1_000_000 else 500)
+            t = time.perf_counter()
+            ref = attention_velocity(x[:n_sub], Sources.from_arrays(y, w), A, V)
+            t_direct = (time.perf_counter() - t) * N / n_sub
+            t_lap, (v, n, nf, est) = best_of(1 if N >= 1_000_000 else 2, laplace_velocity, x, y, w, A, V, args.tol)
+            err = np.abs(v[:n_sub] - ref).max() / np.abs(ref).max()
+            grid = f"n={n}" + (f", fine {nf}" if nf else "") + f", estimate {est:.1e}"
+            print(f"{N:>8} {H:>3} ~{t_direct:>10.2f} {t_lap:>11.3f} {t_direct / t_lap:>8.1f} {err:>11.2e}  {grid}",
+                  flush=True)
 
 
 if __name__ == "__main__":

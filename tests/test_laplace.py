@@ -304,6 +304,16 @@ def test_compiled_loops_that_fail_their_check_are_not_used(tmp_path, monkeypatch
         fine_velocity4 = fine_velocity2
 
     assert not compiled.self_check(Broken())
+
+    class Broken3:                     # 2-D loops that work, 3-D ones that write nothing
+        def __init__(self):
+            self.lib = compiled.kernels()
+
+        def __getattr__(self, name):
+            return (lambda *args: None) if name.startswith("fine3") else getattr(self.lib, name)
+
+    if not NO_COMPILED:
+        assert compiled.self_check(compiled.kernels()) and not compiled.self_check(Broken3())
     saved = dict(compiled._loaded)
     monkeypatch.setenv("PDEFORMER_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(compiled, "self_check", lambda lib: False)
@@ -441,20 +451,21 @@ class HeadLayer:
         return self.heads.values(self.layer)
 
 
-@pytest.mark.parametrize("why", ["d = 3", "sharp attention", "absurd heads", "tol out of reach"])
+@pytest.mark.parametrize("why", ["d = 4", "sharp attention", "sharp attention, d = 3", "absurd heads",
+                                 "tol out of reach", "tol out of reach, d = 3"])
 def test_auto_falls_back_to_direct_and_laplace_refuses(why):
-    """auto sums directly where the table cannot serve (d = 3; |b| x extent so large that
+    """auto sums directly where the table cannot serve (d = 4; |b| x extent so large that
     the tiles would exceed MAX_TILES; tol below what the largest table reaches) and
     gives the direct result; backend 'laplace' raises a SolverBreakdown (a ConfigError
-    for d = 3, at once) that names the reason instead of returning a less accurate
+    for d = 4, at once) that names the reason instead of returning a less accurate
     velocity."""
     from pdeformer.tools.errors import ConfigError, SolverBreakdown
-    d = 3 if why == "d = 3" else 2
+    d = 4 if why == "d = 4" else 3 if why.endswith("d = 3") else 2
     rng = np.random.default_rng(5)
     y = rng.uniform(-3, 3, (2000, d))
     w = np.exp(-np.sum(y**2, 1)) / 2000
-    scale, tol = {"d = 3": (0.4, 1e-6), "sharp attention": (4e3, 1e-6), "absurd heads": (1e80, 1e-6),
-                  "tol out of reach": (1.5, 1e-17)}[why]
+    scale, tol = {"d = 4": (0.4, 1e-6), "sharp attention": (4e3, 1e-6), "absurd heads": (1e80, 1e-6),
+                  "tol out of reach": (1.5, 1e-17)}[why.split(",")[0]]
     field, hm = _field("auto", tol, d=d, scale=scale)
     field.tol = tol
     with np.errstate(all="ignore"):           # absurd heads overflow on the way
@@ -462,9 +473,9 @@ def test_auto_falls_back_to_direct_and_laplace_refuses(why):
         assert field.stats == dict(field.stats, direct=1, laplace=0)
         np.testing.assert_allclose(v, attention_velocity_direct(field.targets, y, w, hm),
                                    rtol=1e-12, atol=1e-12)
-        if d == 3:                            # bad input, before anything runs
+        if d == 4:                            # bad input, before anything runs
             with pytest.raises(ConfigError, match="^attention.backend: 'laplace' is implemented "
-                               "for d = 1 and 2, these tokens have d = 3"):
+                               "for d = 1, 2 and 3, these tokens have d = 4"):
                 _field("laplace", tol, d=d, scale=scale)
             return
         strict, _ = _field("laplace", tol, d=d, scale=scale)
@@ -482,11 +493,13 @@ from pdeformer.model.velocity import AttentionVelocity
 
 world = MPI.COMM_WORLD
 rng = np.random.default_rng(0)
-y = rng.uniform(-3, 3, (9000, 2))
-w = (np.exp(-np.sum((y - [-1, 0]) ** 2, 1) / 0.3) + 0.5 * np.exp(-np.sum((y - [1, 0.5]) ** 2, 1))) / 9000
-x = rng.uniform(-2.5, 2.5, (700, 2))
+d = int(sys.argv[2])
+c = np.array([-1, 0, 0.5][:d]) / (d - 1)
+y = rng.uniform(-3, 3, (9000, d)) / (d - 1)
+w = (np.exp(-np.sum((y - c) ** 2, 1) / 0.3) + 0.5 * np.exp(-np.sum((y + c) ** 2, 1))) / 9000
+x = rng.uniform(-2.5, 2.5, (700, d)) / (d - 1)
 g = rng.normal(size=x.shape)
-heads = HeadMeasure.random(1, 6, 2, 2, seed=3, scale=1.2)
+heads = HeadMeasure.random(1, 6, 2, d, seed=3, scale=1.2 if d == 2 else 0.7)
 
 
 def run(comm, ys, ws, xs, gs):
@@ -519,21 +532,22 @@ if r == 0:
 '''
 
 
-def test_two_ranks_give_the_serial_velocity_and_cotangents(tmp_path):
+@pytest.mark.parametrize("d", [2, 3])
+def test_two_ranks_give_the_serial_velocity_and_cotangents(tmp_path, d):
     """Sources and targets dealt to 2 ranks: the same table (size, fine grid) and the
-    same velocity and reverse-mode cotangents as one rank, to 1e-10 (the table built
-    through panel nodes, each rank spreading its own sources)."""
+    same velocity and reverse-mode cotangents as one rank, to 1e-10 (in 2-D the table
+    built through panel nodes, each rank spreading its own sources)."""
     import json
     import subprocess
     import sys
     from pdeformer.tools.parallel import mpirun_command
     script, out = tmp_path / "partition.py", tmp_path / "out.json"
     script.write_text(PARTITION_SCRIPT)
-    subprocess.run(mpirun_command(2) + [sys.executable, str(script), str(out)], check=True,
+    subprocess.run(mpirun_command(2) + [sys.executable, str(script), str(out), str(d)], check=True,
                    timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp_path)
     res = json.loads(out.read_text())
     assert res["n"][0] == res["n"][1] and res["nf"][0] == res["nf"][1] is not None, res
-    assert res["panels"] or NO_COMPILED, res
+    assert res["panels"] or NO_COMPILED or d == 3, res
     for key in ("v", "w", "A", "V"):
         assert res[key] <= 1e-10, res
 
@@ -656,6 +670,26 @@ def test_panel_tables_are_the_direct_sums(d, loops, extent, monkeypatch):
     mbar = rng.normal(size=direct.m.shape)
     for name in ("weights_cotangent", "points_cotangent"):
         a, b = getattr(panel, name)(mbar), getattr(direct, name)(mbar)
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-11 * np.abs(b).max())
+
+
+def test_3d_panel_tables_are_the_direct_sums(monkeypatch):
+    """In 3-D the sums through the panel nodes (each source spread onto the q^3 nodes of
+    its panel triple, then three products) give the tables and reverse-mode sums
+    (weights and positions) of the direct factorised sums to 1e-12."""
+    rng = np.random.default_rng(32)
+    M = 60000
+    y = rng.uniform(-1, 1, (M, 3)) * [1.0, 0.8, 1.0]
+    w = np.exp(-np.sum((y - 0.3) ** 2, 1)) * (1 + 0.5 * np.sin(2 * y[:, 0])) / M
+    lo, hi = np.full(3, -9.0), np.full(3, 11.0)
+    panel = LaplaceTable(y, w, lo, hi, 33, COMM)
+    assert all(t[1] is not None for t in panel.tile_data), "the panel path was not taken"
+    monkeypatch.setattr(LaplaceTable, "_panels", lambda self, *args: None)
+    direct = LaplaceTable(y, w, lo, hi, 33, COMM)
+    np.testing.assert_allclose(panel.m, direct.m, rtol=0, atol=1e-12 * np.abs(direct.m).max())
+    np.testing.assert_allclose(panel.log_z, direct.log_z, rtol=0, atol=1e-12 * np.abs(direct.log_z).max())
+    mbar = rng.normal(size=direct.m.shape)
+    for a, b in zip(panel.source_cotangents(mbar, positions=True), direct.source_cotangents(mbar, positions=True)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-11 * np.abs(b).max())
 
 
@@ -906,3 +940,127 @@ def test_plans_are_reused_grown_and_frozen():
     assert field.stats["searches"] == searches + 1
     np.testing.assert_allclose(vs[0], attention_velocity_direct(field.targets, y, w, hm),
                                rtol=0, atol=1e-8 * np.abs(vs[0]).max())
+
+
+# ---------------------------------------------------------------- d = 3
+def case3(kind, seed, heads=4, sources=4000, targets=300, scale=0.8):
+    """Sources on the unit sphere (a von Mises-Fisher-like density) or in a box (two
+    Gaussian blobs), targets likewise, random heads."""
+    rng = np.random.default_rng(seed)
+    if kind == "sphere":
+        y = rng.normal(size=(sources, 3))
+        y /= np.linalg.norm(y, axis=1)[:, None]
+        w = np.exp(2.0 * y @ [0.6, 0.0, 0.8]) + 0.5 * np.exp(3.0 * y @ [-1.0, 0.0, 0.0])
+        x = rng.normal(size=(targets, 3))
+        x /= np.linalg.norm(x, axis=1)[:, None]
+    else:
+        y = rng.uniform(-1.5, 1.5, (sources, 3))
+        w = np.exp(-np.sum((y - [0.4, 0, 0]) ** 2, 1) / 0.4) + np.exp(-np.sum((y + [0.3, -0.2, 0.4]) ** 2, 1) / 0.3)
+        x = rng.uniform(-1.5, 1.5, (targets, 3))
+    w = w / w.sum()
+    A = attention_matrices(scale * rng.standard_normal((heads, 2, 3)), rng.standard_normal((heads, 2, 3)))
+    V = rng.normal(size=(heads, 3, 3))
+    return x, y, w, A, V
+
+
+@pytest.mark.parametrize("kind", ["sphere", "box"])
+@pytest.mark.parametrize("tol", [1e-5, 1e-9])
+def test_3d_table_and_fine_grid_meet_tol_against_direct(kind, tol):
+    """In 3-D the table (n^3 Chebyshev nodes, dense factorised sums) and its fine grid
+    (6^3-node stencils) give the velocity to tol against direct summation."""
+    from pdeformer.attention.laplace import fine_grid
+    from pdeformer.attention.softmax import attention_velocity
+    x, y, w, A, V = case3(kind, seed=len(kind))
+    direct = attention_velocity(x, Sources.from_arrays(y, w), A, V)
+    table, est = choose_table(y, w, *b_range(x, A, COMM), COMM, tol, n_max=97)
+    assert est <= tol and table.d == 3
+    interp = fine_grid(table, tol) or table
+    v = interp.velocity(x, A, V)
+    err = np.abs(v - direct).max() / np.abs(direct).max()
+    assert err <= tol, (err, est, table.n, getattr(interp, "nf", None))
+
+
+def test_3d_reverse_mode_is_the_derivative_of_the_table_map():
+    """With the grid fixed, v(w, A, V, x, y) through a 3-D table and its fine grid is
+    smooth; the reverse mode (weights, A, V, targets, source positions) matches central
+    differences, and the compiled 3-D loop gives numpy's map and cotangents."""
+    from pdeformer.attention.laplace import FineGrid, HeadSums
+    x, y, w, A, V = case3("box", seed=3, heads=3, sources=600, targets=80)
+    g = np.random.default_rng(4).normal(size=x.shape)
+    lo, hi = grid_box(*b_range(x, A, COMM))
+    lo, hi = lo - 0.5, hi + 0.5                     # room for the moved targets
+
+    def interp(y, w):
+        return FineGrid(LaplaceTable(y, w, lo, hi, 25, COMM), 60)
+
+    fg = interp(y, w)
+    mbar, dA, dV, xbar = fg.velocity_vjp(x, A, V, g, positions=True)
+    if fg.lib is not None:                           # compiled against numpy
+        ref = HeadSums.velocity_vjp(fg, x, A, V, g, True)
+        for a, b in zip((mbar, dA, dV, xbar), ref):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-12 * np.abs(b).max())
+        np.testing.assert_allclose(fg.velocity(x, A, V), HeadSums.velocity(fg, x, A, V), rtol=0, atol=1e-14)
+    wbar, ybar = fg.table.source_cotangents(mbar, positions=True)
+    rng = np.random.default_rng(5)
+    dw, dy, dx = rng.normal(size=w.shape) * w, rng.normal(size=y.shape), rng.normal(size=x.shape)
+    dAd, dVd = rng.normal(size=A.shape), rng.normal(size=V.shape)
+    f = lambda e: np.sum(g * interp(y + e * dy, w + e * dw).velocity(x + e * dx, A + e * dAd, V + e * dVd))
+    fd = (f(1e-6) - f(-1e-6)) / 2e-6
+    ad = sum(np.sum(a * b) for a, b in ((wbar, dw), (ybar, dy), (xbar, dx), (dA, dAd), (dV, dVd)))
+    assert abs(fd - ad) < 1e-7 * max(1.0, abs(fd)), (fd, ad)
+
+
+@pytest.mark.parametrize("loops", ["compiled", "numpy"])
+def test_3d_signed_weights_meet_tol_and_reverse_mode(loops, monkeypatch):
+    """DG densities without the limiter: weights of either sign in 3-D. The table of
+    (mu, zeta) gives the velocity to tol against direct summation, and its reverse mode
+    (weights) is the derivative of its map."""
+    from pdeformer.model.heads import HeadMeasure
+    from pdeformer.model.velocity import AttentionVelocity
+    if loops == "numpy":
+        monkeypatch.setenv("PDEFORMER_NO_KERNEL", "1")
+        from pdeformer.attention import compiled
+        monkeypatch.setattr(compiled, "_loaded", {})
+    x, y, w, _, _ = case3("box", seed=8, sources=3000, targets=200)
+    w = w * np.where(np.random.default_rng(9).random(len(w)) < 0.1, -0.2, 1.0)
+    heads = HeadMeasure.random(1, 4, 2, 3, seed=2, scale=0.8)
+    direct = AttentionVelocity(x, heads, AttentionOptions(backend="direct"), COMM)
+    field = AttentionVelocity(x, heads, AttentionOptions(backend="laplace", tol=1e-7), COMM)
+    v, ref = field(y, w, 0), direct(y, w, 0)
+    assert field.last_plan is not None and field.last_plan.signed
+    assert np.abs(v - ref).max() <= 1e-7 * np.abs(ref).max()
+    g = np.random.default_rng(10).normal(size=x.shape)
+    plan = field.last_plan
+    wbar = field.vjp(y, w, 0, g, plan).weights
+    dw = np.random.default_rng(11).normal(size=w.shape) * np.abs(w)
+    field.freeze = True
+    f = lambda e: np.sum(g * field.planner.velocity_of(y, w + e * dw, x, *field.matrices(0), plan))
+    fd = (f(1e-6) - f(-1e-6)) / 2e-6
+    assert abs(fd - wbar @ dw) < 1e-7 * max(1.0, abs(fd)), (fd, wbar @ dw)
+
+
+def test_3d_shell_maxima_and_coefficients():
+    """Shells of a 3-D coefficient array are taken by the largest index, also from row
+    blocks; the table's own shells are those of its Chebyshev coefficients."""
+    from pdeformer.attention.laplace import chebyshev_coefficients, shell_maxima
+    c = np.random.default_rng(0).random((7, 7, 7))
+    k = np.maximum.reduce(np.meshgrid(*[np.arange(7)] * 3, indexing="ij"))
+    expected = np.array([c[k == s].max() for s in range(7)])
+    np.testing.assert_array_equal(shell_maxima(c), expected)
+    blocks = [shell_maxima(c[r0:r1], r0) for r0, r1 in ((0, 2), (2, 3), (3, 7))]
+    np.testing.assert_array_equal(np.max(blocks, axis=0), expected)
+    x, y, w, A, V = case3("sphere", seed=1, sources=500, targets=50)
+    t = LaplaceTable(y, w, *grid_box(*b_range(x, A, COMM)), 17, COMM)
+    coef = np.abs(chebyshev_coefficients(t.values[0]))
+    assert np.isclose(t.local_shells()[0].max(), coef.max() / np.abs(t.values).max(), rtol=1e-12)
+    np.testing.assert_allclose(t.local_shells()[0] * np.abs(t.values).max(),
+                               np.maximum.reduce([shell_maxima(np.abs(chebyshev_coefficients(v))) for v in t.values]),
+                               rtol=1e-10, atol=1e-15)
+
+
+def test_3d_memory_caps_are_the_budget_s():
+    """The run's memory estimate for 3-D tables is what their caps allow: the fine grid
+    and the panel sums with their reordered copy."""
+    from pdeformer.attention.laplace import FINE3_BYTES, PANEL3_BYTES
+    from pdeformer.tools.budget import LAPLACE_TABLES_3D
+    assert LAPLACE_TABLES_3D == FINE3_BYTES + 2 * PANEL3_BYTES

@@ -1,4 +1,4 @@
-r"""Compiled loops of the laplace backend (d = 2): fine-grid interpolation and panel sums.
+r"""Compiled loops of the laplace backend (d = 2, 3): fine-grid interpolation, and panel sums (d = 2).
 
 For each head h and target x_i, with b = A_h x_i and m(b) the tensor Lagrange
 interpolant of degree p on the uniform fine grid (:class:`pdeformer.attention.laplace.FineGrid`):
@@ -20,7 +20,8 @@ register-blocked product per pair).
 
 The loops are C, shipped as package data in ``pdeformer/attention/kernels/``: ``laplace_kernels.c``
 includes ``fine_loops.h`` once per NC in FINE_WIDTHS (the fine-grid loops for NC values
-per node) and ``vector.h`` (the vector type). Constants shared with Python are defined
+per node), ``fine3_loops.h`` (``fine3_velocity``, ``fine3_velocity_vjp``: the same
+loops in 3-D, four values per node) and ``vector.h`` (the vector type). Constants shared with Python are defined
 here only and passed as ``-D`` flags (DEFINES: QMAX = PANEL_QMAX, NP = KERNEL_DEGREE + 1;
 the C refuses to compile without them). It is compiled once with the system's C compiler
 ($CC, default cc) for the CPU it runs on (``-march=native``; without that flag where the
@@ -153,6 +154,9 @@ def _declare(lib) -> None:
         fv.argtypes = [dp, lg, lg, dp, dp, it, dp, lg, dp, dp, lg, dp, dp, db, lp, lg, lp]
         vjp.argtypes = [dp, lg, lg, dp, dp, it, dp, lg, dp, dp, lg, dp, dp, dp, dp, dp, db]
         fv.restype = vjp.restype = None
+    lib.fine3_velocity.argtypes = [dp, lg, lg, lg, dp, dp, dp, lg, dp, dp, lg, it, dp, dp, db, lp, lg, lp]
+    lib.fine3_velocity_vjp.argtypes = [dp, lg, lg, lg, dp, dp, dp, lg, dp, dp, lg, it, dp, dp, dp, dp, dp, db]
+    lib.fine3_velocity.restype = lib.fine3_velocity_vjp.restype = None
     panel = [lg, dp, dp, it, dp, lg, dp, lg, it, dp, dp, dp]
     lib.panel_spread.argtypes = lib.panel_gather.argtypes = panel
     lib.panel_spread.restype = lib.panel_gather.restype = ctypes.c_int
@@ -189,7 +193,8 @@ def kernel_key() -> str:
 
 def self_check(lib) -> bool:
     """The fine-grid loops reproduce a linear m(b) = b between nodes: from the values m
-    (NC = 2), and as mu / zeta with mu = b zeta, zeta = 2 + b_0 - b_1 / 3 (NC = 4).
+    (NC = 2), and as mu / zeta with mu = b zeta, zeta = 2 + b_0 - b_1 / 3 (NC = 4); the
+    same in 3-D.
     Degree-5 Lagrange interpolation is exact for these; a wrong stencil start (e.g. a
     rounding step folded away by the compiler) or lane order is not."""
     nf, h, lo = 12, np.array([0.5, 0.25]), np.array([-1.0, 2.0])
@@ -201,8 +206,21 @@ def self_check(lib) -> bool:
     eye = np.eye(2)[None]
     plain = fine_velocity(lib, nodes, nf, lo, h, KERNEL_DEGREE, b, eye, eye)
     ratio, skipped = fine_velocity(lib, signed, nf, lo, h, KERNEL_DEGREE, b, eye, eye, zmin=1e-3)
-    return bool(len(skipped) == 0 and all(np.abs(v - b).max() <= 1e-12 * np.abs(b).max()
-                                          for v in (plain, ratio)))
+    if not (len(skipped) == 0 and all(np.abs(v - b).max() <= 1e-12 * np.abs(b).max() for v in (plain, ratio))):
+        return False
+    # d = 3: the same with nodes of (m, 0) and (mu, zeta)
+    nf3, h3, lo3 = 9, np.array([0.5, 0.25, 0.75]), np.array([-1.0, 2.0, 0.5])
+    nodes3 = np.stack(np.meshgrid(*(lo3[a] + h3[a] * np.arange(nf3) for a in range(3)), indexing="ij"),
+                      axis=-1).reshape(-1, 3)
+    zeta3 = 2.0 + (nodes3[:, 0] - nodes3[:, 1] / 3 + nodes3[:, 2] / 5) / 20
+    b3 = lo3 + (nf3 - 1) * h3 * np.array([[0.137, 0.731, 0.42], [0.5013, 0.2499, 0.9], [0.9, 0.05, 0.3]])
+    eye3 = np.eye(3)[None]
+    plain3 = fine_velocity(lib, np.column_stack([nodes3, np.zeros(len(nodes3))]), nf3, lo3, h3,
+                           KERNEL_DEGREE, b3, eye3, eye3, signed=False)
+    ratio3, skipped3 = fine_velocity(lib, np.column_stack([nodes3 * zeta3[:, None], zeta3]), nf3, lo3, h3,
+                                     KERNEL_DEGREE, b3, eye3, eye3, np.zeros(2), 1e-3, signed=True)
+    return bool(len(skipped3) == 0 and all(np.abs(v - b3).max() <= 1e-12 * np.abs(b3).max()
+                                                  for v in (plain3, ratio3)))
 
 
 def kernels_on(comm):
@@ -222,17 +240,27 @@ def _c(a) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float64)
 
 
-def fine_velocity(lib, flat, nf: int, lo, h, p: int, x, A, V, stats=None, zmin: float = 0.0):
-    """v (N, 2) = (1/H) sum_h V_h m(A_h x) with the compiled loop; ``flat`` (nf*nf, NC)
-    holds m (NC = 2) or (mu, zeta, 0) (NC = 4, m = mu / zeta). With NC = 4: ``stats`` (an
-    array of 2) becomes max(stats, (max 1/|zeta|, max |m|)) over the points, and the pairs
-    with |zeta| < zmin are left out of v; returns (v, their indices h N + i) then."""
+def fine_velocity(lib, flat, nf: int, lo, h, p: int, x, A, V, stats=None, zmin: float = 0.0,
+                  signed: bool | None = None):
+    """v (N, d) = (1/H) sum_h V_h m(A_h x) with the compiled loop; ``flat`` (nf^d, NC)
+    holds m (d = 2, NC = 2; d = 3: (m, 0)) or (mu, zeta, 0) (d = 2, NC = 4; d = 3:
+    (mu, zeta)), m = mu / zeta where ``signed`` (default: NC = 4 in 2-D). Signed:
+    ``stats`` (an array of 2) becomes max(stats, (max 1/|zeta|, max |m|)) over the
+    points, and the pairs with |zeta| < zmin are left out of v; returns (v, their
+    indices h N + i) then."""
     flat, lo, h, x, A, V = map(_c, (flat, lo, h, x, A, V))
     out = np.zeros_like(x)
-    call = getattr(lib, f"fine_velocity{flat.shape[1]}")
-    args = (_ptr(flat), nf, nf, _ptr(lo), _ptr(h), p, _ptr(x), len(x), _ptr(A), _ptr(V), len(A),
-            _ptr(out), _ptr(stats) if stats is not None else None, zmin)
-    if flat.shape[1] == 2:
+    three = x.shape[1] == 3
+    signed = (flat.shape[1] == 4 and not three) if signed is None else signed
+    if three:
+        call = lib.fine3_velocity
+        args = (_ptr(flat), nf, nf, nf, _ptr(lo), _ptr(h), _ptr(x), len(x), _ptr(A), _ptr(V), len(A),
+                int(signed), _ptr(out), _ptr(stats) if stats is not None else None, zmin)
+    else:
+        call = getattr(lib, f"fine_velocity{flat.shape[1]}")
+        args = (_ptr(flat), nf, nf, _ptr(lo), _ptr(h), p, _ptr(x), len(x), _ptr(A), _ptr(V), len(A),
+                _ptr(out), _ptr(stats) if stats is not None else None, zmin)
+    if not signed:
         call(*args, None, 0, None)
         return out
     cap, count = max(64, len(x) * len(A) // 16), ctypes.c_long(0)
@@ -246,14 +274,20 @@ def fine_velocity(lib, flat, nf: int, lo, h, p: int, x, A, V, stats=None, zmin: 
 
 
 def fine_velocity_vjp(lib, flat, nf: int, lo, h, p: int, x, A, V, g, positions: bool = False,
-                      zmin: float = 0.0):
-    """(mbar (NC, nf*nf), dA (H, 2, 2), dV (H, 2, 2), xbar (N, 2) or None) for the
+                      zmin: float = 0.0, signed: bool | None = None):
+    """(mbar (NC, nf^d), dA (H, d, d), dV (H, d, d), xbar (N, d) or None) for the
     cotangents g of v; mbar is the cotangent of the NC node values of ``flat``; xbar
-    (the targets' cotangent) with ``positions``. NC = 4: without the pairs |zeta| < zmin."""
+    (the targets' cotangent) with ``positions``. Signed (as in :func:`fine_velocity`):
+    without the pairs |zeta| < zmin."""
     flat, lo, h, x, A, V, g = map(_c, (flat, lo, h, x, A, V, g))
     mbar = np.zeros(flat.shape)
     dA, dV = np.zeros_like(A), np.zeros_like(V)
     xbar = np.zeros_like(x) if positions else None
+    if x.shape[1] == 3:
+        lib.fine3_velocity_vjp(_ptr(flat), nf, nf, nf, _ptr(lo), _ptr(h), _ptr(x), len(x), _ptr(A),
+                               _ptr(V), len(A), int(bool(signed)), _ptr(g), _ptr(mbar), _ptr(dA),
+                               _ptr(dV), _ptr(xbar) if positions else None, zmin)
+        return mbar.T, dA, dV, xbar
     getattr(lib, f"fine_velocity_vjp{flat.shape[1]}")(
         _ptr(flat), nf, nf, _ptr(lo), _ptr(h), p, _ptr(x), len(x), _ptr(A), _ptr(V), len(A),
         _ptr(g), _ptr(mbar), _ptr(dA), _ptr(dV), _ptr(xbar) if positions else None, zmin)

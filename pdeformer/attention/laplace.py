@@ -22,7 +22,7 @@ b = A_h x, and each head and target costs an interpolation:
   of two shifted factors cannot underflow (|b| x tile size bounded); tiles combine by
   log-sum-exp. Moments are ratios, so the shifts cancel.
 * interpolation: barycentric in each coordinate, (P x n) weights, P = targets x heads;
-  in 2-D through a uniform fine grid and local degree-5 Lagrange polynomials
+  in 2-D and 3-D through a uniform fine grid and local degree-5 Lagrange polynomials
   (:class:`FineGrid`, a compiled loop where a C compiler is at hand; its sampling is
   divided over ranks by rows and all-gathered).
 * accuracy: the grid size n is one whose error estimate (from the decay of the tables'
@@ -40,8 +40,13 @@ the source cotangents follow from dm/dw_j = e^{<b,y_j>} (y_j - m) / Z and
 dm/dy_j = w_j e^{<b,y_j>} / Z [I + (y_j - m) b^T] per grid node, i.e. transposed
 factorised sums -- the adjoint's nonlocal source term at the cost of a table.
 
-Implemented for d = 1 and 2. In d = 3 an n^3 table with n ~ 33-65 costs more than direct
-summation at the sizes pdeformer meshes reach, so ``auto`` uses direct there.
+Implemented for d = 1, 2 and 3. In 3-D the table has n^3 nodes (sizes SIZES3, at most
+N3_MAX_FORCED): its sums are E_0 (x) E_1 per block of sources times E_2^T, or through panel
+triples (each source spread onto the q^3 nodes of its panel triple, then three products
+on this rank's window, :meth:`LaplaceTable._spread3`); the fine grid has nf^3 nodes of four
+values and its own compiled loops (kernels/fine3_loops.h). The table pays where
+|b| x the sources' extent is moderate (tokens of unit scale, the sphere): its cost grows
+like (|b| extent)^3, direct summation's like targets x heads x sources.
 """
 
 from __future__ import annotations
@@ -63,6 +68,14 @@ N_MIN, N_MAX = 17, 257
 SIZES = (17, 25, 33, 49, 65, 81, 97, 129, 161, 193, 225, 257, 321, 385, 449, 513, 641,
          769, 897, 1025)  # steps of about 1.25x
 N_MAX_FORCED = 1025     # backend "laplace" (not auto) may refine this far before giving up
+N3_MAX, N3_MAX_FORCED = 65, 97   # the same in 3-D (n^3 nodes: 97^3 x 5 sums are 36 MB)
+SIZES3 = (17, 21, 25, 29, 33, 37, 41, 45, 49, 57, 65, 73, 81, 89, 97)   # 3-D: finer steps
+                                 # (a table costs n^3: one step of SIZES would be 2.3-3.3x)
+
+
+def table_sizes(d: int) -> tuple:
+    """The table sizes tried in d dimensions."""
+    return SIZES3 if d == 3 else SIZES
 ZETA_MIN = 0.5          # signed weights: pairs (head, target) with |zeta| < ZETA_MIN are summed
                         # exactly (m = mu / zeta would amplify the table's error by 1/|zeta|)
 UNDERFLOW_GAP = 600.0   # keep every shifted exponent above e^-600 (float64 ~ e^-708)
@@ -168,12 +181,19 @@ def chebyshev_coefficients(values: np.ndarray) -> np.ndarray:
 
 
 def shell_maxima(block: np.ndarray, r0: int = 0) -> np.ndarray:
-    """Per shell k: the largest entry of ``block`` (rows r0, r0 + 1, ... of an n x n array
-    of nonnegative values) among those whose larger index is k; zero where it has none.
+    """Per shell k: the largest entry of ``block`` (rows r0, r0 + 1, ... of an n x n or
+    n x n x n array of nonnegative values) among those whose largest index is k; zero
+    where it has none.
     The maxima of row blocks combine by max into those of the whole array."""
-    rows, n = block.shape
+    rows, n = block.shape[0], block.shape[-1]
     out = np.zeros(n)
     if rows == 0:
+        return out
+    if block.ndim > 2:                                      # (rows, n, n): the largest of 3
+        k = np.arange(r0, r0 + rows).reshape((rows,) + (1,) * (block.ndim - 1))
+        for ax in range(1, block.ndim):
+            k = np.maximum(k, np.arange(n).reshape((1,) * ax + (n,) + (1,) * (block.ndim - 1 - ax)))
+        np.maximum.at(out, np.broadcast_to(k, block.shape).ravel(), block.ravel())
         return out
     i = np.arange(r0, r0 + rows)[:, None]
     lower = np.arange(n)[None, :] <= i                      # larger index: the row
@@ -224,6 +244,8 @@ def grid_box(b_lo: np.ndarray, b_hi: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return np.floor(b_lo / step) * step - step, np.ceil(b_hi / step) * step + step
 
 
+PANEL3_BYTES = 2**27  # 3-D: panel sums of at most 128 MiB (ncols x K_0 K_1 K_2 doubles; twice
+                     # that while they are reordered)
 PANEL_BETA = 3.0     # |b|max x panel half-width: e^{b y} varies by at most e^{2 beta} on a panel
 PANEL_EPS = 1e-14    # relative accuracy of the per-panel interpolation of e^{b y} (at most)
 
@@ -303,9 +325,12 @@ def coordinate_range(points: np.ndarray, comm) -> tuple[np.ndarray, np.ndarray]:
 
 
 def panel_product_flops(n: int, d: int, ncols: int, nodes: list) -> float:
-    """Flops of the products E_1 W (d = 1) or E_1 W E_2^T (d = 2) of ncols tables from
-    the panel nodes, K_a per axis: 2 ncols n K_1 or 2 ncols (n K_1 K_2 + n^2 K_2)."""
+    """Flops of the products E_1 W (d = 1), E_1 W E_2^T (d = 2) or its 3-D analogue of
+    ncols tables from the panel nodes, K_a per axis: 2 ncols n K_1, 2 ncols
+    (n K_1 K_2 + n^2 K_2) or 2 ncols (n K_0 K_1 K_2 + n^2 K_1 K_2 + n^3 K_2)."""
     K = nodes
+    if d == 3:
+        return 2.0 * ncols * (n * K[0] * K[1] * K[2] + n * n * K[1] * K[2] + n**3 * K[2])
     return 2.0 * ncols * (n * K[0] if d == 1 else n * K[0] * K[1] + n * n * K[1])
 
 
@@ -323,16 +348,27 @@ def table_flops(n: int, d: int, ncols: int, sources: int, nodes: list | None) ->
 def dense_seconds(costs, n: int, d: int, ncols: int, sources: int) -> float:
     """A table's ncols sums over the sources directly: the products (table_flops) and
     the work per grid node and source besides them (the per-axis factors' exponentials,
-    in 2-D the factor times each column)."""
-    return table_flops(n, d, ncols, sources, None) * costs.flop + n * sources * costs.dense_node
+    in 2-D the factor times each column; in 3-D per n^2 nodes: E_0 (x) E_1 times each
+    column)."""
+    return table_flops(n, d, ncols, sources, None) * costs.flop + n ** (d - 1) * sources * costs.dense_node
+
+
+SPREAD3_SLOWDOWN = 2.5   # the 3-D spread's small products run this far below costs.flop, and
+SPREAD3_NODE = 3.0       # each panel node and column costs 3 dense_node (zeroed, summed into,
+                         # reordered): measured with 2.5e4-1e6 sources, K = 18-184
 
 
 def panel_seconds(costs, n: int, d: int, ncols: int, sources: int, nodes: list, blocks: int,
                   compiled: bool) -> float:
     """The same sums through panel nodes (K_a per axis): the products, and the spread
     -- compiled: per source and column and per call; numpy: its products per source
-    and column (2 q^d flops) and a loop step per block of sources (panel pair)."""
+    and column (2 q^d flops) and a loop step per block of sources (panel pair); in 3-D
+    (numpy) also the work per panel node and column."""
     products = panel_product_flops(n, d, ncols, nodes) * costs.flop
+    if d == 3:      # numpy, per triple: its small products, and the panel-major sums kept
+        spread = 2.0 * ncols * sources * panel_degree() ** 3 * costs.flop * SPREAD3_SLOWDOWN
+        return products + spread + SPREAD3_NODE * costs.dense_node * ncols * float(np.prod(nodes)) \
+            + costs.numpy_block * min(blocks, sources)
     if compiled:
         return products + costs.spread * ncols * sources + costs.spread_call
     spread = 2.0 * ncols * sources * panel_degree() ** d * costs.flop
@@ -555,8 +591,8 @@ class LaplaceTable(HeadSums):
     def __init__(self, points, weights, lo, hi, n: int, comm, signed: bool | None = None,
                  layout: SourceLayout | None = None, lib=EVERY_RANK, eps: float = PANEL_EPS):
         self.d = points.shape[1]
-        if self.d > 2:
-            raise ValueError("the laplace backend is implemented for d = 1 and 2")
+        if self.d > 3:
+            raise ValueError("the laplace backend is implemented for d = 1, 2 and 3")
         self.comm, self.n = comm, n
         self.lo, self.hi = np.asarray(lo, float), np.asarray(hi, float)
         self.axes = [chebyshev_lobatto(n, a, b) for a, b in zip(self.lo, self.hi)]
@@ -600,11 +636,14 @@ class LaplaceTable(HeadSums):
     def _panels(self, tile: Tile):
         """The tile's panels, or None where summing over its sources directly is cheaper,
         from the sizes over all ranks and this machine's costs (costs.py; every rank
-        takes the same path): :func:`dense_seconds` against :func:`panel_seconds`."""
+        takes the same path): :func:`dense_seconds` against :func:`panel_seconds`. In 3-D
+        not where the spread sums (ncols K_0 K_1 K_2) would take more than PANEL3_BYTES."""
         if tile.count == 0:
             return None
         costs = machine_costs(self.comm)
         K = [len(pa.nodes) for pa in tile.panels]
+        if self.d == 3 and self.ncols * np.prod(K, dtype=float) * 8 > PANEL3_BYTES:
+            return None
         blocks = int(np.prod([pa.count for pa in tile.panels]))
         via = panel_seconds(costs, self.n, self.d, self.ncols, tile.count, K, blocks, self.lib is not None)
         return tile.panels if via < dense_seconds(costs, self.n, self.d, self.ncols, tile.count) else None
@@ -616,6 +655,8 @@ class LaplaceTable(HeadSums):
         if self.lib is not None:
             return panel_spread(self.lib, panels, pts, cols)
         loc = [pa.locate(pts[:, a]) for a, pa in enumerate(panels)]
+        if self.d == 3:
+            return LaplaceTable._spread3(panels, loc, cols)
         if self.d == 1:
             W = np.zeros((cols.shape[1], len(panels[0].nodes)))
             for p0, idx in blocks_by_key(loc[0][0]):
@@ -630,6 +671,37 @@ class LaplaceTable(HeadSums):
             W[:, p0 * q:(p0 + 1) * q, p1 * q:(p1 + 1) * q] += blk.transpose(1, 0, 2)
         return W
 
+    SPREAD3_CHUNK = 4096   # sources whose Lagrange products are formed at once (3-D spread)
+
+    @classmethod
+    def _spread3(cls, panels, loc, cols) -> np.ndarray:
+        """The 3-D spread W[c, k0, k1, k2]: the sources sorted by panel triple, their
+        products cols (x) L0 and L1 (x) L2 formed a chunk at a time, and per triple one
+        product of the two over its sources into a panel-major array (contiguous
+        blocks), reordered once at the end."""
+        q, nc = panels[0].q, cols.shape[1]
+        P = [pa.count for pa in panels]
+        key = (loc[0][0] * P[1] + loc[1][0]) * P[2] + loc[2][0]
+        order = np.argsort(key, kind="stable")
+        key = key[order]
+        W = np.zeros((P[0] * P[1] * P[2], nc * q, q * q))
+        last = -1                  # the block a chunk ended in (the next may add to it)
+        for c0 in range(0, len(order), cls.SPREAD3_CHUNK):
+            idx = order[c0:c0 + cls.SPREAD3_CHUNK]
+            m = len(idx)
+            left = (cols[idx][:, :, None] * loc[0][1][idx][:, None, :]).reshape(m, nc * q)
+            right = (loc[1][1][idx][:, :, None] * loc[2][1][idx][:, None, :]).reshape(m, q * q)
+            k = key[c0:c0 + m]
+            bounds = np.flatnonzero(np.diff(k)) + 1
+            for a, b in zip(np.concatenate([[0], bounds]), np.concatenate([bounds, [m]])):
+                if k[a] == last:
+                    W[k[a]] += left[a:b].T @ right[a:b]
+                else:
+                    np.matmul(left[a:b].T, right[a:b], out=W[k[a]])
+            last = k[-1]
+        W = W.reshape(P[0], P[1], P[2], nc, q, q, q).transpose(3, 0, 4, 1, 5, 2, 6)
+        return np.ascontiguousarray(W).reshape((nc,) + tuple(p * q for p in P))
+
     def _through(self, tile, E, E0, W) -> np.ndarray:
         """This rank's part of the table from its spread W (ncols, window): W E_1^T in
         1-D; in 2-D E_0 (W E_1^T) in two steps that divide over ranks however the mesh is
@@ -638,10 +710,17 @@ class LaplaceTable(HeadSums):
         onto each rank's share of the rows (one Reduce_scatter), then its rows' part
         E_0[:, share] Y[share] of the table (axes named for ``lead`` = 0; for 1 the
         same on the transposed W). Collective: every rank calls it for a tile
-        built through panels, with W None where it has no sources there."""
+        built through panels, with W None where it has no sources there. In 3-D
+        E_0 W E_1^T E_2^T on this rank's window only, three products (not collective)."""
         n, ncols = self.n, self.ncols
         if self.d == 1:
             return np.zeros((ncols, n)) if W is None else W @ E[0].T
+        if self.d == 3:         # this rank's window alone (the Allreduce of the tables sums them)
+            if W is None:
+                return np.zeros((ncols, n, n, n))
+            K0, K1, K2 = W.shape[1:]
+            T = np.matmul(E[0], W.reshape(ncols, K0, K1 * K2)).reshape(ncols, n, K1, K2)
+            return np.matmul(np.matmul(E[1], T), E[2].T)                  # (ncols, n, n, n)
         q, lead = tile.panels[0].q, tile.lead
         Y = np.zeros((len(tile.panels[lead].nodes), ncols, n))
         if W is not None:
@@ -682,10 +761,11 @@ class LaplaceTable(HeadSums):
     def _chunks(self, pts, shifts):
         """(slice, per-axis shifted factors e^{b_g y_j - shift_g} (n, chunk)) by source
         block, in buffers reused from block to block (fresh ones cost page faults)."""
-        width = min(len(pts), self.SOURCE_CHUNK)
+        chunk = self._source_chunk()
+        width = min(len(pts), chunk)
         buffers = [np.empty((len(nodes), width)) for nodes, _ in self.axes]
-        for j0 in range(0, len(pts), self.SOURCE_CHUNK):
-            blk = slice(j0, min(len(pts), j0 + self.SOURCE_CHUNK))
+        for j0 in range(0, len(pts), chunk):
+            blk = slice(j0, min(len(pts), j0 + chunk))
             E = []
             for a, (nodes, _) in enumerate(self.axes):
                 r = buffers[a][:, :blk.stop - j0]
@@ -749,17 +829,31 @@ class LaplaceTable(HeadSums):
         self.comm.Allreduce(MPI.IN_PLACE, local, op=MPI.SUM)
         return local
 
+    def _source_chunk(self) -> int:
+        """Sources per block: SOURCE_CHUNK; in 3-D fewer, so that the (ncols, n, n, chunk)
+        products of the factors stay near 16 MB."""
+        if self.d < 3:
+            return self.SOURCE_CHUNK
+        return int(min(self.SOURCE_CHUNK, max(64, 2**21 // (self.ncols * self.n**2))))
+
     def _dense_sums(self, pts, shifts, c, out) -> None:
         """out += sum_j c_j e^{<b, y_j> - shift} on the grid, directly, by blocks of sources."""
         n = self.n
-        work = np.empty((len(out), n, min(len(pts), self.SOURCE_CHUNK))) if self.d == 2 else None
+        width = min(len(pts), self._source_chunk())
+        work = np.empty((len(out),) + (n,) * (self.d - 1) + (width,)) if self.d > 1 else None
         for blk, Eb in self._chunks(pts, shifts):
             if self.d == 1:
                 out += (Eb[0] @ c[blk]).T
                 continue
-            # one product for all columns: [E0 c_0; E0 c_1; ...] E1^T
             m = blk.stop - blk.start
-            left = work if m == work.shape[2] else np.empty((len(out), n, m))
+            left = work if m == work.shape[-1] else np.empty(work.shape[:-1] + (m,))
+            if self.d == 3:        # [E0 (x) E1 c_0; E0 (x) E1 c_1; ...] E2^T
+                pair = Eb[0][:, None, :] * Eb[1][None, :, :]
+                for k, ck in enumerate(np.ascontiguousarray(c[blk].T)):
+                    np.multiply(pair, ck, out=left[k])
+                out += (left.reshape(-1, m) @ Eb[2].T).reshape(out.shape)
+                continue
+            # one product for all columns: [E0 c_0; E0 c_1; ...] E1^T
             for k, ck in enumerate(np.ascontiguousarray(c[blk].T)):   # (strided: 10x slower)
                 np.multiply(Eb[0], ck, out=left[k])
             out += (left.reshape(-1, m) @ Eb[1].T).reshape(len(out), n, n)
@@ -767,7 +861,8 @@ class LaplaceTable(HeadSums):
     def _scales(self) -> list:
         """Per tile, log of its factors' shift on the grid: shift_1 (+ shift_2)."""
         d = self.d
-        return [sh[0] if d == 1 else sh[0][:, None] + sh[1][None, :] for sh, _ in self.tile_data]
+        return [sum(np.reshape(sh[a], (1,) * a + (-1,) + (1,) * (d - 1 - a)) for a in range(d))
+                for sh, _ in self.tile_data]
 
     def _tile_factors(self) -> list:
         """Per tile: e^{shift}/N on the grid, the factor of its shifted sums in the values."""
@@ -804,8 +899,12 @@ class LaplaceTable(HeadSums):
             W = self._weights(b[blk])
             if self.d == 1:
                 out[blk] = W[0] @ tables.T
-            else:
+            elif self.d == 2:
                 out[blk] = np.einsum("kpg,pg->pk", np.matmul(W[0], tables), W[1])
+            else:                   # W_0 T_k as one product, then W_1, W_2 row-wise
+                n = self.n
+                R = np.matmul(W[0], tables.reshape(len(tables), n, n * n)).reshape(len(tables), -1, n, n)
+                out[blk] = np.einsum("kpj,pj->pk", np.einsum("kpij,pi->kpj", R, W[1]), W[2])
         return out
 
     def derivative_tables(self) -> list:
@@ -831,11 +930,15 @@ class LaplaceTable(HeadSums):
         local = np.zeros(self.values.shape)
         for blk in self._blocks(b.shape[0]):
             W = self._weights(b[blk])
+            if self.d == 3:                      # (W_1 (x) W_2 row-wise) once for all k
+                W12 = (W[1][:, :, None] * W[2][:, None, :]).reshape(len(W[1]), -1)
             for k in range(self.ncomp):
                 if self.d == 1:
                     local[k] += W[0].T @ cbar[blk, k]
-                else:
+                elif self.d == 2:
                     local[k] += (W[0] * cbar[blk, k:k + 1]).T @ W[1]
+                else:
+                    local[k] += ((W[0] * cbar[blk, k:k + 1]).T @ W12).reshape(local[k].shape)
         self.comm.Allreduce(MPI.IN_PLACE, local, op=MPI.SUM)
         return local
 
@@ -861,7 +964,9 @@ class LaplaceTable(HeadSums):
             if panels is not None:
                 local = tile.local_panels
                 q = local[0].q
-                if d == 1:
+                if d == 3:
+                    acc = self._gathered3(local, pts, E, [X * factor for X in grids])
+                elif d == 1:
                     loc = local[0].locate(pts[:, 0])
                     G = np.stack([E[0].T @ (X * factor) for X in grids], axis=1)     # (K, i)
                     for p0, j in blocks_by_key(loc[0]):
@@ -880,9 +985,33 @@ class LaplaceTable(HeadSums):
                     for i, X in enumerate(grids):
                         if d == 1:
                             acc[blk, i] = Eb[0].T @ (X * factor)
-                        else:
+                        elif d == 2:
                             acc[blk, i] = np.einsum("jc,cj->j", Eb[0].T @ (X * factor), Eb[1])
+                        else:           # ((X E_2) . E_1 summed) . E_0 summed
+                            n, m = self.n, blk.stop - blk.start
+                            t = ((X * factor).reshape(n * n, n) @ Eb[2]).reshape(n, n, m)
+                            acc[blk, i] = np.einsum("gj,gj->j", np.einsum("gcj,cj->gj", t, Eb[1]), Eb[0])
             out[tile.index] = acc
+        return out
+
+    def _gathered3(self, panels, pts, E, grids: list) -> np.ndarray:
+        """out[j, i] = the grids X_i (n^3) taken to this rank's panel nodes,
+        G_i = E_0^T X_i E_1 E_2 per axis, and interpolated at its sources (one panel
+        triple at a time): the transpose of :meth:`_spread3` and :meth:`_through` in 3-D."""
+        n, ni, q = self.n, len(grids), panels[0].q
+        X = np.asarray(grids).reshape(ni, n, n * n)
+        G = np.matmul(E[0].T, X).reshape(ni, -1, n, n)
+        G = np.matmul(np.matmul(E[1].T, G), E[2])                             # (ni, K0, K1, K2)
+        loc = [pa.locate(pts[:, a]) for a, pa in enumerate(panels)]
+        P1, P2 = panels[1].count, panels[2].count
+        out = np.empty((len(pts), ni))
+        for key, idx in blocks_by_key((loc[0][0] * P1 + loc[1][0]) * P2 + loc[2][0]):
+            p0, rest = divmod(key, P1 * P2)
+            p1, p2 = divmod(rest, P2)
+            m = len(idx)
+            right = (loc[1][1][idx][:, :, None] * loc[2][1][idx][:, None, :]).reshape(m, q * q)
+            g = G[:, p0 * q:(p0 + 1) * q, p1 * q:(p1 + 1) * q, p2 * q:(p2 + 1) * q].reshape(ni * q, q * q)
+            out[idx] = np.einsum("iam,ma->mi", (g @ right.T).reshape(ni, q, m), loc[0][1][idx])
         return out
 
     def source_cotangents(self, mbar: np.ndarray, positions: bool = False):
@@ -903,7 +1032,7 @@ class LaplaceTable(HeadSums):
             return np.sign(w) * S[:, 0] + S[:, 1] + np.einsum("jk,jk->j", y, S[:, 2:]), None
         grids = [-cc] + list(mbar)
         if positions:
-            nodes = [self.axes[0][0]] if d == 1 else np.meshgrid(self.axes[0][0], self.axes[1][0], indexing="ij")
+            nodes = [self.axes[0][0]] if d == 1 else np.meshgrid(*(ax[0] for ax in self.axes), indexing="ij")
             grids += [X for c in range(d) for X in [mbar[c] - cc * nodes[c]] + [mbar[k] * nodes[c] for k in range(d)]]
         S = self._source_sums(grids)
         wbar = S[:, 0] + np.einsum("jk,jk->j", y, S[:, 1:1 + d])
@@ -924,13 +1053,18 @@ class LaplaceTable(HeadSums):
     def local_shells(self) -> np.ndarray:
         """Per group (:attr:`groups`): the largest Chebyshev coefficient of each shell,
         relative to the group's largest value, over this rank's share of coefficient
-        rows (d = 2; max over ranks gives all of them). In 1-D every rank does it all."""
+        rows (d = 2, 3; max over ranks gives all of them). In 1-D every rank does it all."""
         n, D = self.n, dct_matrix(self.n)
         if self.d == 1:
             coef = np.abs(self.values @ D.T)                          # (ncomp, n)
-        else:
+        elif self.d == 2:
             rows = share(n, self.comm)
             coef = np.abs(np.matmul(np.matmul(D[rows], self.values), D.T))   # (ncomp, rows, n)
+        else:
+            rows = share(n, self.comm)
+            c = np.matmul(D[rows], self.values.reshape(len(self.values), n, n * n))
+            c = np.matmul(D, c.reshape(len(c), -1, n, n))             # axis 1
+            coef = np.abs(np.matmul(c, D.T))                          # (ncomp, rows, n, n)
         out = np.zeros((len(self.groups), n))
         for i, (grp, scale) in enumerate(zip(self.groups, self.group_scales())):
             c = coef[grp].max(axis=0)
@@ -949,13 +1083,14 @@ def sampling_matrix(lo: float, hi: float, n: int, nf: int) -> np.ndarray:
 
 
 class FineGrid(HeadSums):
-    """Second level for many points (d = 2): the table's Chebyshev interpolant sampled
-    on a uniform nf x nf grid (two small matrix products, rows divided over ranks and
+    """Second level for many points (d = 2, 3): the table's Chebyshev interpolant sampled
+    on a uniform nf^d grid (d small matrix products, rows divided over ranks and
     all-gathered), then interpolated locally by tensor Lagrange polynomials of degree
     P_LOCAL (P_LOCAL + 1 points per axis). The cost per point no longer grows with n; the
     map stays piecewise polynomial, and its reverse mode is the exact transpose
     (scatter-add, then the transposed sampling). Each node holds the table's values
-    interleaved: (m_0, m_1), or (mu_0, mu_1, zeta, 0) for signed weights."""
+    interleaved: in 2-D (m_0, m_1), or (mu_0, mu_1, zeta, 0) for signed weights; in 3-D
+    (m_0, m_1, m_2, 0) or (mu_0, mu_1, mu_2, zeta) (one vector of four)."""
 
     P_LOCAL = 5
 
@@ -964,7 +1099,7 @@ class FineGrid(HeadSums):
         if nf < p + 1:
             raise ValueError(f"FineGrid: nf = {nf} points per axis, the stencil needs {p + 1}")
         self.table, self.nf, self.d, self.signed = table, nf, table.d, table.signed
-        self.width = 4 if table.signed else 2        # values per node (the compiled layouts)
+        self.width = 4 if table.signed or table.d == 3 else 2   # values per node (the compiled layouts)
         self.h = (table.hi - table.lo) / (nf - 1)
         # S_a (nf x n): the Chebyshev interpolant's values at the uniform points of axis a
         self.sample = [sampling_matrix(lo, hi, table.n, nf) for lo, hi in zip(table.lo, table.hi)]
@@ -981,29 +1116,36 @@ class FineGrid(HeadSums):
         return self.flat.nbytes
 
     def _sampled(self) -> np.ndarray:
-        """The values on the fine grid, (nf * nf, width): this rank's rows, then all."""
-        nf, comm = self.nf, self.table.comm
+        """The values on the fine grid, (nf^d, width): this rank's rows, then all."""
+        nf, n, comm, S = self.nf, self.table.n, self.table.comm, self.sample
         rows = share(nf, comm)
-        values = np.matmul(np.matmul(self.sample[0][rows], self.table.values), self.sample[1].T)
-        values = allgather_shares(comm, np.ascontiguousarray(values.transpose(1, 2, 0)), nf)
-        values = values.reshape(nf * nf, -1)
+        V = self.table.values
+        if self.d == 2:
+            values = np.matmul(np.matmul(S[0][rows], V), S[1].T)          # (nc, rows, nf)
+        else:
+            values = np.matmul(S[0][rows], V.reshape(len(V), n, n * n)).reshape(len(V), -1, n, n)
+            values = np.matmul(S[1], np.matmul(values, S[2].T))            # (nc, rows, nf, nf)
+        values = np.moveaxis(values, 0, -1)
+        values = allgather_shares(comm, np.ascontiguousarray(values), nf)
+        values = values.reshape(nf ** self.d, -1)
         if values.shape[1] == self.width:
             return values
-        flat = np.zeros((nf * nf, self.width))
+        flat = np.zeros((nf ** self.d, self.width))
         flat[:, :values.shape[1]] = values
         return flat
 
     def _locate(self, b: np.ndarray):
-        """Stencil start, local Lagrange weights and their t-derivatives per axis:
-        L_a = prod_{c != a} (t - c) / den_a through prefix and suffix products, and L_a'
-        by the product rule on both (products only, so exact on the nodes too; the
-        compiled loop does the same)."""
-        p, nf = self.P_LOCAL, self.nf
+        """Flat indices of the stencils' nodes (P, p+1, ..., p+1), local Lagrange weights and
+        their t-derivatives per axis: L_a = prod_{c != a} (t - c) / den_a through prefix
+        and suffix products, and L_a' by the product rule on both (products only, so exact
+        on the nodes too; the compiled loop does the same)."""
+        p, nf, d = self.P_LOCAL, self.nf, self.d
         t = (b - self.table.lo) / self.h                     # grid coordinates
         start = np.clip(np.floor(t).astype(int) - (p - 1) // 2, 0, nf - 1 - p)
         L, dL = [], []
         c = np.arange(p + 1)
-        for a in range(2):
+        idx = np.zeros((len(b),) + (1,) * d, dtype=np.int64)
+        for a in range(d):
             x = (t[:, a] - start[:, a])[:, None] - c          # (P, p+1): t - c
             pre, dpre = np.ones_like(x), np.zeros_like(x)     # prod_{c < k}, its derivative
             suf, dsuf = np.ones_like(x), np.zeros_like(x)     # prod_{c > k}
@@ -1015,36 +1157,48 @@ class FineGrid(HeadSums):
                 dsuf[:, j] = dsuf[:, j + 1] * x[:, j + 1] + suf[:, j + 1]
             L.append(pre * suf / self._den)
             dL.append((dpre * suf + pre * dsuf) / self._den)
-        idx = ((start[:, 0][:, None, None] + c[None, :, None]) * nf
-               + start[:, 1][:, None, None] + c[None, None, :])
+            shape = (len(b),) + (1,) * a + (p + 1,) + (1,) * (d - 1 - a)
+            idx = idx * nf + (start[:, a][:, None] + c).reshape(shape)
         return idx, L, dL
 
     def interpolate(self, b: np.ndarray, jacobian: bool = False):
         """As LaplaceTable.interpolate, for this two-level interpolant (numpy)."""
-        nc, P = self.table.ncomp, b.shape[0]
+        nc, P, d = self.table.ncomp, b.shape[0], self.d
         c = np.empty((P, nc))
-        Jc = np.empty((P, nc, 2)) if jacobian else None
+        Jc = np.empty((P, nc, d)) if jacobian else None
         for blk in self.table._blocks(P):
             idx, L, dL = self._locate(b[blk])
-            g = self.flat[idx][..., :nc]                      # (P, p+1, p+1, nc)
-            g2 = np.einsum("pack,pc->pak", g, L[1])
-            c[blk] = np.einsum("pak,pa->pk", g2, L[0])
+            g = self.flat[idx][..., :nc]                      # (P, p+1, .., p+1, nc)
+            if d == 2:
+                g2 = np.einsum("pack,pc->pak", g, L[1])
+                c[blk] = np.einsum("pak,pa->pk", g2, L[0])
+                if jacobian:
+                    Jc[blk, :, 0] = np.einsum("pak,pa->pk", g2, dL[0]) / self.h[0]
+                    Jc[blk, :, 1] = np.einsum("pack,pc,pa->pk", g, dL[1], L[0]) / self.h[1]
+                continue
+            g2 = np.einsum("pabck,pc->pabk", g, L[2])
+            g1 = np.einsum("pabk,pb->pak", g2, L[1])
+            c[blk] = np.einsum("pak,pa->pk", g1, L[0])
             if jacobian:
-                Jc[blk, :, 0] = np.einsum("pak,pa->pk", g2, dL[0]) / self.h[0]
-                Jc[blk, :, 1] = np.einsum("pack,pc,pa->pk", g, dL[1], L[0]) / self.h[1]
+                Jc[blk, :, 0] = np.einsum("pak,pa->pk", g1, dL[0]) / self.h[0]
+                Jc[blk, :, 1] = np.einsum("pabk,pb,pa->pk", g2, dL[1], L[0]) / self.h[1]
+                Jc[blk, :, 2] = np.einsum("pabck,pc,pb,pa->pk", g, dL[2], L[1], L[0]) / self.h[2]
         return c if not jacobian else (c, Jc)
 
     def transpose(self, b: np.ndarray, cbar: np.ndarray) -> np.ndarray:
         """As LaplaceTable.transpose: scatter-add onto the fine grid, then the transposed
         sampling."""
-        nf = self.nf
-        acc = np.zeros((self.width, nf * nf))
+        size = self.nf ** self.d
+        acc = np.zeros((self.width, size))
         for blk in self.table._blocks(b.shape[0]):
             idx, L, _ = self._locate(b[blk])
-            w = (L[0][:, :, None] * L[1][:, None, :]).reshape(len(idx), -1)
+            w = L[0]
+            for La in L[1:]:
+                w = (w[..., None] * La.reshape((len(La),) + (1,) * (w.ndim - 1) + (-1,)))
+            w = w.reshape(len(idx), -1)
             for k in range(self.table.ncomp):
                 acc[k] += np.bincount(idx.reshape(len(idx), -1).ravel(),
-                                      (w * cbar[blk, k:k + 1]).ravel(), minlength=nf * nf)
+                                      (w * cbar[blk, k:k + 1]).ravel(), minlength=size)
         return self._table_cotangent(acc)
 
     def velocity(self, x, A, V):
@@ -1052,10 +1206,11 @@ class FineGrid(HeadSums):
         if lib is None:
             return super().velocity(x, A, V)
         if not self.signed:
-            return fine_velocity(lib, self.flat, self.nf, self.table.lo, self.h, self.P_LOCAL, x, A, V)
+            return fine_velocity(lib, self.flat, self.nf, self.table.lo, self.h, self.P_LOCAL, x, A, V,
+                                 signed=False)
         self.conditioning = np.zeros(2)
         v, self.skipped = fine_velocity(lib, self.flat, self.nf, self.table.lo, self.h, self.P_LOCAL,
-                                        x, A, V, self.conditioning, ZETA_MIN)
+                                        x, A, V, self.conditioning, ZETA_MIN, signed=True)
         return v
 
     def velocity_vjp(self, x, A, V, g, positions: bool = False):
@@ -1063,19 +1218,24 @@ class FineGrid(HeadSums):
         if lib is None:
             return super().velocity_vjp(x, A, V, g, positions)
         acc, dA, dV, xbar = fine_velocity_vjp(lib, self.flat, self.nf, self.table.lo, self.h,
-                                              self.P_LOCAL, x, A, V, g, positions, ZETA_MIN)
+                                              self.P_LOCAL, x, A, V, g, positions, ZETA_MIN, self.signed)
         return self._table_cotangent(acc), dA, dV, xbar
 
     def _table_cotangent(self, acc: np.ndarray) -> np.ndarray:
-        """Fine-grid cotangents (width, nf*nf) of this rank's targets to table cotangents
-        (ncomp, n, n), summed over ranks: the fine-grid sums are reduced onto each rank's
-        share of rows (Reduce_scatter), which it samples back (S_0^T X S_1), then one
-        Allreduce of the tables."""
-        nf, nc, comm = self.nf, self.table.ncomp, self.table.comm
-        X = reduce_shares(comm, acc[:nc].reshape(nc, nf, nf).transpose(1, 0, 2))  # (rows, nc, nf)
-        X = np.ascontiguousarray(X.transpose(1, 0, 2))                             # (nc, rows, nf)
+        """Fine-grid cotangents (width, nf^d) of this rank's targets to table cotangents
+        (ncomp, n, ..), summed over ranks: the fine-grid sums are reduced onto each rank's
+        share of rows (Reduce_scatter), which it samples back (S_0^T X S_1, and S_2 in
+        3-D), then one Allreduce of the tables."""
+        nf, nc, comm, S, d = self.nf, self.table.ncomp, self.table.comm, self.sample, self.d
+        X = reduce_shares(comm, np.moveaxis(acc[:nc].reshape((nc,) + (nf,) * d), 0, 1))  # (rows, nc, ..)
+        X = np.ascontiguousarray(np.moveaxis(X, 1, 0))                             # (nc, rows, ..)
         S0 = self.sample[0][share(nf, comm)]
-        local = np.matmul(np.matmul(S0.T, X), self.sample[1])
+        if d == 2:
+            local = np.matmul(np.matmul(S0.T, X), S[1])
+        else:
+            n = self.table.n
+            Y = np.matmul(S[1].T, np.matmul(X, S[2]))                            # (nc, rows, n, n)
+            local = np.matmul(S0.T, Y.reshape(nc, len(S0), n * n)).reshape(nc, n, n, n)
         comm.Allreduce(MPI.IN_PLACE, local, op=MPI.SUM)
         return local
 
@@ -1157,42 +1317,55 @@ def assess(table: "LaplaceTable", fine: FineGrid | None = None, check: np.ndarra
                       list(buf[end:]))
 
 
-def fine_from(lib, costs) -> int:
+FINE3_POINT = 6.0     # a 3-D fine-grid point (6^3 nodes of 4 values) against a 2-D one (6^2
+FINE3_COMPILED = 6.0  # of 2), numpy and compiled: measured (benchmarks/velocity.py --dim 3)
+
+
+def fine_from(lib, costs, d: int = 2) -> int:
     """Table size from which the two-level interpolation is faster: every size with the
     compiled loop ``lib``; with numpy, the first where barycentric interpolation from
-    the table (4 n^2 flops per point and head, two components) costs more than a point
+    the table (2 d n^d flops per point and head, d components) costs more than a point
     of the fine grid's."""
     if lib is not None:
         return N_MIN
-    return next((n for n in SIZES if 4.0 * n * n * costs.flop > costs.numpy_point), SIZES[-1])
+    point = costs.numpy_point * (FINE3_POINT if d == 3 else 1.0)
+    return next((n for n in SIZES if 2.0 * d * n**d * costs.flop > point), SIZES[-1])
 
 
 FINE_MAX = 8       # the fine grid has at most FINE_MAX n points per axis
+FINE3_BYTES = 2**27   # and in 3-D at most 128 MiB of values (nf <= 161)
+
+
+def fine_limit(table: "LaplaceTable") -> int:
+    """The most points per axis of a fine grid for this table."""
+    if table.d < 3:
+        return FINE_MAX * table.n
+    return min(FINE_MAX * table.n, int((FINE3_BYTES / 32) ** (1 / 3)))
 
 
 def fine_grid(table: "LaplaceTable", tol: float, nf: int | None = None, lib=EVERY_RANK,
               check: np.ndarray | None = None):
     """A FineGrid whose local error is below tol/2 (its sampled estimate below tol/4), or
     None when interpolating directly from the table is the better choice (or nothing up
-    to FINE_MAX n meets it). The size: the error of local degree-p interpolation falls
+    to :func:`fine_limit` meets it). The size: the error of local degree-p interpolation falls
     like h^(p+1), so from the error e_1 of the grid with n points per axis the grid with
     n (4 e_1 / tol)^(1/(p+1)) points should meet tol/4 (measured e_1/e_2 = 55-66 against
     64 for p = 5); it is built with 10% to spare, checked, and enlarged by 1.25 while it
     misses. With ``nf``: that grid, unchecked. ``check``: this rank's check points
     (default :func:`own_samples`)."""
-    if table.d != 2:
+    if table.d == 1:
         return None
     if lib is EVERY_RANK:
         lib = kernels_on(table.comm)                 # one collective call for all candidates
     if nf is not None:
         return FineGrid(table, nf, lib)
-    if table.n < fine_from(lib, machine_costs(table.comm)):
+    if table.n < fine_from(lib, machine_costs(table.comm), table.d):
         return None
     # the local error is to stay below tol/2; its sampled estimate saw 0.4-0.8 of the
     # largest error over all b of the benchmark's targets, so the samples must show tol/4
     goal = tol / 4
     size = table.n
-    while size <= FINE_MAX * table.n:
+    while size <= fine_limit(table):
         fg = FineGrid(table, int(np.ceil(size)), lib)
         err = fg.error(check)
         if err <= goal:
@@ -1253,6 +1426,14 @@ def subsample(points: np.ndarray, fraction: float, scale: float) -> np.ndarray:
     return h < np.uint64(int(fraction * 2.0 ** 64))
 
 
+def largest_size(d: int, forced: bool = False) -> int:
+    """The largest table size worth a try in d dimensions (``forced``: backend "laplace",
+    which would rather build a big table than stop)."""
+    if d == 3:
+        return N3_MAX_FORCED if forced else N3_MAX
+    return N_MAX_FORCED if forced else N_MAX
+
+
 def size_index(want: float, sizes: tuple, start: int = 0) -> int:
     """The first index from ``start`` whose size reaches ``want`` (the last if none)."""
     return next((j for j in range(start, len(sizes)) if sizes[j] >= want), len(sizes) - 1)
@@ -1265,7 +1446,8 @@ def choose_table(points, weights, b_lo, b_hi, comm, tol: float, n_max: int = N_M
     estimate); ``table.assessment`` holds the errors per group. Sizes come from SIZES (up
     to n_max). Without ``start`` (an index into the sizes) the size is searched on trial
     tables of a subsample of the sources (about SUBSAMPLE of them; all when there are
-    fewer), starting at 33 and jumping to PREDICTION_MARGIN times the size where the
+    fewer), starting at 33 (3-D: 25, sizes from SIZES3) and jumping to PREDICTION_MARGIN
+    times (3-D: once, where a step costs n^3) the size where the
     fitted coefficient decay predicts tol (TRIAL_BUILDS trial tables; the last prediction
     is taken without building); the table of all sources is then built at that size, and
     larger ones only while its own estimate misses tol. The search depends on the
@@ -1273,11 +1455,12 @@ def choose_table(points, weights, b_lo, b_hi, comm, tol: float, n_max: int = N_M
     ranks. If no size meets tol, the largest is returned with its estimate (the caller
     decides)."""
     lo, hi = grid_box(np.asarray(b_lo, float), np.asarray(b_hi, float))
-    sizes = [n for n in SIZES if n <= n_max] or [N_MIN]
+    d = points.shape[1]
+    sizes = [n for n in table_sizes(d) if n <= n_max] or [N_MIN]
     if signed is None:
         signed = any_negative(weights, comm)
     if lib is EVERY_RANK:
-        lib = kernels_on(comm) if points.shape[1] == 2 else None
+        lib = kernels_on(comm) if points.shape[1] > 1 else None
     eps = layout.eps if layout is not None else panel_eps(tol)
 
     def search(pts, w, i, lay, builds=None):
@@ -1292,14 +1475,15 @@ def choose_table(points, weights, b_lo, b_hi, comm, tol: float, n_max: int = N_M
             if est <= tol or i + 1 == len(sizes):
                 return i, table, est
             # extrapolated from the coarse first table the prediction falls short
-            margin = PREDICTION_MARGIN if i == first and start is None else 1.0
+            margin = PREDICTION_MARGIN if i == first and start is None and d < 3 else 1.0
             i = size_index(margin * table.assessment.predicted(tol), sizes, i + 1)
             if builds is not None:
                 builds -= 1
                 if builds == 0:
                     return i, None, None
 
-    i = start if start is not None else (sizes.index(33) if 33 in sizes else 0)
+    opening = 25 if d == 3 else 33
+    i = start if start is not None else (sizes.index(opening) if opening in sizes else 0)
     i = min(i, len(sizes) - 1)
     total = comm.allreduce(len(points), op=MPI.SUM)
     if start is None and total > 2 * SUBSAMPLE:
@@ -1549,7 +1733,7 @@ class TablePlanner:
     def replay(self, points, weights, plan: TablePlan):
         """The table and interpolant of ``plan`` for these sources (the adjoint's)."""
         lo, hi = np.array(plan.lo), np.array(plan.hi)
-        lib = self.lib() if points.shape[1] == 2 else None
+        lib = self.lib() if points.shape[1] > 1 else None
         table = LaplaceTable(points, weights, lo, hi, plan.n, self.comm, plan.signed,
                              self.layout(points, lo, hi, plan.eps), lib)
         return table, (table if plan.nf is None else FineGrid(table, plan.nf, lib))
@@ -1692,9 +1876,10 @@ class TablePlanner:
         SHRINK_STEPS smaller if the decay says that would do."""
         used = TablePlan(tuple(table.lo), tuple(table.hi), table.n,
                          None if interp is table else interp.nf, table.signed, table.layout.eps)
-        j = size_index(PREDICTION_MARGIN * a.predicted(target), SIZES)
-        shrink = table.n in SIZES and SIZES.index(table.n) - j >= SHRINK_STEPS
-        self.plans[key] = TablePlan(used.lo, used.hi, SIZES[j], used.nf, used.signed, used.eps) \
+        sizes = table_sizes(table.d)
+        j = size_index(PREDICTION_MARGIN * a.predicted(target), sizes)
+        shrink = table.n in sizes and sizes.index(table.n) - j >= SHRINK_STEPS
+        self.plans[key] = TablePlan(used.lo, used.hi, sizes[j], used.nf, used.signed, used.eps) \
             if shrink else used
         return used
 
@@ -1715,7 +1900,7 @@ class TablePlanner:
         lo, hi = grid_box(lo_b, hi_b)
         target = self.targets.get(key, self.tol / SIGNED_MARGIN if signed else self.tol)
         plan = self.reusable(key, lo_b, hi_b, signed, n_max)
-        lib = self.lib() if points.shape[1] == 2 else None
+        lib = self.lib() if points.shape[1] > 1 else None
         if plan is not None:
             table, interp, a = self._reuse(points, weights, plan, target, n_max, lib, check)
         else:
@@ -1748,7 +1933,7 @@ class TablePlanner:
                                       check[:(len(check) + 3) // 4])
         if a.estimate > target:
             self.stats["rebuilt"] += 1
-            sizes = [n for n in SIZES if n <= n_max]
+            sizes = [n for n in table_sizes(table.d) if n <= n_max]
             i = size_index(a.predicted(target), sizes, sizes.index(plan.n) + 1 if plan.n in sizes else 0)
             table, _ = choose_table(points, weights, table.lo, table.hi, self.comm, target,
                                     n_max, plan.signed, table.layout, lib, start=i)
@@ -1836,15 +2021,19 @@ def laplace_seconds(costs, n: int, d: int, sources: int, points: int, compiled: 
     """Cost of an order-1 table (1 + d sums over the sources: directly, or through
     ``panel_nodes`` K_a per axis, whichever is less) and of interpolating it at
     ``points`` (targets x heads): in 1-D barycentric (2 n d flops per point), in 2-D the
-    fine grid, compiled or numpy (for the auto backend)."""
+    fine grid, compiled or numpy, in 3-D the fine grid or barycentric from the table
+    (2 d n^3 flops), whichever is less (for the auto backend)."""
     table = dense_seconds(costs, n, d, 1 + d, sources)
-    if panel_nodes is not None:
+    if panel_nodes is not None and (d < 3 or (1 + d) * np.prod(panel_nodes, dtype=float) * 8 <= PANEL3_BYTES):
         blocks = int(np.prod([max(1, k // panel_degree()) for k in panel_nodes]))
         table = min(table, panel_seconds(costs, n, d, 1 + d, sources, panel_nodes, blocks, compiled))
     if d == 1:
         per_point = 2.0 * n * d * costs.flop
-    else:
+    elif d == 2:
         per_point = costs.fine_point if compiled else costs.numpy_point
+    else:      # the fine grid or the table itself, whichever fine_grid would pick
+        fine = (costs.fine_point * FINE3_COMPILED) if compiled else costs.numpy_point * FINE3_POINT
+        per_point = min(fine, 2.0 * d * n**d * costs.flop)
     return table + points * per_point
 
 

@@ -13,7 +13,7 @@ Lagrange velocity space. Two ways to sum (``[attention] backend``):
   each rank's own sources and all-reduced, then interpolated for every head and target
   (pdeformer.attention.laplace); accurate to ``tol``.
 * ``auto``: laplace where its error estimate meets ``tol`` and it is cheaper than direct,
-  direct otherwise (sharp attention, d = 3). Every choice is counted in :attr:`stats`;
+  direct otherwise (sharp attention). Every choice is counted in :attr:`stats`;
   ``stats["largest_estimate"]`` is the largest bound on a table velocity's error relative
   to its largest value (:func:`pdeformer.attention.laplace.velocity_bound`), over all evaluations.
 
@@ -32,8 +32,9 @@ from ..attention.softmax import (Sources, VelocityCotangent, attention_velocity,
                         partial_sums)
 from ..tools.errors import ConfigError, SolverBreakdown
 from .heads import HeadMeasure
-from ..attention.laplace import (N_MAX, N_MAX_FORCED, SIZES, LaplaceTable, TablePlan, TablePlanner,
-                      direct_seconds, exact_pair_vjp, laplace_seconds, panel_nodes, source_extent)
+from ..attention.laplace import (LaplaceTable, TablePlan, TablePlanner, direct_seconds,
+                                exact_pair_vjp, laplace_seconds, largest_size, panel_nodes,
+                                source_extent, table_sizes)
 from ..attention.costs import machine_costs
 from ..tools.parallel import allgather_rows, any_rank
 from .sphere import on_sphere, tangential
@@ -79,22 +80,20 @@ class DirectBackend:
 
 @register_backend
 class LaplaceBackend:
-    """A log-Laplace table for every evaluation (d <= 2), up to N_MAX_FORCED points per
-    axis; where none meets tol, or none can be built, the run stops (a breakdown)."""
+    """A log-Laplace table for every evaluation, up to largest_size(d, forced=True) points
+    per axis; where none meets tol, or none can be built, the run stops (a breakdown)."""
 
     name = "laplace"
 
     def check(self, dim: int) -> None:
-        if dim > 2:
-            raise ConfigError("attention.backend", f"'laplace' is implemented for d = 1 and 2, "
+        if dim > 3:
+            raise ConfigError("attention.backend", f"'laplace' is implemented for d = 1, 2 and 3, "
                               f"these tokens have d = {dim}: use 'auto' or 'direct'")
 
     def n_max(self, field, points, A, x, key) -> int | None:
-        return N_MAX_FORCED
+        return largest_size(points.shape[1], forced=True)
 
     def table_velocity(self, field, points, weights, x, A, V, key, signed):
-        if points.shape[1] > 2:
-            raise ValueError("backend 'laplace' is implemented for d = 1 and 2")
         try:
             n_max = self.n_max(field, points, A, x, key)
             found = None if n_max is None else \
@@ -109,7 +108,8 @@ class LaplaceBackend:
     def out_of_reach(self, field):
         est = field.planner.last_estimate
         raise SolverBreakdown(f"attention backend 'laplace' cannot reach tol = {field.tol:g} "
-                              f"(estimate {est:.2g} with grids up to {N_MAX_FORCED}); use "
+                              f"(estimate {est:.2g} with grids up to "
+                              f"{largest_size(field.heads.dim, forced=True)}); use "
                               "'auto' or 'direct', or raise attention.tol")
 
 
@@ -117,7 +117,7 @@ class LaplaceBackend:
 class AutoBackend(LaplaceBackend):
     """The table where its error estimate meets tol and its flop count is below direct
     summation's (the largest size worth building, kept per key); direct summation
-    otherwise, and always for d > 2."""
+    otherwise (and always for d > 3)."""
 
     name = "auto"
 
@@ -127,10 +127,24 @@ class AutoBackend(LaplaceBackend):
     def n_max(self, field, points, A, x, key) -> int | None:
         return field.worthwhile_size(points, A, x, key)
 
+    MAX_SKIP = 16   # evaluations of a key summed directly, at most, before a table is tried again
+
     def table_velocity(self, field, points, weights, x, A, V, key, signed):
-        if points.shape[1] > 2:
+        """After a key's table missed tol (or could not be built) the next 1, 3, 7, ...
+        (up to MAX_SKIP) evaluations of that key go straight to direct summation: a failed
+        search costs about as much as the direct sum it falls back to (in 3-D more)."""
+        if points.shape[1] > 3:
             return None
-        return super().table_velocity(field, points, weights, x, A, V, key, signed)
+        skip, streak = field.misses.get(key, (0, 0))
+        if skip > 0:
+            field.misses[key] = (skip - 1, streak)
+            return None
+        found = super().table_velocity(field, points, weights, x, A, V, key, signed)
+        if found is None:
+            field.misses[key] = (min(2 ** (streak + 1) - 1, self.MAX_SKIP), streak + 1)
+        else:
+            field.misses.pop(key, None)
+        return found
 
     def cannot_build(self, error):
         return None
@@ -161,6 +175,7 @@ class AttentionVelocity:
         self.planner = TablePlanner(comm, self.tol)
         self._gathered = None  # (points object, all points, slice of this rank)
         self._limits = {}      # key -> (A, points, targets, n_max): the auto cost model
+        self.misses = {}       # key -> (evaluations still to sum directly, misses in a row): auto
         self.last_sum = None    # how the last velocity was summed: None (direct) or a TableSum
         self.last_radial = None  # on the sphere: <w, u> of the last unprojected velocity w
         self.last_finite = None  # whether it is finite on every rank, where already agreed
@@ -225,7 +240,7 @@ class AttentionVelocity:
         nodes = [panel_nodes(max(abs(lo[a]), abs(hi[a])), extent[a]) for a in range(d)] if finite else None
         costs = machine_costs(self.comm)
         direct = direct_seconds(costs, N, H, M)
-        cheaper = [n for n in SIZES if n <= N_MAX
+        cheaper = [n for n in table_sizes(d) if n <= largest_size(d)
                    and laplace_seconds(costs, n, d, M, N * H, compiled, nodes) < direct]
         n_max = cheaper[-1] if cheaper else None
         self._limits[key] = (A.copy(), points, x, n_max)
@@ -245,6 +260,7 @@ class AttentionVelocity:
     def refreeze(self) -> None:
         """Forget frozen plans and the planner's history: the next evaluations plan anew."""
         self.frozen.clear()
+        self.misses.clear()
         self.planner.reset()
 
     # ------------------------------------------------------------------ velocity

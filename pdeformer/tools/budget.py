@@ -10,7 +10,9 @@ Per rank, in bytes (the constants are peak resident sizes of ``pdeformer forward
                                            for DG-1..3 on triangles and tetrahedra)
     + PER_CELL_EVERYWHERE * cells          attention sources and mesh construction, which
                                            every rank holds for the whole mesh
-    + LAPLACE_TABLES                       (laplace/auto in 1-D and 2-D)
+    + LAPLACE_TABLES                       (laplace/auto in 1-D and 2-D; in 3-D
+                                           LAPLACE_TABLES_3D: the fine grid's and the panel
+                                           sums' caps, FINE3_BYTES + 2 PANEL3_BYTES)
     + tape                                 (gradient, train: the stage densities of every
                                            step of a prompt, and tables up to tape_mb)
     + PER_TOKEN * d * tokens               (particles: every rank draws all N tokens; 650 B
@@ -36,6 +38,7 @@ BASE = 160 * MB
 PER_COEFFICIENT = 800
 PER_CELL_EVERYWHERE = 200
 LAPLACE_TABLES = 64 * MB
+LAPLACE_TABLES_3D = 384 * MB   # pdeformer.attention.laplace: FINE3_BYTES + 2 PANEL3_BYTES
 PER_TOKEN = 400            # per token and dimension
 MIN_STEPS_PER_LAYER = 4
 
@@ -105,8 +108,8 @@ def estimate(cfg: dict, command: str, group_size: int, differentiable: bool = Fa
     coeffs = cells * dofs_per_cell(cell, disc["degree"], tdim)
     parts = {"base": BASE,
              "mesh": PER_COEFFICIENT * coeffs / group_size + PER_CELL_EVERYWHERE * cells}
-    if cfg["attention"]["backend"] in ("laplace", "auto") and d <= 2:
-        parts["laplace_tables"] = LAPLACE_TABLES
+    if cfg["attention"]["backend"] in ("laplace", "auto"):
+        parts["laplace_tables"] = LAPLACE_TABLES if d <= 2 else LAPLACE_TABLES_3D
     L, H = model["layers"], model["heads"]
     k = model["key_dim"] or d
     if L is not None and H is not None:

@@ -105,6 +105,9 @@ INLINE double maxd(double a, double b) { return b > a ? b : a; }   /* a NaN b is
 #include "fine_loops.h"
 #undef NC
 
+/* the fine-grid loops of d = 3 (four values per node) */
+#include "fine3_loops.h"
+
 /* ---------------------------------------------------------------- panel sums (d = 2)
    Sources y_j on panels: axis a of the tile is cut at edges_a[0..P_a] into P_a panels
    of q Chebyshev-Lobatto nodes (standard nodes std, barycentric weights lam on [-1, 1]).
