@@ -349,8 +349,8 @@ def dense_seconds(costs, n: int, d: int, ncols: int, sources: int) -> float:
     """A table's ncols sums over the sources directly: the products (table_flops) and
     the work per grid node and source besides them (the per-axis factors' exponentials,
     in 2-D the factor times each column; in 3-D per n^2 nodes: E_0 (x) E_1 times each
-    column)."""
-    return table_flops(n, d, ncols, sources, None) * costs.flop + n ** (d - 1) * sources * costs.dense_node
+    column; n per source in 1-D and 2-D, n^2 in 3-D)."""
+    return table_flops(n, d, ncols, sources, None) * costs.flop + n ** max(1, d - 1) * sources * costs.dense_node
 
 
 SPREAD3_SLOWDOWN = 2.5   # the 3-D spread's small products run this far below costs.flop, and
