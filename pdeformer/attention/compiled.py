@@ -251,7 +251,9 @@ def fine_velocity(lib, flat, nf: int, lo, h, p: int, x, A, V, stats=None, zmin: 
     flat, lo, h, x, A, V = map(_c, (flat, lo, h, x, A, V))
     out = np.zeros_like(x)
     three = x.shape[1] == 3
-    signed = (flat.shape[1] == 4 and not three) if signed is None else signed
+    if three and (flat.shape[1] != 4 or signed is None):
+        raise ValueError("fine_velocity in 3-D: flat needs four values per node and signed given")
+    signed = flat.shape[1] == 4 if signed is None else signed
     if three:
         call = lib.fine3_velocity
         args = (_ptr(flat), nf, nf, nf, _ptr(lo), _ptr(h), _ptr(x), len(x), _ptr(A), _ptr(V), len(A),
@@ -284,6 +286,8 @@ def fine_velocity_vjp(lib, flat, nf: int, lo, h, p: int, x, A, V, g, positions: 
     dA, dV = np.zeros_like(A), np.zeros_like(V)
     xbar = np.zeros_like(x) if positions else None
     if x.shape[1] == 3:
+        if flat.shape[1] != 4 or signed is None:
+            raise ValueError("fine_velocity_vjp in 3-D: flat needs four values per node and signed given")
         lib.fine3_velocity_vjp(_ptr(flat), nf, nf, nf, _ptr(lo), _ptr(h), _ptr(x), len(x), _ptr(A),
                                _ptr(V), len(A), int(bool(signed)), _ptr(g), _ptr(mbar), _ptr(dA),
                                _ptr(dV), _ptr(xbar) if positions else None, zmin)

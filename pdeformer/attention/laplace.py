@@ -80,6 +80,7 @@ ZETA_MIN = 0.5          # signed weights: pairs (head, target) with |zeta| < ZET
                         # exactly (m = mu / zeta would amplify the table's error by 1/|zeta|)
 UNDERFLOW_GAP = 600.0   # keep every shifted exponent above e^-600 (float64 ~ e^-708)
 MAX_TILES = 4096
+TILE_SUMS3_BYTES = 2**27   # 3-D: the per-tile sums (tiles x ncols x n^3 doubles) at most 128 MiB
 EVERY_RANK = "every rank"   # lib argument: the compiled loops where every rank has them
 
 
@@ -601,6 +602,10 @@ class LaplaceTable(HeadSums):
         self.ncomp = self.d + 1 if self.signed else self.d           # [m] or [mu, zeta]
         self.layout = layout if layout is not None else SourceLayout(points, self.lo, self.hi, comm, eps)
         self.weights = weights
+        tiles = len(self.layout.tiles)
+        if self.d == 3 and tiles * self.ncols * n**3 * 8 > TILE_SUMS3_BYTES:   # the same on every rank
+            raise FloatingPointError(f"attention too sharp for a 3-D laplace table ({tiles} tiles of "
+                                     f"{n}^3 nodes)")
         # the compiled panel loops (d = 2), if every rank has them (a collective call unless given)
         if self.d != 2 or self.layout.q > PANEL_QMAX:
             self.lib = None
@@ -883,9 +888,12 @@ class LaplaceTable(HeadSums):
     # ------------------------------------------------------------------ evaluation
     CHUNK = 2048  # points per block: the (chunk x n) weights stay in cache
 
-    def _blocks(self, P: int):
-        for i0 in range(0, P, self.CHUNK):
-            yield slice(i0, min(P, i0 + self.CHUNK))
+    def _blocks(self, P: int, per_point: int = 0):
+        """Slices of CHUNK points; fewer where each point takes ``per_point`` doubles of
+        work arrays (3-D: tables x n^2), so that those stay near 16 MB."""
+        chunk = self.CHUNK if per_point == 0 else max(16, min(self.CHUNK, 2**21 // per_point))
+        for i0 in range(0, P, chunk):
+            yield slice(i0, min(P, i0 + chunk))
 
     def _weights(self, b: np.ndarray) -> list:
         return [barycentric_weights(b[:, a], nodes, lam) for a, (nodes, lam) in enumerate(self.axes)]
@@ -895,7 +903,7 @@ class LaplaceTable(HeadSums):
         (P, count): W_1 T_k (W_2 row-wise), the tables read in place."""
         tables = np.asarray(tables)
         out = np.empty((b.shape[0], len(tables)))
-        for blk in self._blocks(b.shape[0]):
+        for blk in self._blocks(b.shape[0], len(tables) * self.n**2 if self.d == 3 else 0):
             W = self._weights(b[blk])
             if self.d == 1:
                 out[blk] = W[0] @ tables.T
@@ -928,7 +936,7 @@ class LaplaceTable(HeadSums):
     def transpose(self, b: np.ndarray, cbar: np.ndarray) -> np.ndarray:
         """sum_p cbar[p, k] W(b_p) (the transposed interpolation), summed over ranks."""
         local = np.zeros(self.values.shape)
-        for blk in self._blocks(b.shape[0]):
+        for blk in self._blocks(b.shape[0], self.n**2 if self.d == 3 else 0):
             W = self._weights(b[blk])
             if self.d == 3:                      # (W_1 (x) W_2 row-wise) once for all k
                 W12 = (W[1][:, :, None] * W[2][:, None, :]).reshape(len(W[1]), -1)
@@ -1329,7 +1337,8 @@ def fine_from(lib, costs, d: int = 2) -> int:
     if lib is not None:
         return N_MIN
     point = costs.numpy_point * (FINE3_POINT if d == 3 else 1.0)
-    return next((n for n in SIZES if 2.0 * d * n**d * costs.flop > point), SIZES[-1])
+    sizes = table_sizes(d)
+    return next((n for n in sizes if 2.0 * d * n**d * costs.flop > point), sizes[-1])
 
 
 FINE_MAX = 8       # the fine grid has at most FINE_MAX n points per axis
@@ -1877,7 +1886,7 @@ class TablePlanner:
         used = TablePlan(tuple(table.lo), tuple(table.hi), table.n,
                          None if interp is table else interp.nf, table.signed, table.layout.eps)
         sizes = table_sizes(table.d)
-        j = size_index(PREDICTION_MARGIN * a.predicted(target), sizes)
+        j = size_index((PREDICTION_MARGIN if table.d < 3 else 1.0) * a.predicted(target), sizes)
         shrink = table.n in sizes and sizes.index(table.n) - j >= SHRINK_STEPS
         self.plans[key] = TablePlan(used.lo, used.hi, sizes[j], used.nf, used.signed, used.eps) \
             if shrink else used

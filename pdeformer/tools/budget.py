@@ -11,8 +11,8 @@ Per rank, in bytes (the constants are peak resident sizes of ``pdeformer forward
     + PER_CELL_EVERYWHERE * cells          attention sources and mesh construction, which
                                            every rank holds for the whole mesh
     + LAPLACE_TABLES                       (laplace/auto in 1-D and 2-D; in 3-D
-                                           LAPLACE_TABLES_3D: the fine grid's and the panel
-                                           sums' caps, FINE3_BYTES + 2 PANEL3_BYTES)
+                                           LAPLACE_TABLES_3D: the caps of the fine grid, the
+                                           panel sums (twice: reordered) and the tiles' sums)
     + tape                                 (gradient, train: the stage densities of every
                                            step of a prompt, and tables up to tape_mb)
     + PER_TOKEN * d * tokens               (particles: every rank draws all N tokens; 650 B
@@ -38,7 +38,7 @@ BASE = 160 * MB
 PER_COEFFICIENT = 800
 PER_CELL_EVERYWHERE = 200
 LAPLACE_TABLES = 64 * MB
-LAPLACE_TABLES_3D = 384 * MB   # pdeformer.attention.laplace: FINE3_BYTES + 2 PANEL3_BYTES
+LAPLACE_TABLES_3D = 512 * MB   # pdeformer.attention.laplace: FINE3_BYTES + 2 PANEL3_BYTES + TILE_SUMS3_BYTES
 PER_TOKEN = 400            # per token and dimension
 MIN_STEPS_PER_LAYER = 4
 

@@ -225,7 +225,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
     },
     "attention": {
         "backend": Key(string(lambda: tuple(_backends())), "auto",
-                       "direct summation, a log-Laplace table (d <= 2), or auto"),
+                       "direct summation, a log-Laplace table (d <= 3), or auto"),
         "tol": Key(number(positive=True, lo=TOL_MIN, hi=1e-1, why=TOL_WHY), 1e-8,
                    "accuracy of the laplace table (relative to its values' size)"),
         "chunk_mb": Key(number(positive=True, hi=4096), 2.0, "working memory of one kernel chunk (MB)"),
