@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import ufl
@@ -33,7 +33,8 @@ from ..attention.costs import machine_costs
 from ..attention.softmax import value_gain
 from ..model.heads import HeadMeasure
 from ..fem.mesh import bounding_box, is_manifold, make_mesh, shortest_edge, sphere_radius, token_dim
-from ..tools.parallel import PromptGroups, Timer, any_rank, on_root
+from ..tools.datasets import teacher_given
+from ..tools.parallel import PromptGroups, Timer, any_rank, moment_sums, on_root
 from ..model.objectives import make_objective, make_target
 from ..model.prompts import make_prompt
 from ..integrator.schemes import SCHEMES, ssp_step
@@ -133,7 +134,43 @@ def build_problem(cfg: dict, comm, differentiable: bool = False,
     if spl is not None and spl % fpl:
         raise ConfigError("output.frames_per_layer",
                           f"{fpl} does not divide discretisation.steps_per_layer = {spl}")
-    return Problem(comm, cfg, mesh, heads, prompts, objective, targets, groups, options(cfg), radius)
+    problem = Problem(comm, cfg, mesh, heads, prompts, objective, targets, groups, options(cfg), radius)
+    if objective is not None and teacher_given(cfg["data"]):
+        problem.targets = teacher_targets(problem, teacher_heads(comm, opts, heads, d))
+    return problem
+
+
+def teacher_heads(comm, opts: Options, student: HeadMeasure, d: int) -> HeadMeasure:
+    """The data set's teacher: its heads file (``data.teacher``, any sizes) or random heads
+    of the student's sizes drawn as ``[model]`` draws them, with ``data.teacher_seed``."""
+    data, model = opts.data, opts.model
+    if data.teacher is not None:
+        return on_root(comm, HeadMeasure.load, data.teacher, d, key="data.teacher")
+    return HeadMeasure.random(student.layers, student.heads, student.key_dim, d, seed=data.teacher_seed,
+                              scale=model.init_scale, query_scale=model.query_scale, depth=model.depth)
+
+
+def teacher_targets(problem: Problem, teacher: HeadMeasure) -> list[dict]:
+    """Per prompt the target {"kind": "moments", "mean", "cov"} that the teacher's output
+    density rho_1 has: a forward run of the teacher (its own steps, as `pdeformer forward`
+    with the teacher's heads takes them), its moments by the quadrature the objective
+    uses. Every group runs its prompts; all ranks get all targets. A student with the
+    teacher's heads then has risk zero up to its own step plan's difference."""
+    from ..fem.transport import CellQuadrature
+    from ..model.objectives import default_quadrature_degree
+    solver = ForwardSolver(replace(problem, heads=teacher, objective=None, targets=None))
+    tr, groups = solver.transport, problem.groups
+    degree = problem.opts.objective.quadrature_degree or default_quadrature_degree(problem.objective.kind, tr.degree)
+    rule = CellQuadrature(tr.mesh, degree, tr.u)
+    local = {}
+    with groups.combined():
+        for s in groups.owned:
+            coeffs, _ = solver.solve_prompt(s)
+            tr.set_state(coeffs)
+            m0, m1, m2, _ = moment_sums(tr.comm, rule.measure * rule.values(), rule.points)
+            mean = m1 / m0
+            local[s] = (mean, m2 / m0 - np.outer(mean, mean))
+    return [{"kind": "moments", "mean": mean, "cov": cov} for mean, cov in groups.gather_prompts(local)]
 
 
 class FramePlan:

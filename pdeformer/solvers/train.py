@@ -124,7 +124,8 @@ def _file_digest(path: str | None) -> str | None:
 
 def fingerprint(opts) -> dict:
     """What a checkpoint must agree on to be continued (of :class:`Options`, or a checked
-    config): section -> canonical JSON."""
+    config): section -> canonical JSON (a drawn data set's prompts are in ``prompts``;
+    ``data`` adds its teacher, file and seed)."""
     opts = options(opts)
     mesh = dataclasses.asdict(opts.mesh)
     mesh["file_sha256"] = _file_digest(mesh["file"])
@@ -147,6 +148,10 @@ def fingerprint(opts) -> dict:
     parts = {"mesh": mesh, "model": model, "prompts": prompts,
              "discretisation": dataclasses.asdict(opts.discretisation), "objective": objective,
              "optimizer": opts.train.optimizer}
+    if opts.data.count:          # a drawn data set: its teacher too (absent otherwise: older
+        data = dataclasses.asdict(opts.data)                      # checkpoints still match)
+        data["teacher_sha256"] = _file_digest(data["teacher"])
+        parts["data"] = data
     return {k: json.dumps(v, sort_keys=True, default=str) for k, v in parts.items()}
 
 

@@ -24,6 +24,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .datasets import check_data, draw_prompts, teacher_given
 from .errors import ConfigError
 
 REQUIRED = object()
@@ -297,6 +298,24 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "quadrature_degree": Key(integer(1, 20), None,
                                  "quadrature of mesh densities (default: 2 * degree + 2)"),
     },
+    "data": {
+        "count": Key(integer(0, 10**6), 0, "draw this many prompts from a seeded family instead of "
+                     "[[prompts]] (pdeformer.tools.datasets)"),
+        "family": Key(string(("gaussian_mixture", "von_mises_fisher")), "gaussian_mixture",
+                      "gaussian_mixture (flat meshes) or von_mises_fisher (circle, sphere)"),
+        "components": Key(positive_int_list, [1, 3], "fewest and most mixture components, [min, max]"),
+        "mean_range": Key(number_list((2, 2)), [-1.0, 1.0],
+                          "gaussian_mixture: every coordinate of a mean uniform in [lo, hi]"),
+        "std_range": Key(number_list((2, 2)), [0.3, 0.6],
+                         "gaussian_mixture: each component's standard deviation uniform in [lo, hi]"),
+        "concentration_range": Key(number_list((2, 2)), [2.0, 10.0],
+                                   "von_mises_fisher: each concentration uniform in [lo, hi]"),
+        "seed": Key(integer(0, 2**63 - 1), 0, "seed of the data set"),
+        "teacher": Key(path, None, "targets from a teacher: its heads (.npz, as model.params); "
+                       "each prompt's target is the teacher's output for it"),
+        "teacher_seed": Key(integer(0, 2**63 - 1), None,
+                            "targets from a random teacher of the model's sizes drawn with this seed"),
+    },
     "parallel": {
         "prompt_groups": Key(integer(1, 10**6), 1,
                              "split the ranks into this many groups, each with its own mesh "
@@ -381,6 +400,7 @@ class Options:
     train: Any
     particles: Any
     ntk: Any
+    data: Any
     parallel: Any
     petsc: dict
     prompts: tuple
@@ -400,7 +420,7 @@ def options(cfg: dict) -> Options:
     return Options(**typed, petsc=dict(cfg["petsc"]), prompts=tuple(cfg["prompts"]))
 
 
-PATH_KEYS = (("mesh", "file"), ("model", "params"), ("output", "dir"))
+PATH_KEYS = (("mesh", "file"), ("model", "params"), ("output", "dir"), ("data", "teacher"))
 
 
 def _unknown(key: str, allowed) -> ConfigError:
@@ -481,10 +501,17 @@ def check_config(raw: dict, base_dir: str, stem: str = "run") -> dict:
             raise ConfigError(section, f"expected a table [{section}], got {_typename(table)}")
         cfg[section] = petsc_options(section, table) if section == "petsc" \
             else check_table(section, table, keys)
-    cfg["prompts"] = _check_prompts(raw.get("prompts", REQUIRED))
     _check_mesh(cfg["mesh"])
+    check_data(cfg["data"], cfg["mesh"])
+    if cfg["data"]["count"]:
+        if "prompts" in raw:
+            raise ConfigError("data.count", "give either [[prompts]] tables or a drawn data set "
+                              "([data] count), not both")
+        cfg["prompts"] = _check_prompts(draw_prompts(cfg["data"], cfg["mesh"]))
+    else:
+        cfg["prompts"] = _check_prompts(raw.get("prompts", REQUIRED))
     _check_model(cfg["model"])
-    _check_objective(cfg["objective"], cfg["prompts"], cfg["mesh"])
+    _check_objective(cfg["objective"], cfg["prompts"], cfg["mesh"], cfg["data"])
     _fill_discretisation(cfg["discretisation"])
     if cfg["output"]["dir"] is None:
         cfg["output"]["dir"] = os.path.join("output", stem)
@@ -596,7 +623,9 @@ def _objectives() -> dict:
     return OBJECTIVES
 
 
-def _check_objective(obj: dict, prompts: list, mesh: dict) -> None:
+def _check_objective(obj: dict, prompts: list, mesh: dict, data: dict | None = None) -> None:
+    """The objective's own options and the prompts' targets (a drawn data set's come from
+    its teacher, which gives moments)."""
     kind = obj["kind"]
     if kind is None:
         extra = [k for k in obj if obj[k] != SCHEMA["objective"][k].default and k != "kind"]
@@ -607,6 +636,14 @@ def _check_objective(obj: dict, prompts: list, mesh: dict) -> None:
     cls.check_config(obj, mesh)
     want = cls.targets
     if not want:
+        return
+    if data is not None and data["count"]:
+        if not teacher_given(data):
+            raise ConfigError("data.teacher", f"missing: objective.kind = {kind!r} needs targets, which "
+                              "a drawn data set takes from a teacher (data.teacher or data.teacher_seed)")
+        if "moments" not in want:
+            raise ConfigError("objective.kind", f"a teacher gives moment targets; objective.kind = "
+                              f"{kind!r} needs {' or '.join(repr(k) for k in want)} targets")
         return
     for i, p in enumerate(prompts):
         t = p["target"]
