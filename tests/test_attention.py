@@ -135,3 +135,25 @@ def test_attention_matrix_convention():
 def test_zero_weights_are_dropped():
     src = Sources.from_arrays(np.arange(6.0).reshape(3, 2), [1.0, 0.0, 2.0])
     assert len(src) == 2 and src.mass == 3.0
+
+
+def test_reverse_mode_where_signed_weights_make_the_partition_function_negative():
+    """Weights of either sign (DG without the limiter) can make Z_h(x) = sum_j w_j
+    e^{<b, y_j>} negative for some (head, target): the direct reverse mode then carries
+    the sign of Z (it took log Z and gave NaN for every source) and matches central
+    differences of the velocity, for weights and positions."""
+    from pdeformer.attention.softmax import attention_velocity_vjp
+    rng = np.random.default_rng(3)
+    y = rng.normal(size=(200, 2))
+    w = rng.uniform(0.5, 1.5, 200)
+    w[:20] *= -0.3
+    x, g = rng.normal(size=(30, 2)), rng.normal(size=(30, 2))
+    A, V = rng.normal(size=(2, 2, 2)), rng.normal(size=(2, 2, 2))
+    Z = np.exp(np.einsum("hij,nj->hni", A, x) @ y.T) @ w
+    assert Z.min() < 0 < Z.max()                      # the case: some Z negative
+    ct = attention_velocity_vjp(x, y, w, A, V, g, positions=True)
+    f = lambda w, y, x: np.sum(g * attention_velocity(x, Sources.from_arrays(y, w), A, V))
+    dw, dy, dx = rng.normal(size=w.shape), rng.normal(size=y.shape), rng.normal(size=x.shape)
+    fd = (f(w + 1e-6 * dw, y + 1e-6 * dy, x + 1e-6 * dx) - f(w - 1e-6 * dw, y - 1e-6 * dy, x - 1e-6 * dx)) / 2e-6
+    ad = ct.weights @ dw + np.sum(ct.points * dy) + np.sum(ct.targets * dx)
+    assert abs(fd - ad) < 1e-6 * max(1.0, abs(fd)), (fd, ad)

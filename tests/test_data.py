@@ -58,9 +58,16 @@ def test_a_data_set_depends_on_its_seed_alone_and_keeps_to_its_ranges():
     ({"count": 3, "components": [3, 2]}, {}, "data.components: expected [min, max] with 1 <= min <= max"),
     ({"count": 3, "teacher_seed": 2}, {"objective_kind": "l2"}, "objective.kind: a teacher gives moment targets"),
     ({"count": 3}, {}, "data.teacher: missing: objective.kind = 'moments' needs targets"),
+    ({"count": 0}, {"model_init": {"init": "teacher"}}, "model.init: 'teacher' needs a drawn data set's teacher"),
+    ({"count": 3, "teacher_seed": 2}, {"model_init": {"init_noise": 0.1}}, "model.init_noise: given, but model.init is not 'teacher'"),
+    ({"count": 3, "teacher_seed": 2}, {"model_init": {"init": "teacher", "params": "p.npz"}},
+     "model.init: give either model.params or init = 'teacher'"),
 ])
 def test_bad_data_sets_are_one_line_errors(data, extra, message):
     cfg = raw(data, objective=extra.pop("objective_kind", "moments"), **extra)
+    cfg["model"].update(cfg.pop("model_init", {}))
+    if data["count"] == 0:
+        cfg["prompts"] = [{"kind": "uniform", "target": {"mean": [0.0, 0.0], "cov": 1.0}}]
     with pytest.raises(ConfigError) as e:
         check_config(cfg, ".")
     assert str(e.value).startswith(message), str(e.value)
@@ -160,3 +167,26 @@ def test_training_on_a_data_set_restarts_and_refuses_another_teacher(tmp_path):
     proc = run_cli(["train", cfg, "--set", "output.dir=cut", "--restart", "data.teacher_seed=10"],
                    cwd=str(tmp_path), check=False)
     check_one_line_error(proc, "data")
+
+
+@requires_dolfinx
+def test_a_student_near_the_teacher(tmp_path):
+    """[model] init = "teacher": with no noise the student is the teacher (risk zero); with
+    init_noise 0.05 its risk is small next to a random student's, the same on 2 ranks;
+    a teacher of other sizes is refused in one line."""
+    cfg = write_config(tmp_path, CONFIG)
+    risk = {}
+    for name, nprocs, extra in (("exact", 1, ['model.init="teacher"']),
+                                ("near", 1, ['model.init="teacher"', "model.init_noise=0.05"]),
+                                ("near2", 2, ['model.init="teacher"', "model.init_noise=0.05"]),
+                                ("random", 1, [])):
+        run_cli(["gradient", cfg, "--set", f"output.dir={name}", *extra], nprocs=nprocs, cwd=str(tmp_path))
+        risk[name] = json.loads((tmp_path / name / "summary.json").read_text())["risk"]
+    assert risk["exact"] < 1e-25 and 0 < risk["near"] < 0.1 * risk["random"], risk
+    assert abs(risk["near2"] - risk["near"]) <= 1e-10 * risk["near"], risk
+    from pdeformer.model.heads import HeadMeasure
+    HeadMeasure.random(2, 3, 2, 2, seed=9, scale=0.7).save(str(tmp_path / "three.npz"))   # 3 heads
+    other = write_config(tmp_path, CONFIG.replace("teacher_seed = 9", 'teacher = "three.npz"'), "three.toml")
+    proc = run_cli(["gradient", other, "--set", "output.dir=bad", 'model.init="teacher"'],
+                   cwd=str(tmp_path), check=False)
+    check_one_line_error(proc, "model.init: the teacher's Q has shape (2, 3, 2, 2), the model's (2, 2, 2, 2)")

@@ -181,8 +181,11 @@ def moments_from_sums(shift, sums, centre, order: int = 1):
     return log_z, mean, cov
 
 
-def _chunk_moments(x: np.ndarray, sources: Sources, A: np.ndarray, order: int, chunk_mb: float):
-    """Yield (h, i0, i1, log Z, m, C) for every head h and chunk [i0, i1) of targets."""
+def _chunk_moments(x: np.ndarray, sources: Sources, A: np.ndarray, order: int, chunk_mb: float,
+                   signed: bool = False):
+    """Yield (h, i0, i1, log Z, m, C) for every head h and chunk [i0, i1) of targets; with
+    ``signed`` (weights of either sign: Z may be negative) (h, i0, i1, log |Z|, m, C,
+    sign Z)."""
     if len(sources) == 0:
         raise ValueError("no sources: the density is zero")
     ws = _Workspace(sources, order, chunk_mb)
@@ -192,7 +195,13 @@ def _chunk_moments(x: np.ndarray, sources: Sources, A: np.ndarray, order: int, c
         for i0 in range(0, N, rows):
             i1 = min(N, i0 + rows)
             shift, sums = ws.chunk_sums(x[i0:i1] @ A[h].T)
-            yield (h, i0, i1, *moments_from_sums(shift, sums, ws.centre, order))
+            log_z, mean, cov = moments_from_sums(shift, sums, ws.centre, order)
+            if not signed:
+                yield h, i0, i1, log_z, mean, cov
+                continue
+            z = sums[:, 0]
+            with np.errstate(divide="ignore"):
+                yield h, i0, i1, shift + np.log(np.abs(z)), mean, cov, np.sign(z)
 
 
 def tilted_moments(targets: np.ndarray, sources: Sources, A: np.ndarray, *,
@@ -258,7 +267,8 @@ def attention_velocity_vjp(targets: np.ndarray, points: np.ndarray, weights: np.
     d m / d y_j = p w_j (I + (y_j - m) b^T),
     ybar_j = w_j sum_h sum_i p_h(x_i, y_j) [u_h(x_i) + (u_h(x_i).(y_j - m_h(x_i))) b_h(x_i)]. Sums over the sources use the exact per-target log Z, so
     e^{<b, y> - log Z} only overflows for points far outside the attended mass under
-    very sharp attention (then the result is not finite and the caller stops)."""
+    very sharp attention (then the result is not finite and the caller stops). Weights of
+    either sign may make Z negative: p then carries its sign, e^{<b, y> - log|Z|} sign Z."""
     x = np.atleast_2d(np.asarray(targets, dtype=float))
     y = np.atleast_2d(np.asarray(points, dtype=float))
     g = np.asarray(g, dtype=float).reshape(x.shape)
@@ -271,7 +281,8 @@ def attention_velocity_vjp(targets: np.ndarray, points: np.ndarray, weights: np.
         return out
     sources = Sources.from_arrays(y, weights)
     y_one = np.ascontiguousarray(np.vstack([y.T, np.ones(M)]))   # (d+1, M)
-    for h, i0, i1, log_z, mean, cov in _chunk_moments(x, sources, A, 2, chunk_mb / 2):
+    # p = sign(Z) e^{<b, y> - log|Z|}: signed weights (DG without the limiter) may make Z < 0
+    for h, i0, i1, log_z, mean, cov, sign in _chunk_moments(x, sources, A, 2, chunk_mb / 2, signed=True):
         xs, gs = x[i0:i1], g[i0:i1]
         u = gs @ V[h] / H                                   # rows: V_h^T g_i / H
         out.V[h] += gs.T @ mean / H
@@ -285,6 +296,7 @@ def attention_velocity_vjp(targets: np.ndarray, points: np.ndarray, weights: np.
             b = xs @ A[h].T
             out.targets[i0:i1] += np.einsum("nab,nb,ac->nc", cov, u, A[h])
             coef = np.hstack([coef, -r[:, None] * b, (u[:, :, None] * b[:, None, :]).reshape(-1, d * d)])
+        coef *= sign[:, None]
         T = E.T @ coef                                                      # (M, ...)
         out.weights += np.einsum("ja,ja->j", y, T[:, :d]) + T[:, d]
         if positions:

@@ -135,9 +135,27 @@ def build_problem(cfg: dict, comm, differentiable: bool = False,
         raise ConfigError("output.frames_per_layer",
                           f"{fpl} does not divide discretisation.steps_per_layer = {spl}")
     problem = Problem(comm, cfg, mesh, heads, prompts, objective, targets, groups, options(cfg), radius)
-    if objective is not None and teacher_given(cfg["data"]):
-        problem.targets = teacher_targets(problem, teacher_heads(comm, opts, heads, d))
+    teacher = teacher_heads(comm, opts, heads, d) if teacher_given(cfg["data"]) else None
+    if opts.model.init == "teacher":
+        near_teacher(heads, teacher, opts.model)
+    if objective is not None and teacher is not None:
+        problem.targets = teacher_targets(problem, teacher)
     return problem
+
+
+def near_teacher(student: HeadMeasure, teacher: HeadMeasure, model) -> None:
+    """``[model] init = "teacher"``: the student's Q, K, V become the teacher's plus
+    init_noise N(0, 1) per entry, drawn from (model.seed, 1) -- the same on every rank.
+    The teacher must have the student's sizes (model.layers, heads, key_dim)."""
+    for name in ("Q", "K", "V"):
+        have, want = getattr(teacher, name).shape, getattr(student, name).shape
+        if have != want:
+            raise ConfigError("model.init", f"the teacher's {name} has shape {have}, the model's "
+                              f"{want}: give the model the teacher's sizes")
+    rng = np.random.default_rng([model.seed, 1])
+    for name in ("Q", "K", "V"):
+        value = getattr(teacher, name)
+        getattr(student, name)[:] = value + model.init_noise * rng.standard_normal(value.shape)
 
 
 def teacher_heads(comm, opts: Options, student: HeadMeasure, d: int) -> HeadMeasure:

@@ -134,6 +134,9 @@ def fingerprint(opts) -> dict:
         mesh["h5_sha256"] = _file_digest(h5)
     model = dataclasses.asdict(opts.model)
     model["params_sha256"] = _file_digest(model["params"])
+    for key, default in (("init", "random"), ("init_noise", 0.0)):   # (absent from older
+        if model[key] == default:                                    #  checkpoints)
+            del model[key]
     prompts = []
     for p in opts.prompts:
         p = json.loads(json.dumps(p))

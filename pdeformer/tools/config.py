@@ -223,6 +223,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
                            "scale of Q (default init_scale; 0: uniform attention)"),
         "depth": Key(string(("iid", "smooth")), "iid",
                      "random heads independent per layer, or linear in depth per head"),
+        "init": Key(string(("random", "teacher")), "random",
+                    "the heads at the start: drawn (or model.params), or the data set's teacher's "
+                    "plus init_noise (a student near the teacher)"),
+        "init_noise": Key(number(nonnegative=True), 0.0,
+                          "init = 'teacher': every entry of Q, K, V moves by init_noise N(0, 1)"),
     },
     "attention": {
         "backend": Key(string(lambda: tuple(_backends())), "auto",
@@ -510,7 +515,7 @@ def check_config(raw: dict, base_dir: str, stem: str = "run") -> dict:
         cfg["prompts"] = _check_prompts(draw_prompts(cfg["data"], cfg["mesh"]))
     else:
         cfg["prompts"] = _check_prompts(raw.get("prompts", REQUIRED))
-    _check_model(cfg["model"])
+    _check_model(cfg["model"], cfg["data"])
     _check_objective(cfg["objective"], cfg["prompts"], cfg["mesh"], cfg["data"])
     _fill_discretisation(cfg["discretisation"])
     if cfg["output"]["dir"] is None:
@@ -655,7 +660,15 @@ def _check_objective(obj: dict, prompts: list, mesh: dict, data: dict | None = N
             raise ConfigError(f"prompts[{i}].target", f"a {t['kind']!r} target does not fit objective.kind = {kind!r}")
 
 
-def _check_model(m: dict) -> None:
+def _check_model(m: dict, data: dict | None = None) -> None:
+    if m["init"] == "teacher":
+        if data is None or not (data["count"] and (data["teacher"] is not None or data["teacher_seed"] is not None)):
+            raise ConfigError("model.init", "'teacher' needs a drawn data set's teacher (data.count with "
+                              "data.teacher or data.teacher_seed)")
+        if m["params"] is not None:
+            raise ConfigError("model.init", "give either model.params or init = 'teacher', not both")
+    elif m["init_noise"] != 0.0:
+        raise ConfigError("model.init_noise", "given, but model.init is not 'teacher'")
     if m["params"] is None:
         for k in ("layers", "heads"):
             if m[k] is None:
