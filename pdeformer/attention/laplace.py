@@ -315,6 +315,27 @@ def blocks_by_key(key: np.ndarray):
         yield int(v), order[i0:i1]
 
 
+PANEL3_CHUNK = 4096   # sources whose Lagrange products are formed at once (3-D panel sums)
+
+
+def panel_triples(panels, loc):
+    """The sources of 3-D panels sorted by panel triple, a chunk at a time: (their indices,
+    their axis-0 Lagrange weights L0 (m, q), the products L1 (x) L2 (m, q^2), the runs of
+    one triple in the chunk as (triple, start, stop)). ``loc``: each axis's
+    :meth:`Panels.locate` of the sources."""
+    q = panels[0].q
+    P1, P2 = panels[1].count, panels[2].count
+    key = (loc[0][0] * P1 + loc[1][0]) * P2 + loc[2][0]
+    order = np.argsort(key, kind="stable")
+    key = key[order]
+    for c0 in range(0, len(order), PANEL3_CHUNK):
+        idx = order[c0:c0 + PANEL3_CHUNK]
+        k = key[c0:c0 + len(idx)]
+        L12 = (loc[1][1][idx][:, :, None] * loc[2][1][idx][:, None, :]).reshape(len(idx), q * q)
+        bounds = np.concatenate([[0], np.flatnonzero(np.diff(k)) + 1, [len(idx)]])
+        yield idx, loc[0][1][idx], L12, [(int(k[a]), a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 def coordinate_range(points: np.ndarray, comm) -> tuple[np.ndarray, np.ndarray]:
     """Per-axis min and max of the points of all ranks (inf, -inf where there are none):
     one Allreduce of (-min, max)."""
@@ -676,34 +697,23 @@ class LaplaceTable(HeadSums):
             W[:, p0 * q:(p0 + 1) * q, p1 * q:(p1 + 1) * q] += blk.transpose(1, 0, 2)
         return W
 
-    SPREAD3_CHUNK = 4096   # sources whose Lagrange products are formed at once (3-D spread)
-
     @classmethod
     def _spread3(cls, panels, loc, cols) -> np.ndarray:
-        """The 3-D spread W[c, k0, k1, k2]: the sources sorted by panel triple, their
-        products cols (x) L0 and L1 (x) L2 formed a chunk at a time, and per triple one
-        product of the two over its sources into a panel-major array (contiguous
-        blocks), reordered once at the end."""
+        """The 3-D spread W[c, k0, k1, k2]: per panel triple the product (cols (x) L0)^T
+        (L1 (x) L2) over its sources (:func:`panel_triples`), into a panel-major array
+        (contiguous blocks), reordered once at the end."""
         q, nc = panels[0].q, cols.shape[1]
         P = [pa.count for pa in panels]
-        key = (loc[0][0] * P[1] + loc[1][0]) * P[2] + loc[2][0]
-        order = np.argsort(key, kind="stable")
-        key = key[order]
         W = np.zeros((P[0] * P[1] * P[2], nc * q, q * q))
         last = -1                  # the block a chunk ended in (the next may add to it)
-        for c0 in range(0, len(order), cls.SPREAD3_CHUNK):
-            idx = order[c0:c0 + cls.SPREAD3_CHUNK]
-            m = len(idx)
-            left = (cols[idx][:, :, None] * loc[0][1][idx][:, None, :]).reshape(m, nc * q)
-            right = (loc[1][1][idx][:, :, None] * loc[2][1][idx][:, None, :]).reshape(m, q * q)
-            k = key[c0:c0 + m]
-            bounds = np.flatnonzero(np.diff(k)) + 1
-            for a, b in zip(np.concatenate([[0], bounds]), np.concatenate([bounds, [m]])):
-                if k[a] == last:
-                    W[k[a]] += left[a:b].T @ right[a:b]
+        for idx, L0, L12, segments in panel_triples(panels, loc):
+            left = (cols[idx][:, :, None] * L0[:, None, :]).reshape(len(idx), nc * q)
+            for key, a, b in segments:
+                if key == last:
+                    W[key] += left[a:b].T @ L12[a:b]
                 else:
-                    np.matmul(left[a:b].T, right[a:b], out=W[k[a]])
-            last = k[-1]
+                    np.matmul(left[a:b].T, L12[a:b], out=W[key])
+            last = segments[-1][0]
         W = W.reshape(P[0], P[1], P[2], nc, q, q, q).transpose(3, 0, 4, 1, 5, 2, 6)
         return np.ascontiguousarray(W).reshape((nc,) + tuple(p * q for p in P))
 
@@ -1013,13 +1023,12 @@ class LaplaceTable(HeadSums):
         loc = [pa.locate(pts[:, a]) for a, pa in enumerate(panels)]
         P1, P2 = panels[1].count, panels[2].count
         out = np.empty((len(pts), ni))
-        for key, idx in blocks_by_key((loc[0][0] * P1 + loc[1][0]) * P2 + loc[2][0]):
-            p0, rest = divmod(key, P1 * P2)
-            p1, p2 = divmod(rest, P2)
-            m = len(idx)
-            right = (loc[1][1][idx][:, :, None] * loc[2][1][idx][:, None, :]).reshape(m, q * q)
-            g = G[:, p0 * q:(p0 + 1) * q, p1 * q:(p1 + 1) * q, p2 * q:(p2 + 1) * q].reshape(ni * q, q * q)
-            out[idx] = np.einsum("iam,ma->mi", (g @ right.T).reshape(ni, q, m), loc[0][1][idx])
+        for idx, L0, L12, segments in panel_triples(panels, loc):
+            for key, a, b in segments:
+                p0, rest = divmod(key, P1 * P2)
+                p1, p2 = divmod(rest, P2)
+                g = G[:, p0 * q:(p0 + 1) * q, p1 * q:(p1 + 1) * q, p2 * q:(p2 + 1) * q].reshape(ni * q, q * q)
+                out[idx[a:b]] = np.einsum("iam,ma->mi", (g @ L12[a:b].T).reshape(ni, q, b - a), L0[a:b])
         return out
 
     def source_cotangents(self, mbar: np.ndarray, positions: bool = False):

@@ -51,7 +51,7 @@ def check_data(data: dict, mesh: dict) -> None:
         if given:
             raise ConfigError(f"data.{given[0]}", "given, but data.count is 0 (no data set)")
         return
-    d = data_dimension(mesh)
+    data_dimension(mesh)
     sphere = mesh["shape"] in ("circle", "sphere")
     if data["family"] != (SPHERE_FAMILY if sphere else FLAT_FAMILY):
         raise ConfigError("data.family", f"{data['family']!r} does not fit a {mesh['shape']} mesh: use "
@@ -64,8 +64,6 @@ def check_data(data: dict, mesh: dict) -> None:
     _range(data, "concentration_range", positive=True)
     if data["teacher"] is not None and data["teacher_seed"] is not None:
         raise ConfigError("data.teacher_seed", "give either data.teacher (a file) or data.teacher_seed, not both")
-    if d < 1:
-        raise ConfigError("data.count", "the mesh has no token dimension")
 
 
 def draw_prompts(data: dict, mesh: dict) -> list[dict]:
@@ -73,19 +71,20 @@ def draw_prompts(data: dict, mesh: dict) -> list[dict]:
     d = data_dimension(mesh)
     rng = np.random.default_rng(data["seed"])
     cmin, cmax = data["components"]
+    means, stds, kappas = (_range(data, k) for k in ("mean_range", "std_range", "concentration_range"))
     prompts = []
     for i in range(data["count"]):
         c = int(rng.integers(cmin, cmax + 1))
         weights = rng.uniform(0.5, 1.5, c)
         table = {"name": f"data{i:04d}", "kind": data["family"], "weights": weights.tolist()}
         if data["family"] == FLAT_FAMILY:
-            table["means"] = rng.uniform(*_range(data, "mean_range"), (c, d)).tolist()
-            table["covs"] = (rng.uniform(*_range(data, "std_range"), c) ** 2).tolist()
+            table["means"] = rng.uniform(*means, (c, d)).tolist()
+            table["covs"] = (rng.uniform(*stds, c) ** 2).tolist()
         else:
             directions = rng.normal(size=(c, d))
             directions /= np.linalg.norm(directions, axis=1)[:, None]
             table["means"] = directions.tolist()
-            table["concentrations"] = rng.uniform(*_range(data, "concentration_range"), c).tolist()
+            table["concentrations"] = rng.uniform(*kappas, c).tolist()
         prompts.append(table)
     return prompts
 
