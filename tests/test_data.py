@@ -49,16 +49,16 @@ def test_a_data_set_depends_on_its_seed_alone_and_keeps_to_its_ranges():
 
 
 @pytest.mark.parametrize("data, extra, message", [
-    ({"count": 3}, {"prompts": [{"kind": "uniform"}]}, "data.count: give either [[prompts]] tables or a drawn data set"),
+    ({"count": 3}, {"prompts": [{"kind": "uniform"}]}, "data.count: give either [[prompts]] tables or a data set"),
     ({"count": 3, "family": "von_mises_fisher"}, {}, "data.family: 'von_mises_fisher' does not fit a box mesh"),
     ({"count": 3, "teacher": "t.npz", "teacher_seed": 2}, {}, "data.teacher_seed: give either data.teacher"),
-    ({"count": 0, "teacher_seed": 2}, {}, "data.teacher_seed: given, but data.count is 0"),
+    ({"count": 0, "teacher_seed": 2}, {}, "prompts[0].target: given, but the targets come from the teacher"),
     ({"count": 3, "std_range": [0.5, 0.2]}, {}, "data.std_range: expected [lo, hi] with 0 < lo <= hi"),
     ({"count": 3, "components": [0, 2]}, {}, "data.components: expected positive integers"),
     ({"count": 3, "components": [3, 2]}, {}, "data.components: expected [min, max] with 1 <= min <= max"),
     ({"count": 3, "teacher_seed": 2}, {"objective_kind": "l2"}, "objective.kind: a teacher gives moment targets"),
     ({"count": 3}, {}, "data.teacher: missing: objective.kind = 'moments' needs targets"),
-    ({"count": 0}, {"model_init": {"init": "teacher"}}, "model.init: 'teacher' needs a drawn data set's teacher"),
+    ({"count": 0}, {"model_init": {"init": "teacher"}}, "model.init: 'teacher' needs a teacher"),
     ({"count": 3, "teacher_seed": 2}, {"model_init": {"init_noise": 0.1}}, "model.init_noise: given, but model.init is not 'teacher'"),
     ({"count": 3, "teacher_seed": 2}, {"model_init": {"init": "teacher", "params": "p.npz"}},
      "model.init: give either model.params or init = 'teacher'"),

@@ -66,6 +66,12 @@ RUN_COMMANDS = (
      "(singular values), and the NTK Gram matrix of d Gamma_theta[mu_i](x_p)/d theta "
      "over a head measure (eigenvalues). With [ntk] depth the prompts are the densities "
      "of a forward run at that depth. Writes ntk.json, ntk.png and summary.json."),
+    ("gram", "the model's Gram matrix J J^T and the gd convergence it predicts",
+     "For the moments objective: the Jacobian J of the outputs (mean, covariance) of the "
+     "model on the training prompts with respect to every head parameter, by one adjoint "
+     "sweep per output; the spectrum of G = J J^T and, for gd at [train] lr, the predicted "
+     "risk curve, its slowest rate and the plateau of lost directions (docs/training.md). "
+     "Writes gram.json, gram.npz, gram.png and summary.json."),
     ("train", "gradient-flow training of the head particles",
      "Train the heads: each step computes the risk and its gradient and moves every head "
      "particle by -lr L H dR/dtheta ([train] optimizer = gd) or with Adam. Writes "
@@ -244,6 +250,15 @@ def _ntk_report(summary, files) -> list[str]:
             f"{'injective' if gram['injective'] else 'NOT INJECTIVE'}"]
 
 
+def _gram_report(summary, files) -> list[str]:
+    g = summary["gram"]
+    return [", ".join(v for k, v in files.items() if k != "log") + ", summary.json",
+            f"Gram {g['outputs']} x {g['outputs']}: lambda_min/lambda_max = {g['ratio']:.3e}, "
+            f"{g['lost_directions']} lost direction(s)",
+            f"gd at lr {g['lr']:g}: slowest rate {g['slowest_rate']:.4g} per step"
+            + ("" if g["stable"] else " (UNSTABLE: lr L H lambda_max / S >= 2)")]
+
+
 def _particles_report(summary, files) -> list[str]:
     return ["diagnostics.csv, summary.json, pdeformer.log"
             + (", tokens_<prompt>.pvd (ParaView)" if files["tokens"] else "")
@@ -251,8 +266,13 @@ def _particles_report(summary, files) -> list[str]:
 
 
 def _train_report(summary, files) -> list[str]:
+    risks = [f"{what} {summary[f'initial_{key}']:.6e} -> {summary[f'final_{key}']:.6e}"
+             for what, key in (("risk", "risk"), ("train risk", "train_risk"), ("test risk", "test_risk"))
+             if summary.get(f"initial_{key}") is not None and summary.get(f"final_{key}") is not None]
+    if "initial_train_risk" in summary:
+        risks[0] = "batch " + risks[0]
     return [f"history.csv, params_XXXX.npz, heads.pvd (ParaView), checkpoint.npz, summary.json; "
-            f"risk {summary['initial_risk']:.6e} -> {summary['final_risk']:.6e}"] + _pictures(files)
+            + ", ".join(risks)] + _pictures(files)
 
 
 def _launch(name: str, **flags):
@@ -268,6 +288,7 @@ COMMANDS = {   # command: (run it, the lines rank 0 prints about its output)
     "gradient": (_launch("gradient"), _gradient_report),
     "particles": (_launch("particles", gradient="gradient"), _particles_report),
     "ntk": (_launch("ntk"), _ntk_report),
+    "gram": (_launch("gram"), _gram_report),
     "train": (_launch("train", restart="restart", walltime="walltime"), _train_report),
 }
 

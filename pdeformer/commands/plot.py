@@ -528,15 +528,21 @@ def diagnostics_figure(rows: list[dict]):
 # ------------------------------------------------------------------ training
 
 def training_figure(history: dict):
-    """Risk (and a test risk where history.csv has one) against the training step on
-    a log scale, the gradient norm |dR/dtheta|, the step size and the heads'
-    displacement per step."""
+    """Risk (with minibatches: the batch's, and every test_every steps all training
+    prompts'; the held-out prompts' test risk where history.csv has one) against the
+    training step on a log scale, the gradient norm |dR/dtheta|, the step size and the
+    heads' displacement per step."""
     step = history["step"]
     fig, axes = _figure(3, 1, width=2.6, height=2.2)
     axes = axes[0]
-    _log_line(axes[0], step, history["risk"], "o-", label="risk")
-    if "test_risk" in history:
-        _log_line(axes[0], step, history["test_risk"], "s--", label="test risk")
+    minibatch = "train_risk" in history
+    _log_line(axes[0], step, history["risk"], ".-" if minibatch else "o-",
+              label="batch risk" if minibatch else "risk")
+    for column, style, label in (("train_risk", "o-", "train risk"), ("test_risk", "s--", "test risk")):
+        if column in history:
+            known = np.isfinite(history[column])      # evaluated every test_every steps
+            _log_line(axes[0], step[known], history[column][known], style, label=label)
+    if minibatch or "test_risk" in history:
         axes[0].legend(fontsize=7)
     axes[0].set_title("risk R", fontsize=9)
     _log_line(axes[1], step, history["grad_norm"], "o-", label="gradient norm")

@@ -247,7 +247,16 @@ def _risk_of(solver: ForwardSolver, problem, coeffs: dict) -> dict | None:
     with groups.combined():
         local = {s: adj.objective_at(s, c)[0] for s, c in coeffs.items()}
     risks = groups.gather_prompts(local)
-    return {"risk": float(np.mean(risks)), "risks": dict(zip(groups.names, risks))}
+    return {**risk_split(problem, risks), "risks": dict(zip(groups.names, risks))}
+
+
+def risk_split(problem, risks: list) -> dict:
+    """The risk over the training prompts, and over the held-out ones where there are
+    (``risks``: F_s of every prompt, in prompt order)."""
+    out = {"risk": float(np.mean([risks[s] for s in problem.training]))}
+    if problem.held_out:
+        out["test_risk"] = float(np.mean([risks[s] for s in problem.held_out]))
+    return out
 
 
 def run_forward(cfg: dict, comm=None) -> dict:
@@ -281,7 +290,8 @@ def run_forward(cfg: dict, comm=None) -> dict:
             log_other_groups(run.groups, table.rows, prompt_info, run.problem.heads.layers)
         risk = _risk_of(run.solver, run.problem, finals.coeffs) if error is None else None
         if risk:
-            log.info("risk R = %.12e", risk["risk"])
+            log.info("risk R = %.12e%s", risk["risk"], f" (training prompts), test risk {risk['test_risk']:.12e}"
+                     if "test_risk" in risk else "")
         field_files = run.groups.gather_lists(fields.files if fields else [])
         drawn = run.draw(snapshots)
         summary = run.summary(
@@ -322,7 +332,7 @@ def run_gradient(cfg: dict, comm=None) -> dict:
         run.write_gradient(g)
         drawn = run.draw()
         return run.summary("completed", None, risk=g.risk,
-                           risks=dict(zip([n for n, _ in p.prompts], g.risks)),
+                           risks={p.prompts[s][0]: r for s, r in zip(g.prompts, g.risks)},
                            gradient_norm=g.norm(), tape_bytes_per_rank=tape_bytes,
                            step_counts=_counts(run.solver),
                            files={"gradient": "gradient.npz", "log": "pdeformer.log", **drawn})
@@ -367,6 +377,8 @@ def run_train(cfg: dict, comm=None, restart: bool = False, walltime: float | Non
             status, error, history=history,
             initial_risk=history[0]["risk"] if history else None,
             final_risk=history[-1]["risk"] if history else None,
+            **{f"{when}_{c}": history[i].get(c) for c in ("train_risk", "test_risk")
+               for when, i in (("initial", 0), ("final", -1)) if history and c in trainer.columns},
             restarted_at=trainer.start if restart else None,
             files={"history": "history.csv", "checkpoint": "checkpoint.npz",
                    "heads": "heads.pvd", "log": "pdeformer.log", **drawn})
@@ -442,6 +454,44 @@ def run_ntk(cfg: dict, comm=None) -> dict:
     return summary
 
 
+def run_gram(cfg: dict, comm=None) -> dict:
+    """The model's Gram matrix G = J J^T on the training prompts and the gd convergence it
+    predicts (see pdeformer.commands.gram): gram.json, gram.npz (J, G, y, y*), gram.png,
+    summary.json."""
+    from ..solvers.adjoint import AdjointSolver
+    from .gram import check_inputs, gram_analysis, plot_gram
+    run = Run("gram", cfg, comm or MPI.COMM_WORLD, differentiable=True,
+              check=lambda p: check_inputs(p))
+    p = run.problem
+    adj = AdjointSolver(run.solver, p.objective, p.targets, cfg["objective"]["quadrature_degree"])
+    train = p.opts.train
+    with run.session():
+        with run.timer.phase("jacobian"):
+            y, ystar, J = adj.output_jacobian()
+        result = gram_analysis(y, ystar, J, len(p.training), p.heads.layers, p.heads.heads,
+                               train.lr, train.steps, p.opts.ntk.tol)
+        result["prompts_used"] = [p.prompts[s][0] for s in p.training]
+        result["output_names"] = p.objective.output_names(p.dim)
+        if train.optimizer != "gd" or train.weight_decay or train.temperature:
+            log.warning("warning: the prediction is that of plain gd (no adam, weight decay or noise)")
+        log.info("Gram %d x %d: lambda_min/lambda_max = %.3e (%s), %d lost direction(s)",
+                 result["outputs"], result["outputs"], result["ratio"],
+                 "injective" if result["injective"] else "not injective", result["lost_directions"])
+        log.info("gd at lr %g: a lambda_max = %.3g (%s), slowest rate %.4g per step, risk %.6e -> "
+                 "plateau %.3e", train.lr, result["step_factor"] * result["eigenvalues"][0],
+                 "stable" if result["stable"] else "UNSTABLE", result["slowest_rate"], result["risk"],
+                 result["plateau"])
+        on_root(run.comm, write_json, run.path("gram.json"), {"provenance": run.info, **result})
+        on_root(run.comm, write_npz, run.path("gram.npz"), J=J, G=J @ J.T, y=y, ystar=ystar,
+                eigenvalues=np.asarray(result["eigenvalues"]))
+        files = {"gram": "gram.json", "arrays": "gram.npz", "log": "pdeformer.log"}
+        if cfg["output"]["plots"] and on_root(run.comm, plot_gram, run.path("gram.png"), result):
+            files["plot"] = "gram.png"
+        return run.summary("completed", None, gram={k: v for k, v in result.items()
+                                                     if k not in ("predicted_risk", "residual_components",
+                                                                  "mode_rates")}, files=files)
+
+
 def _particle_risk(run: Run, adjoint, local: dict, gradient: bool, results: dict) -> None:
     """The particle risk from this group's prompts' ``local`` risks (nothing without an
     objective) and, with ``gradient``, its gradient (gradient.npz), into the summary
@@ -449,7 +499,7 @@ def _particle_risk(run: Run, adjoint, local: dict, gradient: bool, results: dict
     if adjoint is None:
         return
     risks = run.groups.gather_prompts(local)
-    results["objective"] = {"risk": float(np.mean(risks)), "risks": dict(zip(run.groups.names, risks))}
+    results["objective"] = {**risk_split(run.problem, risks), "risks": dict(zip(run.groups.names, risks))}
     log.info("risk R = %.12e", results["objective"]["risk"])
     if gradient:
         with run.timer.phase("gradient"):

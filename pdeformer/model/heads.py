@@ -137,12 +137,15 @@ class HeadMeasure:
 
 @dataclass
 class Gradient:
+    """R = the mean of F_s over the prompts s it was taken over (``prompts``: all, the
+    training prompts or a minibatch) and its derivatives."""
     risk: float
-    risks: list[float]       # per prompt
+    risks: list[float]       # per prompt of ``prompts``
     dQ: np.ndarray           # (L, H, k, d): dR/dQ
     dK: np.ndarray
     dV: np.ndarray           # (L, H, d, d)
     tape_bytes: int = 0      # largest forward tape held (per rank)
+    prompts: list = None     # the prompt indices (None: all)
 
     def norm(self) -> float:
         """The Euclidean norm of (dQ, dK, dV), scaled so that huge entries do not overflow."""
@@ -153,10 +156,10 @@ class Gradient:
 
     @classmethod
     def of_heads(cls, heads, risks: list, dA: np.ndarray, dV: np.ndarray,
-                 tape_bytes: int = 0) -> "Gradient":
-        """From dR/dA and dR/dV (:func:`query_key_derivatives`)."""
+                 tape_bytes: int = 0, prompts: list | None = None) -> "Gradient":
+        """From dR/dA and dR/dV (:func:`query_key_derivatives`); ``risks``: F_s of ``prompts``."""
         dQ, dK = query_key_derivatives(heads, dA)
-        return cls(float(np.mean(risks)), risks, dQ, dK, dV, tape_bytes)
+        return cls(float(np.mean(risks)), risks, dQ, dK, dV, tape_bytes, prompts)
 
 
 def query_key_derivatives(heads: "HeadMeasure", dA: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

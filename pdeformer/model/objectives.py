@@ -212,11 +212,50 @@ class Moments(Objective):
                         + (np.einsum("qi,ij,qj->q", y, G, y) - np.sum(G * m2) / m0) / m0)
         return float(F), dF
 
+    @staticmethod
+    def output_names(d: int) -> list[str]:
+        """The model's outputs for one prompt (:meth:`outputs`): mean_i, cov_ii, and
+        sqrt(2) cov_ij for i < j."""
+        return [f"mean{i}" for i in range(d)] + [f"cov{i}{i}" for i in range(d)] + \
+            [f"sqrt2*cov{i}{j}" for i in range(d) for j in range(i + 1, d)]
+
+    @staticmethod
+    def target_outputs(target: dict) -> np.ndarray:
+        """y* of a moments target: F = 1/2 |y - y*|^2 (the sqrt(2) on the off-diagonal
+        entries makes this the Frobenius norm of cov - C*)."""
+        return _moment_vector(np.asarray(target["mean"], float), np.asarray(target["cov"], float))
+
+    def outputs(self, points, measure, rho, comm) -> tuple[np.ndarray, np.ndarray]:
+        """y = (mean, cov_ii, sqrt(2) cov_ij (i < j)) of rho/int rho (the same on every
+        rank) and dy/drho_q (m, Q) at this rank's quadrature points, so that the moments
+        objective is F = 1/2 |y - y*|^2 and dF/drho = (y - y*)^T dy/drho."""
+        w = measure * rho
+        m0, m1, m2, _ = moment_sums(comm, w, points)
+        centre = m1 / m0                         # sums about the mean: no cancellation
+        y = points - centre
+        m0, m1, m2, _ = moment_sums(comm, w, y)
+        mean = m1 / m0
+        cov = m2 / m0 - np.outer(mean, mean)
+        r = y - mean                             # d mean_i / d rho_q = omega_q r_qi / m0
+        dmean = (measure[:, None] * r / m0).T
+        # d cov_ij / d rho_q = omega_q (r_qi r_qj - cov_ij) / m0 (the mean's variation included)
+        d = points.shape[1]
+        dcov = measure[None, None, :] * (np.einsum("qi,qj->ijq", r, r) - cov[:, :, None]) / m0
+        iu = np.triu_indices(d, 1)
+        dy = np.concatenate([dmean, dcov[np.arange(d), np.arange(d)], np.sqrt(2) * dcov[iu]])
+        return _moment_vector(mean + centre, cov), dy
+
     def particle_value_and_gradient(self, x, w, target, comm):
         """Weighted moments of tokens: dF/dx_i = w_i/W [(mean - m*) + 2 G (x_i - mean)]."""
         y = x - target["mean"]
         W, _, mean, G, F = self._fit(comm, w, y, target["cov"])
         return float(F), (w / W)[:, None] * (mean + 2 * (y - mean) @ G)
+
+
+def _moment_vector(mean: np.ndarray, cov: np.ndarray) -> np.ndarray:
+    """(mean, cov_ii, sqrt(2) cov_ij for i < j): |y - y*|^2 = |mean - m*|^2 + ||cov - C*||_F^2."""
+    iu = np.triu_indices(len(mean), 1)
+    return np.concatenate([mean, np.diag(cov), np.sqrt(2) * cov[iu]])
 
 
 @register

@@ -38,6 +38,7 @@ import math
 import numpy as np
 from mpi4py import MPI
 
+from ..tools.datasets import chosen_prompts
 from ..tools.errors import ConfigError, InputError, SolverBreakdown
 from ..integrator.frames import Frame, Tracker, located
 from .heads import Gradient
@@ -250,28 +251,36 @@ class ParticleAdjoint:
         z = target["density"].sample(self.solver.tokens, rng)
         return dict(target, samples=(z, np.full(len(z), 1.0 / len(z))))
 
-    def risk(self) -> tuple[float, list]:
+    def risk(self, prompts: list[int] | None = None) -> tuple[float, list]:
+        """The particle risk over ``prompts`` (default: the training prompts)."""
         groups = self.solver.problem.groups
+        chosen = chosen_prompts(self.solver.problem, prompts)
         local = {}
         with groups.combined():
             for s in groups.owned:
-                x, w = self.solver.solve_prompt(s)
-                local[s] = self._finite(s, self.objective.particle_value_and_gradient(
-                    x, w, self.targets[s], self.solver.comm))[0]
+                if s in chosen:
+                    x, w = self.solver.solve_prompt(s)
+                    local[s] = self._finite(s, self.objective.particle_value_and_gradient(
+                        x, w, self.targets[s], self.solver.comm))[0]
         risks = groups.gather_prompts(local)
+        risks = [risks[s] for s in chosen]
         return float(np.mean(risks)), risks
 
-    def gradient(self):
+    def gradient(self, prompts: list[int] | None = None):
+        """The particle risk over ``prompts`` (default: the training prompts) and its
+        gradient."""
         sv = self.solver
         heads = sv.problem.heads
         groups = sv.problem.groups
-        S = len(sv.problem.prompts)
+        chosen = chosen_prompts(sv.problem, prompts)
         dA = np.zeros((heads.layers, heads.heads, heads.dim, heads.dim))
         dV = np.zeros_like(heads.V)
         local = {}
         sv.velocity_field.refreeze()
         with groups.combined():
             for s in groups.owned:
+                if s not in chosen:
+                    continue
                 tape = []
                 x, w = sv.solve_prompt(s, tape=tape)
                 F, lam = self._finite(s, self.objective.particle_value_and_gradient(
@@ -284,7 +293,8 @@ class ParticleAdjoint:
         risks = groups.gather_prompts(local)
         for a in (dA, dV):   # every rank's share, summed over all groups
             groups.world.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
-        return Gradient.of_heads(heads, risks, dA / S, dV / S)
+        S = len(chosen)
+        return Gradient.of_heads(heads, [risks[s] for s in chosen], dA / S, dV / S, prompts=chosen)
 
     def _finite(self, index: int, value_gradient):
         """(F, dF/dx) of prompt ``index``; a breakdown where F (the same on every rank)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from ..tools.datasets import chosen_prompts
 from ..tools.errors import SolverBreakdown
 from .forward import ForwardSolver, located
 from ..model.heads import Gradient
@@ -88,21 +89,26 @@ class AdjointSolver:
         self._dF = dF / np.where(self.rule.measure > 0, self.rule.measure, 1.0)   # dF/drho
         return F, self.rule.transpose(dF, tr.cell_dofs, tr.n_owned)
 
-    def risk(self) -> tuple[float, list[float]]:
-        """R = (1/S) sum_s F_s(rho_1^s), forward only (same frozen step plan); every
-        group solves its prompts, the risks are combined over the groups."""
+    def risk(self, prompts: list[int] | None = None) -> tuple[float, list[float]]:
+        """R = (1/|P|) sum_{s in P} F_s(rho_1^s) over the prompts P (default: the training
+        prompts), forward only (same frozen step plan); every group solves its prompts of
+        P, the risks are combined over the groups. Returns R and the F_s in P's order."""
         groups = self.forward.problem.groups
+        chosen = chosen_prompts(self.forward.problem, prompts)
         local = {}
         with groups.combined():
             for s in groups.owned:
-                coeffs, _ = self.forward.solve_prompt(s)
-                local[s] = self.objective_at(s, coeffs)[0]
+                if s in chosen:
+                    coeffs, _ = self.forward.solve_prompt(s)
+                    local[s] = self.objective_at(s, coeffs)[0]
         risks = groups.gather_prompts(local)
+        risks = [risks[s] for s in chosen]
         return float(np.mean(risks)), risks
 
     # ------------------------------------------------------------ gradient
-    def gradient(self, refreeze: bool = True) -> Gradient:
-        """Risk and dR/dQ, dR/dK, dR/dV. Without steps_per_layer the step counts are
+    def gradient(self, refreeze: bool = True, prompts: list[int] | None = None) -> Gradient:
+        """Risk and dR/dQ, dR/dK, dR/dV, R the mean of F_s over ``prompts`` (default: the
+        training prompts; a minibatch in SGD). Without steps_per_layer the step counts are
         frozen during this evaluation's forward passes (``refreeze``) and kept for
         later :meth:`risk` calls, which then see the same discrete map; so are the
         attention's table plans (planned afresh here: the map depends on the heads alone,
@@ -116,12 +122,14 @@ class AdjointSolver:
             fw.plan_afresh()
         heads = fw.problem.heads
         groups = fw.problem.groups
-        S = len(fw.problem.prompts)
+        chosen = chosen_prompts(fw.problem, prompts)
         dA = np.zeros((heads.layers, heads.heads, heads.dim, heads.dim))
         dV = np.zeros_like(heads.V)
         local, tape_bytes = {}, 0
         with groups.combined():
             for s in groups.owned:
+                if s not in chosen:
+                    continue
                 tape = []
                 coeffs, _ = fw.solve_prompt(s, tape=tape)
                 tape_bytes = max(tape_bytes, sum(
@@ -139,7 +147,52 @@ class AdjointSolver:
         risks = groups.gather_prompts(local)
         for a in (dA, dV):
             groups.world.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
-        return Gradient.of_heads(heads, risks, dA / S, dV / S, tape_bytes)
+        S = len(chosen)
+        return Gradient.of_heads(heads, [risks[s] for s in chosen], dA / S, dV / S, tape_bytes, chosen)
+
+    def output_jacobian(self, prompts: list[int] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The model's outputs y_s (the objective's ``outputs``: the moments of rho_1^s)
+        for ``prompts`` (default: the training prompts), their targets y*_s and the
+        Jacobian dy/dtheta, theta = (Q, K, V) of every head flattened in that order: one
+        forward pass per prompt and one backward sweep of its tape per output. Returns
+        (y, y*, J) stacked prompt by prompt: shapes (N,), (N,), (N, P), the same on every
+        rank. Prompt groups sweep their own prompts; one Allreduce combines."""
+        fw = self.forward
+        fw.plan_afresh()
+        heads, groups = fw.problem.heads, fw.problem.groups
+        chosen = chosen_prompts(fw.problem, prompts)
+        m = len(self.objective.output_names(heads.dim))
+        y = np.zeros((len(chosen), m))
+        ystar = np.array([self.objective.target_outputs(self.targets[s]) for s in chosen])
+        dA = np.zeros((len(chosen), m, heads.layers, heads.heads, heads.dim, heads.dim))
+        dV = np.zeros((len(chosen), m) + heads.V.shape)
+        tr = fw.transport
+        with groups.combined():
+            for row, s in enumerate(chosen):
+                if s not in groups.owned:
+                    continue
+                tape = []
+                coeffs, _ = fw.solve_prompt(s, tape=tape)
+                tr.set_state(coeffs)
+                values, dy = self.objective.outputs(self.rule.points, self.rule.measure, self.rule.values(),
+                                                    tr.comm)
+                if groups.lead:   # (summed over the world below: one rank per group gives y)
+                    y[row] = values
+                self.start = fw.comm.allreduce(float(np.abs(dy).max(initial=0.0)), op=MPI.MAX)
+                name = fw.problem.prompts[s][0]
+                for j in range(m):
+                    lam = self.rule.transpose(dy[j], tr.cell_dofs, tr.n_owned)
+
+                    def step_vjp(lam, layer, dt, stages, limits, j=j):
+                        with located(f"adjoint of output {j} of prompt {name!r}, layer {layer}"):
+                            return self._step_vjp(lam, layer, dt, stages, limits, dA[row, j], dV[row, j])
+                    sweep_back(tape, lam, step_vjp)
+        for a in (y, dA, dV):
+            groups.world.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
+        dQ = np.einsum("lhki,nolhij->nolhkj", heads.K, dA)     # A = K^T Q (query_key_derivatives)
+        dK = np.einsum("lhki,nolhji->nolhkj", heads.Q, dA)
+        J = np.concatenate([a.reshape(len(chosen) * m, -1) for a in (dQ, dK, dV)], axis=1)
+        return y.ravel(), ystar.ravel(), J
 
     def _step_vjp(self, lam, layer, dt, stages, limits, dA, dV) -> np.ndarray:
         """Cotangent of a step's start from that of its end (Shu-Osher form reversed,

@@ -33,7 +33,7 @@ from ..attention.costs import machine_costs
 from ..attention.softmax import value_gain
 from ..model.heads import HeadMeasure
 from ..fem.mesh import bounding_box, is_manifold, make_mesh, shortest_edge, sphere_radius, token_dim
-from ..tools.datasets import teacher_given
+from ..tools.datasets import split_prompts, teacher_given
 from ..tools.parallel import PromptGroups, Timer, any_rank, moment_sums, on_root
 from ..model.objectives import make_objective, make_target
 from ..model.prompts import make_prompt
@@ -78,6 +78,7 @@ class Problem:
     groups: PromptGroups = None  # default: one group of all ranks of comm
     opts: Options = None         # cfg as typed sections, what the solvers read (default: from cfg)
     radius: float | None = None  # tokens on the sphere |x| = radius (the mesh's; None: flat)
+    held_out: list = None        # indices of the held-out (test) prompts ([data] test_fraction)
 
     def __post_init__(self):
         if self.radius is None and is_manifold(self.mesh):   # every rank of comm constructs it
@@ -86,6 +87,14 @@ class Problem:
             self.groups = PromptGroups.single(self.comm, [n for n, _ in self.prompts])
         if self.opts is None:
             self.opts = options(self.cfg)
+        if self.held_out is None:
+            self.held_out = split_prompts(self.cfg["data"], len(self.prompts))[1] if "data" in self.cfg else []
+
+    @property
+    def training(self) -> list[int]:
+        """Indices of the prompts trained on (all but the held-out ones)."""
+        held = set(self.held_out)
+        return [i for i in range(len(self.prompts)) if i not in held]
 
     @property
     def dim(self) -> int:

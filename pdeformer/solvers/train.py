@@ -8,7 +8,18 @@ Each head particle theta_{l,h} = (Q, K, V) of every layer moves by
     adam:  Adam on the same scaled gradient L * H * dR/dtheta.
 
 Iteration k computes R and dR/dtheta at theta_k (a row of history.csv) and, for k < steps,
-moves to theta_{k+1}. Checkpoints hold theta, the optimiser state, the next step, the
+moves to theta_{k+1}. R is the mean of F_s over the training prompts (all but the
+``[data] test_fraction`` held out), or over step k's minibatch (``batch_size``: SGD, see
+:class:`Batches`); every ``test_every`` steps the risk on all training prompts and on the
+held-out ones is added to the row. Regularisation and noise (mean-field Langevin
+dynamics of the head measure mu, the flow of R + (lambda/2) int |theta|^2 dmu + T int mu log mu):
+
+    theta <- theta - lr * (L * H * dR/dtheta + lambda * theta) + sqrt(2 lr T) * xi,
+
+lambda = ``weight_decay`` (its penalty P is history.csv's ``penalty``; adam adds dP/dtheta
+to the gradient), T = ``temperature`` (gd only), xi ~ N(0, I) seeded by (train.seed, k).
+The entropy term of the free energy is not evaluated (it is infinite for the heads'
+empirical measure). Checkpoints hold theta, the optimiser state, the next step, the
 RNG state, the history so far and a fingerprint of the problem; they are written to a
 temporary file and renamed, so a kill during the write leaves the previous one intact.
 A restart continues from the last checkpoint (also after ``steps`` was raised) and
@@ -31,6 +42,7 @@ import time
 import numpy as np
 
 from ..tools.config import options
+from ..tools.datasets import data_set_given, teacher_given
 from ..tools.errors import InputError
 from ..model.heads import HeadMeasure
 from ..tools.output import write_csv, write_head_points, write_npz, write_pvd
@@ -40,6 +52,62 @@ log = logging.getLogger("pdeformer")
 
 PARAMS = ("Q", "K", "V")
 HISTORY = ["step", "risk", "grad_norm", "step_size", "displacement", "wall_time"]
+
+
+def history_columns(train, minibatches: bool, held_out: bool) -> list[str]:
+    """history.csv's columns: the basic ones, then epoch and train_risk (minibatches: the
+    risk on all training prompts, every test_every steps), test_risk (held-out prompts),
+    penalty (weight decay) where they apply."""
+    extra = (["epoch", "train_risk"] if minibatches else []) + (["test_risk"] if held_out else []) \
+        + (["penalty"] if train.weight_decay > 0 else [])
+    return HISTORY[:2] + extra + HISTORY[2:]
+
+
+class Batches:
+    """The minibatches of SGD: epoch e visits the training prompts in the order
+    ``default_rng([seed, 0, e]).permutation``, B at a time (the last batch of an epoch
+    may be smaller); step k takes batch k mod (batches per epoch) of epoch k // (batches
+    per epoch). A function of (seed, B, k) alone: the same on every rank, with any prompt
+    groups, and after a restart. Without batch_size every step takes all training prompts."""
+
+    def __init__(self, training: list[int], batch_size: int | None, seed: int):
+        self.training = np.asarray(training)
+        self.size = batch_size or len(training)
+        self.seed = seed
+        self.per_epoch = -(-len(training) // self.size)
+        self._order = (None, None)   # (epoch, permutation)
+
+    @property
+    def full(self) -> bool:
+        return self.size >= len(self.training)
+
+    def epoch(self, k: int) -> int:
+        return k // self.per_epoch
+
+    def __call__(self, k: int) -> list[int]:
+        """The prompt indices of step k's batch (sorted)."""
+        if self.full:
+            return [int(i) for i in self.training]
+        e, j = divmod(k, self.per_epoch)
+        if self._order[0] != e:
+            self._order = (e, np.random.default_rng([self.seed, 0, e]).permutation(self.training))
+        return sorted(int(i) for i in self._order[1][j * self.size:(j + 1) * self.size])
+
+
+def weight_penalty(params: dict, weight_decay: float) -> tuple[float, dict]:
+    """P = (weight_decay / 2) (1/(L H)) sum_{l,h} |Q_lh|^2 + |K_lh|^2 + |V_lh|^2 -- the
+    L2 penalty (lambda/2) int |theta|^2 dmu of the head measure -- and dP/dtheta =
+    weight_decay theta / (L H), so that the gd step moves every head by -lr lambda theta."""
+    L, H = params["V"].shape[:2]
+    P = 0.5 * weight_decay * sum(float(np.sum(params[n] ** 2)) for n in PARAMS) / (L * H)
+    return P, {n: weight_decay * params[n] / (L * H) for n in PARAMS}
+
+
+def langevin_noise(seed: int, k: int, shapes: dict) -> dict:
+    """xi ~ N(0, I) for every head parameter at step k: drawn from
+    ``default_rng([seed, 1, k])``, the same on every rank and after a restart."""
+    rng = np.random.default_rng([seed, 1, k])
+    return {n: rng.standard_normal(shapes[n]) for n in PARAMS}
 
 
 class GradientDescent:
@@ -125,7 +193,7 @@ def _file_digest(path: str | None) -> str | None:
 def fingerprint(opts) -> dict:
     """What a checkpoint must agree on to be continued (of :class:`Options`, or a checked
     config): section -> canonical JSON (a drawn data set's prompts are in ``prompts``;
-    ``data`` adds its teacher, file and seed)."""
+    ``data`` adds its teacher, file and seed; ``sampling`` the minibatches' size and seed)."""
     opts = options(opts)
     mesh = dataclasses.asdict(opts.mesh)
     mesh["file_sha256"] = _file_digest(mesh["file"])
@@ -151,10 +219,16 @@ def fingerprint(opts) -> dict:
     parts = {"mesh": mesh, "model": model, "prompts": prompts,
              "discretisation": dataclasses.asdict(opts.discretisation), "objective": objective,
              "optimizer": opts.train.optimizer}
-    if opts.data.count:          # a drawn data set: its teacher too (absent otherwise: older
-        data = dataclasses.asdict(opts.data)                      # checkpoints still match)
-        data["teacher_sha256"] = _file_digest(data["teacher"])
+    data = dataclasses.asdict(opts.data)   # a data set, teacher or split (absent otherwise, and
+    if data_set_given(data) or teacher_given(data) or data["test_fraction"]:   # keys at their
+        data["teacher_sha256"] = _file_digest(data["teacher"])          # defaults: older
+        for key, default in (("folder", None), ("test_fraction", 0.0)):  # checkpoints match)
+            if data[key] == default:
+                del data[key]
         parts["data"] = data
+    train = opts.train
+    if train.batch_size is not None or train.seed != 0:    # the data order and the noise
+        parts["sampling"] = {"batch_size": train.batch_size, "seed": train.seed}
     return {k: json.dumps(v, sort_keys=True, default=str) for k, v in parts.items()}
 
 
@@ -237,6 +311,10 @@ class Trainer:
         self.walltime = walltime
         self.started = started
         self.status = "completed"
+        problem = adjoint.forward.problem
+        self.training, self.held_out = problem.training, list(problem.held_out)
+        self.batches = Batches(self.training, self.train.batch_size, self.train.seed)
+        self.columns = history_columns(self.train, not self.batches.full, bool(self.held_out))
 
     def restart(self) -> None:
         like = {n: getattr(self.heads, n) for n in PARAMS} | self.optimizer.state()
@@ -272,19 +350,32 @@ class Trainer:
                         k, self.history, self.rng, self.opts)
                 break
             step_start = time.perf_counter()
-            g = self.adjoint.gradient()
+            batch = self.batches(k)
+            g = self.adjoint.gradient(prompts=batch)
+            row = {"step": k, "risk": g.risk}
+            if not self.batches.full:
+                row["epoch"] = self.batches.epoch(k)
+            if self.train.weight_decay > 0:
+                row["penalty"], dP = weight_penalty(params, self.train.weight_decay)
+                g = dataclasses.replace(g, **{f"d{n}": getattr(g, f"d{n}") + dP[n] for n in PARAMS})
+            row.update(self._evaluate(g, batch) if self._is_test_step(k) else
+                       {c: None for c in ("train_risk", "test_risk") if c in self.columns})
             grads = {"Q": g.dQ, "K": g.dK, "V": g.dV}
             before = {n: p.copy() for n, p in params.items()} if k < steps else None
             if k < steps:
                 self.optimizer.step(params, grads)
+                if self.train.temperature > 0:   # Euler-Maruyama: + sqrt(2 lr T) xi
+                    xi = langevin_noise(self.train.seed, k, {n: p.shape for n, p in params.items()})
+                    for n in PARAMS:
+                        params[n] += np.sqrt(2 * self.train.lr * self.train.temperature) * xi[n]
             disp = float(np.sqrt(sum(np.sum((params[n] - before[n]) ** 2) for n in PARAMS))) \
                 if before is not None else 0.0
-            row = {"step": k, "risk": g.risk, "grad_norm": g.norm(),
-                   "step_size": self.optimizer.step_size, "displacement": disp,
-                   "wall_time": time.perf_counter() - t0}
+            row.update(grad_norm=g.norm(), step_size=self.optimizer.step_size, displacement=disp,
+                       wall_time=time.perf_counter() - t0)
             self.history.append(row)
-            log.info("train step %4d  risk=%.10e  |grad|=%.3e  step=%.3g  %7.1f s",
-                     k, g.risk, row["grad_norm"], disp, row["wall_time"])
+            log.info("train step %4d  risk=%.10e%s  |grad|=%.3e  step=%.3g  %7.1f s", k, g.risk,
+                     "".join(f"  {c}={row[c]:.6e}" for c in ("train_risk", "test_risk", "penalty")
+                             if row.get(c) is not None), row["grad_norm"], disp, row["wall_time"])
             on_root(self.comm, self._write, k, before)   # a full disk ends every rank
             if k < steps and ((k + 1) % self.train.checkpoint_every == 0 or k + 1 == steps):
                 on_root(self.comm, write_checkpoint, self.checkpoint_file, self.heads, self.optimizer,
@@ -292,6 +383,24 @@ class Trainer:
             self.last_gradient = g
             last = time.perf_counter() - step_start
         return self.history
+
+    def _is_test_step(self, k: int) -> bool:
+        return k % self.train.test_every == 0 or k == self.train.steps
+
+    def _evaluate(self, g, batch: list[int]) -> dict:
+        """At theta_k: the risk on all training prompts (minibatches: the batch's risks and
+        a forward pass of the others) and on the held-out prompts. Their step plans are
+        made afresh at theta_k, as a gradient there would make them."""
+        out = {}
+        if not self.batches.full:
+            rest = [s for s in self.training if s not in set(batch)]
+            self.adjoint.forward.plan_afresh()
+            risks = dict(zip(batch, g.risks)) | dict(zip(rest, self.adjoint.risk(rest)[1] if rest else []))
+            out["train_risk"] = float(np.mean([risks[s] for s in self.training]))
+        if self.held_out:
+            self.adjoint.forward.plan_afresh()
+            out["test_risk"] = self.adjoint.risk(self.held_out)[0]
+        return out
 
     def _out_of_time(self, started: float, last: float) -> bool:
         """Would the next step end past the walltime? Rank 0's clock decides for all
@@ -302,8 +411,8 @@ class Trainer:
 
     def _write(self, k: int, before) -> None:
         """history.csv every step; params and head points of theta_k on output steps."""
-        write_csv(os.path.join(self.outdir, "history.csv"), HISTORY,
-                  [[r[c] for c in HISTORY] for r in self.history])
+        write_csv(os.path.join(self.outdir, "history.csv"), self.columns,
+                  [[float("nan") if r.get(c) is None else r[c] for c in self.columns] for r in self.history])
         if not self._is_output_step(k):
             return
         current = HeadMeasure(*(before[n] for n in PARAMS)) if before is not None else self.heads

@@ -46,7 +46,8 @@ ADVICE = {"mesh": "use more nodes or a coarser mesh",
           "tokens": "use fewer particles.tokens (every rank draws all of them)",
           "tape": "use fewer steps_per_layer or a smaller attention.tape_mb",
           "heads": "use fewer model.layers, heads or key_dim",
-          "laplace_tables": "use more nodes"}
+          "laplace_tables": "use more nodes",
+          "jacobian": "use fewer prompts (data.test_fraction, data.count) or heads"}
 
 SIMPLICES_PER_BOX_CELL = {"interval": 1, "triangle": 2, "quadrilateral": 1, "tetrahedron": 6,
                           "hexahedron": 1}
@@ -114,6 +115,9 @@ def estimate(cfg: dict, command: str, group_size: int, differentiable: bool = Fa
     k = model["key_dim"] or d
     if L is not None and H is not None:
         parts["heads"] = 8 * L * H * (2 * k * d + d * d) * 8   # params, gradients, moments, copies
+    if command == "gram" and L is not None and H is not None:   # J and dA, dV per output, G
+        outputs = len(cfg["prompts"]) * (d + d * (d + 1) // 2)
+        parts["jacobian"] = 8 * outputs * (4 * L * H * (2 * k * d + d * d) + outputs)
     if command == "particles":
         tokens = cfg["particles"]["tokens"]
         parts["tokens"] = PER_TOKEN * d * tokens

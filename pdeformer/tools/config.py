@@ -24,7 +24,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .datasets import check_data, draw_prompts, teacher_given
+from .datasets import check_data, data_set_given, draw_prompts, read_folder, split_prompts, teacher_given
 from .errors import ConfigError
 
 REQUIRED = object()
@@ -268,7 +268,20 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "quadrature_degree": Key(integer(1, 20), None, "quadrature of rho_1 in the objective"),
     },
     "train": {
-        "steps": Key(integer(0, 10**6), 20, "training steps"),
+        "steps": Key(integer(0, 10**6), None, "training steps (default: 20, or from train.epochs)"),
+        "epochs": Key(integer(1, 10**6), None, "train this many passes over the training prompts "
+                      "(steps = epochs x batches per epoch; instead of train.steps)"),
+        "batch_size": Key(integer(1, 10**6), None, "minibatch SGD: training prompts per step, "
+                          "drawn without replacement in an order shuffled every epoch "
+                          "(default: all, full-batch)"),
+        "seed": Key(integer(0, 2**63 - 1), 0, "seed of the minibatch order and of the Langevin noise"),
+        "test_every": Key(integer(1, 10**6), 10, "every n steps (and at the last) the risk on all "
+                          "training prompts (with minibatches) and on the held-out prompts"),
+        "temperature": Key(number(nonnegative=True), 0.0,
+                           "Langevin noise: gd adds sqrt(2 lr temperature) N(0, 1) to every "
+                           "head parameter (mean-field Langevin dynamics)"),
+        "weight_decay": Key(number(nonnegative=True), 0.0, "L2 penalty (weight_decay / 2) x the mean "
+                            "over heads of |Q|^2 + |K|^2 + |V|^2, added to the risk"),
         "lr": Key(number(positive=True), 0.05, "learning rate (gd: particles move by -lr L H dR/dtheta)"),
         "optimizer": Key(string(("gd", "adam")), "gd", "gd (the gradient flow's Euler step) or adam"),
         "beta1": Key(number(nonnegative=True, hi=0.999999), 0.9, "adam: first-moment decay"),
@@ -320,6 +333,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
                        "each prompt's target is the teacher's output for it"),
         "teacher_seed": Key(integer(0, 2**63 - 1), None,
                             "targets from a random teacher of the model's sizes drawn with this seed"),
+        "folder": Key(path, None, "a data set read from files: every .npz or .csv file of this "
+                      "folder is a prompt (a density, or a point cloud), in name order; a file of "
+                      "the same name in its subfolder targets/ is that prompt's target"),
+        "test_fraction": Key(number(nonnegative=True, hi=0.9), 0.0,
+                             "hold out the last round(fraction x S) prompts: a test risk, not trained on"),
     },
     "parallel": {
         "prompt_groups": Key(integer(1, 10**6), 1,
@@ -425,7 +443,8 @@ def options(cfg: dict) -> Options:
     return Options(**typed, petsc=dict(cfg["petsc"]), prompts=tuple(cfg["prompts"]))
 
 
-PATH_KEYS = (("mesh", "file"), ("model", "params"), ("output", "dir"), ("data", "teacher"))
+PATH_KEYS = (("mesh", "file"), ("model", "params"), ("output", "dir"), ("data", "teacher"),
+             ("data", "folder"))
 
 
 def _unknown(key: str, allowed) -> ConfigError:
@@ -507,16 +526,21 @@ def check_config(raw: dict, base_dir: str, stem: str = "run") -> dict:
         cfg[section] = petsc_options(section, table) if section == "petsc" \
             else check_table(section, table, keys)
     _check_mesh(cfg["mesh"])
-    check_data(cfg["data"], cfg["mesh"])
-    if cfg["data"]["count"]:
-        if "prompts" in raw:
-            raise ConfigError("data.count", "give either [[prompts]] tables or a drawn data set "
-                              "([data] count), not both")
-        cfg["prompts"] = _check_prompts(draw_prompts(cfg["data"], cfg["mesh"]))
+    data = cfg["data"]
+    check_data(data, cfg["mesh"])
+    if data_set_given(data) and "prompts" in raw:
+        key = "data.count" if data["count"] else "data.folder"
+        raise ConfigError(key, "give either [[prompts]] tables or a data set ([data] count or "
+                               "folder), not both")
+    if data["count"]:
+        cfg["prompts"] = _check_prompts(draw_prompts(data, cfg["mesh"]))
+    elif data["folder"] is not None:
+        cfg["prompts"] = _check_prompts(read_folder(data, base_dir, NAME))
     else:
         cfg["prompts"] = _check_prompts(raw.get("prompts", REQUIRED))
-    _check_model(cfg["model"], cfg["data"])
-    _check_objective(cfg["objective"], cfg["prompts"], cfg["mesh"], cfg["data"])
+    _check_model(cfg["model"], data)
+    _check_objective(cfg["objective"], cfg["prompts"], cfg["mesh"], data)
+    _check_train(cfg["train"], len(split_prompts(data, len(cfg["prompts"]))[0]))
     _fill_discretisation(cfg["discretisation"])
     if cfg["output"]["dir"] is None:
         cfg["output"]["dir"] = os.path.join("output", stem)
@@ -642,16 +666,28 @@ def _check_objective(obj: dict, prompts: list, mesh: dict, data: dict | None = N
     want = cls.targets
     if not want:
         return
-    if data is not None and data["count"]:
-        if not teacher_given(data):
-            raise ConfigError("data.teacher", f"missing: objective.kind = {kind!r} needs targets, which "
-                              "a drawn data set takes from a teacher (data.teacher or data.teacher_seed)")
+    if data is not None and teacher_given(data):
         if "moments" not in want:
             raise ConfigError("objective.kind", f"a teacher gives moment targets; objective.kind = "
                               f"{kind!r} needs {' or '.join(repr(k) for k in want)} targets")
+        given = next((i for i, p in enumerate(prompts) if p["target"] is not None), None)
+        if given is not None:
+            raise ConfigError(f"prompts[{given}].target", "given, but the targets come from the teacher "
+                              f"(data.{'teacher' if data['teacher'] is not None else 'teacher_seed'})")
         return
+    if data is not None and data["count"]:
+        raise ConfigError("data.teacher", f"missing: objective.kind = {kind!r} needs targets, which "
+                          "a drawn data set takes from a teacher (data.teacher or data.teacher_seed)")
+    folder = data is not None and data["folder"] is not None
     for i, p in enumerate(prompts):
         t = p["target"]
+        if t is None and folder:
+            raise ConfigError("data.folder", f"prompt {p['name']!r} has no target file (targets/"
+                              f"{os.path.basename(p['path'])}); objective.kind = {kind!r} needs one "
+                              "per prompt, or a teacher (data.teacher or data.teacher_seed)")
+        if t is not None and folder and t["kind"] not in want:
+            raise ConfigError("data.folder", f"{t['path']}: a {t['kind']!r} target does not fit "
+                              f"objective.kind = {kind!r}")
         if t is None:
             what = "{ mean = [...], cov = [...] }" if want == ("moments",) else \
                 f"a target with kind = {' or '.join(repr(k) for k in want)}"
@@ -660,11 +696,33 @@ def _check_objective(obj: dict, prompts: list, mesh: dict, data: dict | None = N
             raise ConfigError(f"prompts[{i}].target", f"a {t['kind']!r} target does not fit objective.kind = {kind!r}")
 
 
+def _check_train(t: dict, train_prompts: int) -> None:
+    """Steps from epochs (or the default 20), the batch against the training prompts,
+    noise only with gd."""
+    if t["epochs"] is not None:
+        if t["steps"] is not None:
+            raise ConfigError("train.epochs", "give either train.steps or train.epochs, not both")
+        t["steps"] = t["epochs"] * batches_per_epoch(t, train_prompts)
+    elif t["steps"] is None:
+        t["steps"] = 20
+    if t["batch_size"] is not None and t["batch_size"] > train_prompts:
+        raise ConfigError("train.batch_size", f"{t['batch_size']} is more than the {train_prompts} "
+                                              "training prompt(s)")
+    if t["temperature"] > 0 and t["optimizer"] != "gd":
+        raise ConfigError("train.temperature", "Langevin noise needs optimizer = 'gd' (the Euler-Maruyama "
+                                               "step of the gradient flow)")
+
+
+def batches_per_epoch(train: dict, train_prompts: int) -> int:
+    """Minibatches of one pass over the training prompts (the last one may be smaller)."""
+    size = train["batch_size"] or train_prompts
+    return -(-train_prompts // size)
+
+
 def _check_model(m: dict, data: dict | None = None) -> None:
     if m["init"] == "teacher":
-        if data is None or not (data["count"] and (data["teacher"] is not None or data["teacher_seed"] is not None)):
-            raise ConfigError("model.init", "'teacher' needs a drawn data set's teacher (data.count with "
-                              "data.teacher or data.teacher_seed)")
+        if data is None or not teacher_given(data):
+            raise ConfigError("model.init", "'teacher' needs a teacher (data.teacher or data.teacher_seed)")
         if m["params"] is not None:
             raise ConfigError("model.init", "give either model.params or init = 'teacher', not both")
     elif m["init_noise"] != 0.0:

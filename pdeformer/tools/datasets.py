@@ -45,11 +45,13 @@ def _range(data: dict, key: str, positive: bool = False) -> tuple[float, float]:
 
 
 def check_data(data: dict, mesh: dict) -> None:
-    """The ``[data]`` options on their own: ranges, family against the mesh, one teacher."""
+    """The ``[data]`` options on their own: ranges, family against the mesh, one teacher,
+    one source of prompts."""
+    if data["teacher"] is not None and data["teacher_seed"] is not None:
+        raise ConfigError("data.teacher_seed", "give either data.teacher (a file) or data.teacher_seed, not both")
+    if data["folder"] is not None and data["count"]:
+        raise ConfigError("data.folder", "give either data.count (a drawn data set) or data.folder, not both")
     if data["count"] == 0:
-        given = [k for k in ("teacher", "teacher_seed") if data[k] is not None]
-        if given:
-            raise ConfigError(f"data.{given[0]}", "given, but data.count is 0 (no data set)")
         return
     data_dimension(mesh)
     sphere = mesh["shape"] in ("circle", "sphere")
@@ -62,8 +64,6 @@ def check_data(data: dict, mesh: dict) -> None:
     _range(data, "mean_range")
     _range(data, "std_range", positive=True)
     _range(data, "concentration_range", positive=True)
-    if data["teacher"] is not None and data["teacher_seed"] is not None:
-        raise ConfigError("data.teacher_seed", "give either data.teacher (a file) or data.teacher_seed, not both")
 
 
 def draw_prompts(data: dict, mesh: dict) -> list[dict]:
@@ -89,6 +89,86 @@ def draw_prompts(data: dict, mesh: dict) -> list[dict]:
     return prompts
 
 
+PROMPT_FILES = (".npz", ".csv")
+TARGETS = "targets"   # the folder's subfolder of target files
+
+
+def _file_kind(filename: str) -> str:
+    """'file' (a density: arrays points and density, or a csv column density) or
+    'points' (a point cloud) -- what the file holds, read from its array names or header."""
+    if filename.endswith(".npz"):
+        try:
+            with np.load(filename, allow_pickle=False) as f:
+                names = f.files
+        except Exception as e:   # a damaged file
+            raise ConfigError("data.folder", f"{filename}: not a readable .npz ({type(e).__name__}: {e})") from None
+        return "file" if "density" in names else "points"
+    try:
+        with open(filename, newline="") as f:
+            header = f.readline()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError("data.folder", f"{filename}: not a readable .csv ({type(e).__name__})") from None
+    return "file" if "density" in [h.strip() for h in header.split(",")] else "points"
+
+
+def read_folder(data: dict, base_dir: str, name_pattern: str) -> list[dict]:
+    """The prompt tables of ``data.folder``: one per .npz/.csv file, in name order, named
+    by the file's stem (which must match ``name_pattern``); its target the file of the
+    same name in ``targets/`` where there is one. Paths as given (relative to the config's
+    folder, resolved with the config's other paths)."""
+    import os
+    import re
+    folder = data["folder"]
+    where = os.path.join(base_dir, folder)
+    if not os.path.isdir(where):
+        raise ConfigError("data.folder", f"{where}: no such folder")
+    files = sorted(f for f in os.listdir(where) if f.endswith(PROMPT_FILES)
+                   and os.path.isfile(os.path.join(where, f)))
+    if not files:
+        raise ConfigError("data.folder", f"{where}: no prompt files (.npz or .csv)")
+    prompts, stems = [], set()
+    for f in files:
+        stem = os.path.splitext(f)[0]
+        if not re.fullmatch(name_pattern, stem) or stem in stems:
+            why = "a second file of that name" if stem in stems else \
+                "a prompt name must be 1 to 64 letters, digits, '_' or '-'"
+            raise ConfigError("data.folder", f"{os.path.join(where, f)}: {why}; rename it")
+        stems.add(stem)
+        table = {"name": stem, "kind": _file_kind(os.path.join(where, f)), "path": os.path.join(folder, f)}
+        target = os.path.join(where, TARGETS, f)
+        if os.path.isfile(target):
+            table["target"] = {"kind": _file_kind(target), "path": os.path.join(folder, TARGETS, f)}
+        prompts.append(table)
+    return prompts
+
+
+def data_set_given(data: dict) -> bool:
+    """Whether the prompts come from ``[data]`` (drawn or read from a folder)."""
+    return data["count"] > 0 or data["folder"] is not None
+
+
 def teacher_given(data: dict) -> bool:
-    """Whether the data set's targets come from a teacher."""
-    return data["count"] > 0 and (data["teacher"] is not None or data["teacher_seed"] is not None)
+    """Whether the prompts' targets come from a teacher."""
+    return data["teacher"] is not None or data["teacher_seed"] is not None
+
+
+def split_prompts(data: dict, count: int) -> tuple[list[int], list[int]]:
+    """Training and held-out prompt indices: the last round(test_fraction x S) prompts
+    are held out (drawn prompts are independent, so that is a random choice). ConfigError
+    where a fraction > 0 holds out none, or leaves no training prompt."""
+    held = int(round(data["test_fraction"] * count))
+    if data["test_fraction"] > 0 and held == 0:
+        raise ConfigError("data.test_fraction", f"{data['test_fraction']:g} of {count} prompt(s) holds out none")
+    if held >= count:
+        raise ConfigError("data.test_fraction", f"{data['test_fraction']:g} of {count} prompt(s) leaves "
+                          "no training prompt")
+    return list(range(count - held)), list(range(count - held, count))
+
+
+def chosen_prompts(problem, prompts: list[int] | None) -> list[int]:
+    """The prompt indices a risk is taken over, sorted: ``prompts``, or the problem's
+    training prompts (all but the held-out ones)."""
+    chosen = sorted(set(problem.training if prompts is None else prompts))
+    if not chosen or not all(0 <= s < len(problem.prompts) for s in chosen):
+        raise ValueError(f"prompt indices {prompts} out of 0..{len(problem.prompts) - 1}")
+    return chosen

@@ -37,6 +37,7 @@ STALE_AFTER = 900.0   # s without a touch: the owner is gone
 # what pdeformer writes into an output folder (moved aside when a new run starts)
 RUN_FILES = ("summary.json", "pdeformer.log", "diagnostics.csv", "gradient.npz", "history.csv",
              "checkpoint.npz", "params_*.npz", "heads_*.vtu", "heads.pvd", "ntk.json", "ntk.png",
+             "gram.json", "gram.npz", "gram.png",
              "convergence.csv", "convergence.md", "convergence.png", ".*.tmp", "*.tmp",
              "fields.npz", "paraview.py",
              *(f"{picture}.{ext}" for picture in ("densities", "diagnostics", "training", "heads", "gradient")
