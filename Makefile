@@ -10,7 +10,7 @@ MPIRUN = mpirun $(shell mpirun --version 2>/dev/null | grep -q "Open MPI" && ech
 
 STUDIES ?= mesh degree layers heads particles
 
-.PHONY: setup run forward test test-slow test-slurm verification pictures clean help
+.PHONY: setup run forward test test-slow test-slurm verification training-studies pictures clean help
 
 help:
 	@echo "make setup      install what is missing (Debian packages, .venv, pdeformer)"
@@ -20,6 +20,7 @@ help:
 	@echo "make test-slow  the slow convergence studies"
 	@echo "make test-slurm runs/slurm.sh under a one-node SLURM set up here (root; not in make test)"
 	@echo "make verification  run runs/studies/*.toml and refresh docs/verification/"
+	@echo "make training-studies  the teacher-student and SGD studies -> docs/training/ (about 1 h)"
 	@echo "make pictures   forward and train $(CONFIG), refresh the README's pictures in docs/pictures/"
 
 setup:
@@ -47,6 +48,9 @@ verification: setup
 	  cp runs/studies/output/$$s/convergence.md docs/verification/$$s.md; \
 	  cp runs/studies/output/$$s/convergence.png docs/verification/$$s.png; \
 	done
+
+training-studies: setup
+	$(PY) runs/studies/training.py all --np $(NP)
 
 # the README's pictures: what `make forward` and `make run` draw, and a ParaView screenshot
 PICTURES_RUNS ?= runs/output/pictures
