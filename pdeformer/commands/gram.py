@@ -35,11 +35,14 @@ from ..tools.errors import ConfigError
 log = logging.getLogger("pdeformer")
 
 
-def check_inputs(problem) -> None:
-    """The Gram matrix needs an objective with finitely many outputs (moments)."""
-    if not hasattr(problem.objective, "outputs"):
+def check_inputs(cfg: dict) -> None:
+    """The Gram matrix needs an objective with finitely many outputs (moments): checked
+    on the config, before anything is built (the same on every rank)."""
+    from ..model.objectives import OBJECTIVES
+    kind = cfg["objective"]["kind"]
+    if kind is not None and not hasattr(OBJECTIVES[kind], "outputs"):
         raise ConfigError("objective.kind", f"gram needs an objective whose value is 1/2 |y - y*|^2 of "
-                          f"finitely many outputs y: 'moments' (got {problem.opts.objective.kind!r})")
+                          f"finitely many outputs y: 'moments' (got {kind!r})")
 
 
 def gram_analysis(y: np.ndarray, ystar: np.ndarray, J: np.ndarray, prompts: int, layers: int,

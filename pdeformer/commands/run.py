@@ -460,8 +460,8 @@ def run_gram(cfg: dict, comm=None) -> dict:
     summary.json."""
     from ..solvers.adjoint import AdjointSolver
     from .gram import check_inputs, gram_analysis, plot_gram
-    run = Run("gram", cfg, comm or MPI.COMM_WORLD, differentiable=True,
-              check=lambda p: check_inputs(p))
+    check_inputs(cfg)
+    run = Run("gram", cfg, comm or MPI.COMM_WORLD, differentiable=True)
     p = run.problem
     adj = AdjointSolver(run.solver, p.objective, p.targets, cfg["objective"]["quadrature_degree"])
     train = p.opts.train

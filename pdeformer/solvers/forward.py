@@ -147,8 +147,8 @@ def build_problem(cfg: dict, comm, differentiable: bool = False,
     teacher = teacher_heads(comm, opts, heads, d) if teacher_given(cfg["data"]) else None
     if opts.model.init == "teacher":
         near_teacher(heads, teacher, opts.model)
-    if objective is not None and teacher is not None:
-        problem.targets = teacher_targets(problem, teacher)
+    if objective is not None and teacher is not None and "moments" in objective.targets:
+        problem.targets = teacher_targets(problem, teacher)   # (an objective without targets: none)
     return problem
 
 
