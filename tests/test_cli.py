@@ -316,7 +316,7 @@ REDUCED = {  # every config in runs/, at a size a test can afford
     "disk.toml": ["discretisation.degree=1", "model.layers=1", "model.heads=2"],
     "ball.toml": ["model.layers=1", "model.heads=2"],
     "box.toml": ["mesh.cells=[6,6,6]", "model.layers=1", "model.heads=2"],
-    "teacher.toml": ["data.count=2", "mesh.cells=[12,12]", "model.layers=1"],
+    "teacher.toml": ["data.count=4", "train.batch_size=2", "mesh.cells=[12,12]", "model.layers=1"],
     "interval.toml": ["mesh.cells=[50]", "model.layers=2", "model.heads=4"],
     "circle.toml": ["mesh.cells=[48]", "model.layers=2"],       # also in test_sphere.py
     "sphere.toml": ["mesh.refinements=1", "model.layers=1"],
