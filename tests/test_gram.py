@@ -53,8 +53,9 @@ fields = false
 def test_the_prediction_is_exact_for_a_linear_model():
     """Y = J theta: gd with theta <- theta - lr L H J^T r / S gives residuals
     (I - a G)^k r_0, a = lr L H / S; the predicted risk curve equals the simulated one,
-    the slowest rate is -2 log(1 - a lambda_min), and a G with a null space keeps the
-    residual's part there (the plateau)."""
+    the slowest rate is -2 log(1 - a lambda_min) (and that of lambda_max where a larger
+    step overshoots it), and a G with a null space keeps the residual's part there (the
+    plateau)."""
     rng = np.random.default_rng(0)
     S, m, P, L, H, lr = 3, 5, 40, 2, 3, 0.2
     J = rng.normal(size=(S * m, P)) / (L * H)
@@ -71,6 +72,11 @@ def test_the_prediction_is_exact_for_a_linear_model():
     lam = np.linalg.eigvalsh(J @ J.T)
     assert out["slowest_rate"] == pytest.approx(-2 * np.log(1 - lr * L * H / S * lam[0]), rel=1e-10)
     assert out["injective"] and out["plateau"] < 1e-25
+    lr_big = 1.9 / (L * H / S * lam[-1])          # a lambda_max = 1.9: stable, overshooting
+    out = gram_analysis(J @ theta0, ystar, J, S, L, H, lr_big, 5, 1e-6)
+    rates = -2 * np.log(np.abs(1 - lr_big * L * H / S * lam))
+    assert out["stable"] and out["slowest_rate"] == pytest.approx(rates.min(), rel=1e-12)
+    assert rates.argmin() == len(lam) - 1          # the largest eigenvalue is the slowest here
     # a Jacobian of rank 10 < 15 outputs: five lost directions and the risk they keep
     low = J[:, :10] @ np.linalg.qr(rng.normal(size=(10, 10)))[0] @ np.eye(10, P)
     out = gram_analysis(low @ theta0, ystar, low, S, L, H, lr, 2000, 1e-6)
@@ -144,8 +150,8 @@ def test_a_gd_step_changes_the_risk_as_the_gram_predicts(tmp_path):
 def test_more_outputs_than_directions_lose_some(tmp_path):
     """Eight prompts (40 outputs) for one layer of two heads (24 parameters, 8 of them
     gauge: Q -> M Q, K -> M^-T K for M in GL(2), per head): 16 directions, so 24 are lost
-    (measured: lambda_16 = 4e-7, lambda_17 = 2e-16 of lambda_1 ~ 0.03) and the risk they
-    hold is the plateau."""
+    (measured: lambda_1 = 2.6, lambda_16 = 4e-7, lambda_17 = 2e-16) and the risk they hold
+    is the plateau."""
     path = write_config(tmp_path, CONFIG.replace("count = 3", "count = 8").replace("layers = 2", "layers = 1"))
     run_cli(["gram", path, "--set", "output.dir=gram"], cwd=str(tmp_path))
     gram = json.loads((tmp_path / "gram" / "gram.json").read_text())

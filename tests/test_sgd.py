@@ -130,6 +130,7 @@ def test_epochs_give_the_steps_and_history_has_the_columns_that_apply():
     ({"epochs": 2, "steps": 3}, {}, "train.epochs: give either train.steps or train.epochs"),
     ({"temperature": 0.1, "optimizer": "adam"}, {}, "train.temperature: Langevin noise needs optimizer = 'gd'"),
     ({}, {"test_fraction": 0.04}, "data.test_fraction: 0.04 of 10 prompt(s) holds out none"),
+    ({"batch_size": 9}, {"test_fraction": 0.15}, "train.batch_size: 9 is more than the 8 training"),  # 1.5 -> 2
     ({}, {"count": 1, "test_fraction": 0.9}, "data.test_fraction: 0.9 of 1 prompt(s) leaves no training prompt"),
     ({}, {"test_fraction": 0.95}, "data.test_fraction: expected a number <= 0.9, got 0.95"),
     ({"temperature": -1.0}, {}, "train.temperature: expected a non-negative number"),
@@ -183,6 +184,19 @@ def test_a_data_set_from_a_folder(tmp_path):
         check_config(base, str(tmp_path))
     with pytest.raises(ConfigError, match="^data.folder: .*nowhere: no such folder"):
         check_config(dict(base, data={"folder": "nowhere"}), str(tmp_path))
+    (tmp_path / "data" / "bad name.csv").unlink()
+    teacher = dict(base, objective={"kind": "moments"}, data={"folder": "data", "teacher_seed": 1})
+    with pytest.raises(ConfigError, match=r"^data.folder: .*targets/p00.npz: a target file, but the "
+                                          r"targets come from the teacher \(data.teacher_seed\)"):
+        check_config(teacher, str(tmp_path))
+    for f in (tmp_path / "data" / "targets").iterdir():
+        f.unlink()
+    with pytest.raises(ConfigError, match="^data.teacher_seed: prompt 'p03' is a point cloud"):
+        check_config(teacher, str(tmp_path))
+    (tmp_path / "data" / "p03.npz").unlink()
+    assert len(check_config(teacher, str(tmp_path))["prompts"]) == 3
+    with pytest.raises(ConfigError, match="^data.teacher: missing: objective.kind = 'moments' needs moment"):
+        check_config(dict(teacher, data={"folder": "data"}), str(tmp_path))
 
 
 # ------------------------------------------------------------------ with the solver

@@ -64,18 +64,19 @@ def gram_analysis(y: np.ndarray, ystar: np.ndarray, J: np.ndarray, prompts: int,
     with np.errstate(over="ignore", invalid="ignore"):      # unstable: the curve runs to inf
         curve = 0.5 / prompts * np.sum(c**2 * factor[None, :] ** (2 * k), axis=1)
     # the rate the risk falls at once the fast modes are gone: that of the slowest kept
-    # mode the residual has a part in (others are invisible in the risk)
+    # mode the residual has a part in (others are invisible in the risk). The slowest is
+    # not always the smallest lambda: past a (lambda_max + lambda_min) = 2 the step
+    # overshoots the largest modes, which then decay slowest.
     seen = kept & (c**2 > 1e-24 * max(float(np.sum(c**2)), 1e-300))
-    slowest = int(np.flatnonzero(seen)[-1]) if seen.any() else None
     return {
         "outputs": int(len(y)), "params": int(J.shape[1]), "prompts": int(prompts),
-        "eigenvalues": lam.tolist(), "ratio": float(lam[-1] / lam_max) if lam_max > 0 else 0.0,
+        "eigenvalues": lam.tolist(), "ratio": max(float(lam[-1] / lam_max), 0.0) if lam_max > 0 else 0.0,
         "injective": bool(kept.all()), "tol": tol, "lost_directions": int((~kept).sum()),
         "lr": lr, "layers": layers, "heads": heads, "step_factor": a,
         "stable": bool(a * lam_max < 2), "risk": float(0.5 / prompts * r @ r),
         "residual_components": c.tolist(), "mode_rates": rates.tolist(),
-        "slowest_rate": float(rates[kept][-1]) if kept.any() else 0.0,
-        "asymptotic_rate": float(rates[slowest]) if slowest is not None else None,
+        "slowest_rate": float(rates[kept].min()) if kept.any() else 0.0,
+        "asymptotic_rate": float(rates[seen].min()) if seen.any() else None,
         "plateau": float(0.5 / prompts * np.sum(c[~kept] ** 2)),
         "predicted_risk": curve.tolist()}
 

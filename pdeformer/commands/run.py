@@ -389,8 +389,8 @@ def run_train(cfg: dict, comm=None, restart: bool = False, walltime: float | Non
 
 def _trained_densities(run: Run, trainer):
     """fields.npz's frames at the trained heads: one more forward pass (it replays the
-    step plan of the last gradient, made at these heads: the densities of the last
-    risk). None with ``[output] plots = false``, or where the walltime guard would stop
+    step plans made at these heads by the last gradient and risk evaluations: the
+    densities of the last risk). None with ``[output] plots = false``, or where the walltime guard would stop
     the pass (it takes about half a training step). Its steps and evaluations are left
     out of the summary's counts; its time is the phase "snapshots" (the velocity and
     transport phases include it)."""
@@ -472,8 +472,10 @@ def run_gram(cfg: dict, comm=None) -> dict:
                                train.lr, train.steps, p.opts.ntk.tol)
         result["prompts_used"] = [p.prompts[s][0] for s in p.training]
         result["output_names"] = p.objective.output_names(p.dim)
-        if train.optimizer != "gd" or train.weight_decay or train.temperature:
-            log.warning("warning: the prediction is that of plain gd (no adam, weight decay or noise)")
+        if train.optimizer != "gd" or train.weight_decay or train.temperature or \
+                (train.batch_size or len(p.training)) < len(p.training):
+            log.warning("warning: the prediction is that of plain full-batch gd (no adam, minibatches, "
+                        "weight decay or noise)")
         log.info("Gram %d x %d: lambda_min/lambda_max = %.3e (%s), %d lost direction(s)",
                  result["outputs"], result["outputs"], result["ratio"],
                  "injective" if result["injective"] else "not injective", result["lost_directions"])

@@ -178,7 +178,8 @@ class AdjointSolver:
                                                     tr.comm)
                 if groups.lead:   # (summed over the world below: one rank per group gives y)
                     y[row] = values
-                self.start = fw.comm.allreduce(float(np.abs(dy).max(initial=0.0)), op=MPI.MAX)
+                per_rho = dy / np.where(self.rule.measure > 0, self.rule.measure, 1.0)   # as _dF
+                self.start = fw.comm.allreduce(float(np.abs(per_rho).max(initial=0.0)), op=MPI.MAX)
                 name = fw.problem.prompts[s][0]
                 for j in range(m):
                     lam = self.rule.transpose(dy[j], tr.cell_dofs, tr.n_owned)

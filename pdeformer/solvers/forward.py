@@ -123,7 +123,7 @@ def build_problem(cfg: dict, comm, differentiable: bool = False,
         comm = groups.comm
     opts = options(cfg)
     if differentiable and opts.objective.kind is None:
-        raise ConfigError("objective.kind", "missing: gradient and train need an [objective]")
+        raise ConfigError("objective.kind", "missing: gradient, train and gram need an [objective]")
     mesh = make_mesh(comm, opts.mesh)
     d = token_dim(mesh)
     radius = sphere_radius(comm, mesh) if is_manifold(mesh) else None

@@ -389,16 +389,15 @@ class Trainer:
 
     def _evaluate(self, g, batch: list[int]) -> dict:
         """At theta_k: the risk on all training prompts (minibatches: the batch's risks and
-        a forward pass of the others) and on the held-out prompts. Their step plans are
-        made afresh at theta_k, as a gradient there would make them."""
+        a forward pass of the others) and on the held-out prompts. The step's gradient has
+        just planned afresh, so these prompts' step plans are made at theta_k, as a
+        gradient there would make them (plans are kept per prompt)."""
         out = {}
         if not self.batches.full:
             rest = [s for s in self.training if s not in set(batch)]
-            self.adjoint.forward.plan_afresh()
             risks = dict(zip(batch, g.risks)) | dict(zip(rest, self.adjoint.risk(rest)[1] if rest else []))
             out["train_risk"] = float(np.mean([risks[s] for s in self.training]))
         if self.held_out:
-            self.adjoint.forward.plan_afresh()
             out["test_risk"] = self.adjoint.risk(self.held_out)[0]
         return out
 

@@ -670,10 +670,16 @@ def _check_objective(obj: dict, prompts: list, mesh: dict, data: dict | None = N
         if "moments" not in want:
             raise ConfigError("objective.kind", f"a teacher gives moment targets; objective.kind = "
                               f"{kind!r} needs {' or '.join(repr(k) for k in want)} targets")
+        teacher = f"data.{'teacher' if data['teacher'] is not None else 'teacher_seed'}"
         given = next((i for i, p in enumerate(prompts) if p["target"] is not None), None)
         if given is not None:
-            raise ConfigError(f"prompts[{given}].target", "given, but the targets come from the teacher "
-                              f"(data.{'teacher' if data['teacher'] is not None else 'teacher_seed'})")
+            where = ("data.folder", f"{prompts[given]['target']['path']}: a target file") \
+                if data["folder"] is not None else (f"prompts[{given}].target", "given")
+            raise ConfigError(where[0], f"{where[1]}, but the targets come from the teacher ({teacher})")
+        cloud = next((p["name"] for p in prompts if p["kind"] == "points"), None)
+        if cloud is not None:
+            raise ConfigError(teacher, f"prompt {cloud!r} is a point cloud: a teacher's targets come "
+                              "from the mesh model, which needs densities")
         return
     if data is not None and data["count"]:
         raise ConfigError("data.teacher", f"missing: objective.kind = {kind!r} needs targets, which "
@@ -681,6 +687,9 @@ def _check_objective(obj: dict, prompts: list, mesh: dict, data: dict | None = N
     folder = data is not None and data["folder"] is not None
     for i, p in enumerate(prompts):
         t = p["target"]
+        if t is None and folder and want == ("moments",):
+            raise ConfigError("data.teacher", f"missing: objective.kind = {kind!r} needs moment targets, "
+                              "which a folder data set takes from a teacher (data.teacher or data.teacher_seed)")
         if t is None and folder:
             raise ConfigError("data.folder", f"prompt {p['name']!r} has no target file (targets/"
                               f"{os.path.basename(p['path'])}); objective.kind = {kind!r} needs one "

@@ -154,9 +154,10 @@ def teacher_given(data: dict) -> bool:
 
 def split_prompts(data: dict, count: int) -> tuple[list[int], list[int]]:
     """Training and held-out prompt indices: the last round(test_fraction x S) prompts
-    are held out (drawn prompts are independent, so that is a random choice). ConfigError
+    are held out, halves rounded up (drawn prompts are independent, so that is a random
+    choice; a folder's are its last files by name). ConfigError
     where a fraction > 0 holds out none, or leaves no training prompt."""
-    held = int(round(data["test_fraction"] * count))
+    held = int(np.floor(data["test_fraction"] * count + 0.5))     # halves round up
     if data["test_fraction"] > 0 and held == 0:
         raise ConfigError("data.test_fraction", f"{data['test_fraction']:g} of {count} prompt(s) holds out none")
     if held >= count:
