@@ -163,6 +163,6 @@ class Gradient:
 
 
 def query_key_derivatives(heads: "HeadMeasure", dA: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """dR/dQ, dR/dK from dR/dA (L, H, d, d): A = K^T Q, so dR/dQ = K dR/dA and
-    dR/dK = Q (dR/dA)^T."""
-    return (np.einsum("lhki,lhij->lhkj", heads.K, dA), np.einsum("lhki,lhji->lhkj", heads.Q, dA))
+    """dR/dQ, dR/dK from dR/dA (..., L, H, d, d; leading axes: one derivative per output):
+    A = K^T Q, so dR/dQ = K dR/dA and dR/dK = Q (dR/dA)^T."""
+    return (np.einsum("lhki,...lhij->...lhkj", heads.K, dA), np.einsum("lhki,...lhji->...lhkj", heads.Q, dA))

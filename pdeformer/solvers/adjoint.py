@@ -28,7 +28,7 @@ from mpi4py import MPI
 from ..tools.datasets import chosen_prompts
 from ..tools.errors import SolverBreakdown
 from .forward import ForwardSolver, located
-from ..model.heads import Gradient
+from ..model.heads import Gradient, query_key_derivatives
 from ..integrator.march import sweep_back
 from ..model.objectives import default_quadrature_degree
 from ..tools.parallel import any_rank
@@ -190,8 +190,7 @@ class AdjointSolver:
                     sweep_back(tape, lam, step_vjp)
         for a in (y, dA, dV):
             groups.world.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
-        dQ = np.einsum("lhki,nolhij->nolhkj", heads.K, dA)     # A = K^T Q (query_key_derivatives)
-        dK = np.einsum("lhki,nolhji->nolhkj", heads.Q, dA)
+        dQ, dK = query_key_derivatives(heads, dA)
         J = np.concatenate([a.reshape(len(chosen) * m, -1) for a in (dQ, dK, dV)], axis=1)
         return y.ravel(), ystar.ravel(), J
 

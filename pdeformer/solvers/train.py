@@ -41,7 +41,7 @@ import time
 
 import numpy as np
 
-from ..tools.config import options
+from ..tools.config import batches_per_epoch, options
 from ..tools.datasets import data_set_given, teacher_given
 from ..tools.errors import InputError
 from ..model.heads import HeadMeasure
@@ -74,7 +74,7 @@ class Batches:
         self.training = np.asarray(training)
         self.size = batch_size or len(training)
         self.seed = seed
-        self.per_epoch = -(-len(training) // self.size)
+        self.per_epoch = batches_per_epoch(batch_size, len(training))
         self._order = (None, None)   # (epoch, permutation)
 
     @property
@@ -394,7 +394,8 @@ class Trainer:
         gradient there would make them (plans are kept per prompt)."""
         out = {}
         if not self.batches.full:
-            rest = [s for s in self.training if s not in set(batch)]
+            taken = set(batch)
+            rest = [s for s in self.training if s not in taken]
             risks = dict(zip(batch, g.risks)) | dict(zip(rest, self.adjoint.risk(rest)[1] if rest else []))
             out["train_risk"] = float(np.mean([risks[s] for s in self.training]))
         if self.held_out:

@@ -711,7 +711,7 @@ def _check_train(t: dict, train_prompts: int) -> None:
     if t["epochs"] is not None:
         if t["steps"] is not None:
             raise ConfigError("train.epochs", "give either train.steps or train.epochs, not both")
-        t["steps"] = t["epochs"] * batches_per_epoch(t, train_prompts)
+        t["steps"] = t["epochs"] * batches_per_epoch(t["batch_size"], train_prompts)
     elif t["steps"] is None:
         t["steps"] = 20
     if t["batch_size"] is not None and t["batch_size"] > train_prompts:
@@ -722,10 +722,10 @@ def _check_train(t: dict, train_prompts: int) -> None:
                                                "step of the gradient flow)")
 
 
-def batches_per_epoch(train: dict, train_prompts: int) -> int:
-    """Minibatches of one pass over the training prompts (the last one may be smaller)."""
-    size = train["batch_size"] or train_prompts
-    return -(-train_prompts // size)
+def batches_per_epoch(batch_size: int | None, train_prompts: int) -> int:
+    """Minibatches of one pass over the training prompts (the last one may be smaller;
+    ``batch_size`` None: one, the full batch)."""
+    return -(-train_prompts // (batch_size or train_prompts))
 
 
 def _check_model(m: dict, data: dict | None = None) -> None:

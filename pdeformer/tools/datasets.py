@@ -11,6 +11,10 @@ restart). Each prompt is a mixture with a number of components uniform in
 * ``von_mises_fisher`` (circle, sphere): uniformly random mean directions, concentrations
   uniform in ``concentration_range``.
 
+``[data] folder`` instead reads one prompt per .npz/.csv file of a folder (a density or
+a point cloud, its target the file of the same name in ``targets/``: :func:`read_folder`).
+``test_fraction`` holds out the last prompts of any data set (:func:`split_prompts`).
+
 The drawn prompts are ordinary prompt tables: the checked configuration (summary.json)
 records every one of them. Their targets come from a teacher (``data.teacher``, a heads
 file, or ``data.teacher_seed``, random heads of the model's sizes): see
@@ -18,6 +22,9 @@ file, or ``data.teacher_seed``, random heads of the model's sizes): see
 """
 
 from __future__ import annotations
+
+import os
+import re
 
 import numpy as np
 
@@ -116,8 +123,6 @@ def read_folder(data: dict, base_dir: str, name_pattern: str) -> list[dict]:
     by the file's stem (which must match ``name_pattern``); its target the file of the
     same name in ``targets/`` where there is one. Paths as given (relative to the config's
     folder, resolved with the config's other paths)."""
-    import os
-    import re
     folder = data["folder"]
     where = os.path.join(base_dir, folder)
     if not os.path.isdir(where):
