@@ -19,7 +19,7 @@ help:
 	@echo "make test       the test suite (serial and mpirun -n 2 cases)"
 	@echo "make test-slow  the slow convergence studies"
 	@echo "make test-slurm runs/slurm.sh under a one-node SLURM set up here (root; not in make test)"
-	@echo "make verification  run runs/studies/*.toml and refresh docs/verification/"
+	@echo "make verification  the convergence studies and the error budget -> docs/verification/ (about 20 min)"
 	@echo "make training-studies  the teacher-student and SGD studies -> docs/training/ (about 1 h)"
 	@echo "make pictures   forward and train $(CONFIG), refresh the README's pictures in docs/pictures/"
 
@@ -44,10 +44,14 @@ test-slurm: setup
 verification: setup
 	@mkdir -p docs/verification
 	@for s in $(STUDIES); do \
-	  $(MPIRUN) -n $(NP) $(VENV)/bin/pdeformer converge runs/studies/$$s.toml -q || exit 1; \
+	  $(MPIRUN) -n $(NP) $(VENV)/bin/pdeformer converge runs/studies/$$s.toml -q \
+	    $$(grep -q "^seeds" runs/studies/$$s.toml && echo --set study.groups=$(NP)) || exit 1; \
 	  cp runs/studies/output/$$s/convergence.md docs/verification/$$s.md; \
 	  cp runs/studies/output/$$s/convergence.png docs/verification/$$s.png; \
 	done
+	$(MPIRUN) -n $(NP) $(VENV)/bin/pdeformer budget runs/studies/budget.toml -q --set budget.groups=$(NP)
+	cp runs/studies/output/budget/budget.md docs/verification/budget.md
+	cp runs/studies/output/budget/budget.png docs/verification/budget.png
 
 training-studies: setup
 	$(PY) runs/studies/training.py all --np $(NP)

@@ -26,6 +26,7 @@ def test_shipped_studies_load():
     names = [n for n in os.listdir(STUDIES) if n.endswith(".toml")]
     studies = [n for n in names if "[study]" in open(os.path.join(STUDIES, n)).read()]
     assert {"mesh.toml", "degree.toml", "layers.toml", "heads.toml", "particles.toml"} <= set(studies)
+    names = [n for n in names if "[budget]" not in open(os.path.join(STUDIES, n)).read()]  # test_budget.py
     for n in names:
         if n in studies:
             s = load_study(os.path.join(STUDIES, n))
@@ -127,3 +128,99 @@ def test_walltime_guard_stops_training_with_a_checkpoint(tmp_path):
     run_cli(["train", cfg, "--restart", "--set", "output.dir=cut"], cwd=str(tmp_path))
     full, cut = history(tmp_path / "full"), history(tmp_path / "cut")
     assert [r["risk"] for r in full] == [r["risk"] for r in cut]
+
+
+# ------------------------------------------------------------------ ensembles
+
+ENSEMBLE = ["study.values=[2,8]", "study.seeds=4", "study.groups=1",
+            "study.set=[\"model.layers=2\",\"mesh.cells=[10,10]\",\"model.depth=\\\"iid\\\"\"]"]
+
+
+def ensemble(folder):
+    with open(os.path.join(folder, "ensemble.csv"), newline="") as f:
+        return [dict(r, error=float(r["error"])) for r in csv.DictReader(f)]
+
+
+def test_ensemble_members_are_seeded_runs_against_the_exact_limit(tmp_path):
+    """seeds = 4 with reference = expectation: member j is `forward` with model.seed =
+    base + j, and its mean error is |final mean - the prompt's mean| (read from that run's
+    own summary); the table's error is the members' mean with a t interval around it."""
+    import numpy as np
+    run_cli(["converge", os.path.join(STUDIES, "heads.toml"), "--set", *ENSEMBLE,
+             f"output.dir={tmp_path}/h"])
+    members = [r for r in ensemble(tmp_path / "h") if r["quantity"] == "mean" and r["value"] == "8"]
+    assert [r["member"] for r in members] == ["0", "1", "2", "3"]
+    with open(tmp_path / "h" / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["seeds"] == {"model.seed": [3, 4, 5, 6]} and "centred" in summary["reference"]
+    prompt_mean = 0.5 * np.array([-1.0, 0.0]) + 0.5 * np.array([1.0, 0.5])     # depth.toml's prompt
+    for j in (0, 3):
+        run_cli(["forward", os.path.join(STUDIES, "depth.toml"), "--set", "model.layers=2", "model.heads=8",
+                 "mesh.cells=[10,10]", "model.depth=\"iid\"", f"model.seed={3 + j}", f"output.dir={tmp_path}/f{j}"])
+        with open(tmp_path / f"f{j}" / "summary.json") as f:
+            final = np.array(json.load(f)["final_diagnostics"][0]["mean"])
+        assert members[j]["error"] == pytest.approx(np.linalg.norm(final - prompt_mean), rel=1e-9)
+    row = [r for r in table(tmp_path / "h") if r["quantity"] == "mean" and r["value"] == "8"][0]
+    errs = np.array([r["error"] for r in members])
+    assert row["error"] == pytest.approx(errs.mean(), rel=1e-12)
+    half = 3.182446305284263 * errs.std(ddof=1) / 2                         # t_{0.975, 3}
+    assert float(row["ci_high"]) == pytest.approx(errs.mean() + half, rel=1e-9)
+    with open(tmp_path / "h" / "convergence.md") as f:
+        text = f.read()
+    assert "Ensembles of 4 draws" in text and "| mean | " in text.split("Orders fitted")[1]
+
+
+@pytest.mark.mpi
+def test_ensembles_are_the_same_on_1_and_2_ranks_and_in_groups(tmp_path):
+    """The members' errors do not depend on the rank count or on how the members are
+    dealt to groups of ranks (1e-10), against an independent draw with 32 heads."""
+    sets = ENSEMBLE + ["study.reference=\"draw\"", "study.reference_set=[\"model.heads=32\"]",
+                       "study.quantities=[\"l2\",\"mean\",\"cov\"]"]
+    run_cli(["converge", os.path.join(STUDIES, "heads.toml"), "--set", *sets, f"output.dir={tmp_path}/one"])
+    run_cli(["converge", os.path.join(STUDIES, "heads.toml"), "--set", *sets, f"output.dir={tmp_path}/two"],
+            nprocs=2)
+    run_cli(["converge", os.path.join(STUDIES, "heads.toml"), "--set", *sets, "study.groups=2",
+             f"output.dir={tmp_path}/groups"], nprocs=2)
+    one = ensemble(tmp_path / "one")
+    assert len(one) == 2 * 4 * 3 and all(r["error"] > 0 for r in one)
+    for other in ("two", "groups"):
+        rows = ensemble(tmp_path / other)
+        assert [(r["case"], r["member"], r["quantity"]) for r in rows] == \
+            [(r["case"], r["member"], r["quantity"]) for r in one]
+        for a, b in zip(one, rows):
+            assert b["error"] == pytest.approx(a["error"], rel=1e-10), (other, a, b)
+    with open(tmp_path / "groups" / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["reference_seeds"] == ["model.seed=7"] and summary["parallel"]["groups"] == 2
+
+
+@pytest.mark.parametrize("override, message", [
+    ("study.groups=3", "study.groups: 3 groups for 2 seed(s)"),
+    ("study.seed_keys=[\"model.scale\"]", "study.seed_keys: 'model.scale' is not an integer seed"),
+    ("study.quantities=[\"risk\"]", "study.quantities: 'risk' needs a reference run (reference = 'expectation'"),
+])
+def test_ensemble_errors(tmp_path, override, message):
+    from conftest import check_one_line_error
+    proc = run_cli(["converge", os.path.join(STUDIES, "heads.toml"), "--set", "study.seeds=2", override,
+                    f"output.dir={tmp_path}/e"], check=False)
+    check_one_line_error(proc, message)
+
+
+@pytest.mark.mpi
+def test_groups_that_do_not_divide_the_ranks_end_every_rank(tmp_path):
+    from conftest import check_one_line_error
+    proc = run_cli(["converge", os.path.join(STUDIES, "heads.toml"), "--set", *ENSEMBLE, "study.groups=3",
+                    f"output.dir={tmp_path}/e"], nprocs=2, check=False)
+    check_one_line_error(proc, "study.groups: 3 groups cannot split 2 rank(s)")
+
+
+@pytest.mark.mpi
+def test_walltime_guard_in_groups_ends_every_group(tmp_path):
+    """Each group's first rank decides for its group; the study ends on every rank with
+    status walltime and the (here empty) tables written once."""
+    proc = run_cli(["converge", os.path.join(STUDIES, "heads.toml"), "--walltime", "0.001", "--set",
+                    *ENSEMBLE, "study.groups=2", f"output.dir={tmp_path}/w"], nprocs=2)
+    assert "walltime guard" in proc.stderr and "(status walltime)" in proc.stdout
+    with open(tmp_path / "w" / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["status"] == "walltime" and summary["rows"] == []

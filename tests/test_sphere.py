@@ -539,8 +539,9 @@ def test_particle_gradient_on_the_sphere_is_exact(tmp_path, shape, backend):
 @requires_dolfinx
 def test_particles_and_mesh_agree_on_the_sphere(tmp_path):
     """The same vMF prompt and random heads (beta = 2) on an icosphere of 1,280 triangles
-    and with 4,000 tokens: the means move alike (the change of the mean to 6e-3, a tenth
-    of it; the means to 3e-2, four sampling standard errors) and the order parameters
+    and with 4,000 tokens: the means move alike (the change of the mean to 1e-2, a fifth
+    of it and about four sampling standard errors: over token seeds 0-9 it was 1.6e-3 to
+    6.6e-3; the means to 3e-2, four sampling standard errors) and the order parameters
     agree to 2e-2."""
     from pdeformer.model.particles import ParticleSolver
     from pdeformer.solvers.trackers import DiagnosticsTable
@@ -560,7 +561,7 @@ def test_particles_and_mesh_agree_on_the_sphere(tmp_path):
     mesh, part = rows["ForwardSolver"], rows["ParticleSolver"]
     moved = mesh[-1]["mean"] - mesh[0]["mean"]
     assert np.linalg.norm(moved) > 0.05
-    assert np.abs((part[-1]["mean"] - part[0]["mean"]) - moved).max() < 6e-3
+    assert np.abs((part[-1]["mean"] - part[0]["mean"]) - moved).max() < 1e-2
     assert np.abs(part[-1]["mean"] - mesh[-1]["mean"]).max() < 3e-2
     assert abs(part[-1]["extras"]["order"] - mesh[-1]["extras"]["order"]) < 2e-2
 

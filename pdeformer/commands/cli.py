@@ -92,6 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, helptext, description in RUN_COMMANDS:
         _add_run_command(sub, name, helptext, description)
     _add_converge(sub)
+    _add_budget(sub)
     _add_plot(sub)
     sub.add_parser("info", help="versions of pdeformer and its numerical stack",
                    description="Print the versions pdeformer runs with (dolfinx, PETSc, ...).")
@@ -123,19 +124,36 @@ def _add_run_command(sub, name: str, helptext: str, description: str) -> None:
                             "this time; continue later with --restart")
 
 
-def _add_converge(sub) -> None:
-    c = sub.add_parser(
-        "converge", help="a convergence study: one swept parameter against a reference",
-        description="Run every case of a study (a base run config, one swept parameter, a "
-                    "reference: exact, finest or another run) in this MPI job and write "
-                    "convergence.csv, convergence.md, convergence.png and summary.json.",
-        epilog="example: mpirun -n 2 pdeformer converge runs/studies/mesh.toml")
-    c.add_argument("config", nargs="?", help="study file (TOML, with a [study] table)")
-    c.add_argument("--set", dest="overrides", metavar="study.KEY=VALUE", nargs="+",
-                   action="extend", default=[], help="override study values")
+def _add_study_command(sub, name: str, helptext: str, description: str, section: str):
+    """A command that runs a study-like file: FILE, --set section.KEY=VALUE, -q."""
+    c = sub.add_parser(name, help=helptext, description=description,
+                       epilog=f"example: mpirun -n 2 pdeformer {name} runs/studies/"
+                              f"{'mesh' if name == 'converge' else name}.toml")
+    c.add_argument("config", nargs="?", help=f"{section} file (TOML, with a [{section}] table)")
+    c.add_argument("--set", dest="overrides", metavar=f"{section}.KEY=VALUE", nargs="+",
+                   action="extend", default=[], help=f"override {section} values")
     c.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+    return c
+
+
+def _add_converge(sub) -> None:
+    c = _add_study_command(
+        sub, "converge", "a convergence study: one swept parameter against a reference",
+        "Run every case of a study (a base run config, one swept parameter, a reference: "
+        "exact, the exact width limit, finest, another run or an independent draw; ensembles "
+        "of seeds with 95% intervals) in this MPI job and write convergence.csv, "
+        "convergence.md, convergence.png and summary.json.", "study")
     c.add_argument("--walltime", metavar="[D-]HH:MM:SS", type=_duration,
                    help="stop before a case that would end past this time (partial table)")
+
+
+def _add_budget(sub) -> None:
+    _add_study_command(
+        sub, "budget", "how far a finite transformer (L, H, N) is from its mean-field limit",
+        "Measure the depth, width, token and mesh terms of a finite transformer's distance to "
+        "the mean-field limit by ensemble sweeps, fit their constants and check the sum "
+        "against direct measurements. Writes budget.md, budget.json, budget.csv, budget.png "
+        "and summary.json.", "budget")
 
 
 def _add_plot(sub) -> None:
@@ -204,6 +222,14 @@ def _run(args, comm) -> int:
             print(f"pdeformer: output in {study['output_dir']}")
             print("  " + ", ".join(summary["files"]) + ("" if summary["status"] == "completed"
                                                          else f" (status {summary['status']})"))
+        return 0
+    if args.command == "budget":
+        from .budget import load_budget, run_budget
+        budget = load_budget(*_config_and_overrides(args))
+        summary = run_budget(budget, comm)
+        if comm.rank == 0:
+            print(f"pdeformer: output in {budget['output_dir']}")
+            print("  " + ", ".join(summary["files"]))
         return 0
     config, overrides = _config_and_overrides(args)
     if getattr(args, "prompt_groups", None) is not None:

@@ -14,13 +14,39 @@ Study file::
                                     # model.layers, model.heads, particles.tokens,
                                     # discretisation.cfl, ... (any config key)
     values = [[8, 8], [16, 16], [32, 32]]
-    reference = "exact"             # exact (uniform attention) | finest | run
-    reference_run = "other.toml"    # with reference = "run" (relative to this file)
+    reference = "exact"             # exact | expectation | finest | run | paired | draw
+    reference_run = "other.toml"    # with reference = "run"/"paired" (relative to this file)
     reference_command = "forward"
+    reference_set = []              # overrides of the reference run (run, paired, draw)
     quantities = ["l2", "mean", "cov"]
     expected_order = 2.0            # drawn as a reference slope and reported
     set = ["output.fields=false"]   # overrides applied to every case
     bandwidth = 0.5                 # kernel width of the mmd distance
+    seeds = 16                      # an ensemble of 16 draws per case (default 1)
+    seed_keys = ["model.seed", "particles.seed"]   # the random part an ensemble redraws
+    groups = 1                      # run the ensemble's members in this many rank groups
+
+References: ``exact`` is the exact solution of uniform attention (Q = 0: a translation of
+the prompt); ``expectation`` the H -> infinity limit exactly, where the head law allows
+it: heads drawn by the model's random law have V centred and independent of (Q, K), so
+the mean-field velocity E[V m_theta(x)] = E[V] E[m_theta(x)] vanishes and the limit of
+every draw is the prompt itself; ``finest`` the last case (of the same member of an
+ensemble); ``run`` another run (``reference_run`` with ``reference_set``), computed once;
+``paired`` that run with each member's seeds, computed per member (e.g. the Eulerian
+solution for the same heads as the member's particles); ``draw`` an independent draw of
+the study's own run with ``reference_set`` applied (e.g. ``model.heads=4096``) and every
+seed key set to base + seeds, a seed no member uses.
+
+Ensembles (``seeds = n``): member j of every case runs with each of ``seed_keys`` set to
+its base value + j (so member 0 is the base run, and any member is reproduced with
+``--set model.seed=...``); the seeds do not depend on the rank count. The tables give
+the mean error over the members with its 95% interval (Student's t), and an order fitted
+by weighted least squares over all cases with its 95% interval from the members'
+jackknife (pdeformer.tools.stats; the cases of a member share its draw, the members are
+independent). ``ensemble.csv`` lists every member's errors; a member the walltime guard
+cut short is left out of the tables. ``groups = G``
+splits the ranks into G groups that run blocks of members side by side (G divides the
+rank count, G <= seeds); the results do not depend on G.
 
 Quantities: ``mean`` (|mean - mean_ref|), ``cov`` (||cov - cov_ref||_F) and ``risk``
 (|R - R_ref|) for every command; ``l2``, ``l1`` (density errors, the reference field's
@@ -30,9 +56,9 @@ quadrature; with reference = exact the exact translated prompt) for forward; ``m
 reported. The size that orders refer to: h ~ 1/cells, 1/L, 1/H, 1/N, the cfl number;
 for other parameters the value itself.
 
-Every case runs on all ranks together: prompt groups (``[parallel] prompt_groups`` > 1
-in a case's run configuration) are refused. summary.json has the ``parallel`` accounting
-of the whole study (see pdeformer.tools.parallel.Meter).
+Every case runs on all ranks of its group together: prompt groups (``[parallel]
+prompt_groups`` > 1 in a case's run configuration) are refused. summary.json has the
+``parallel`` accounting of the whole study (see pdeformer.tools.parallel.Meter).
 """
 
 from __future__ import annotations
@@ -47,15 +73,16 @@ import numpy as np
 import ufl
 
 from ..tools.budget import check_memory
-from ..tools.config import Key, check_table, load_config, number, path, string
+from ..tools.config import Key, check_table, integer, load_config, number, path, string
 from ..tools.errors import ConfigError, InputError, status_of
 from ..tools.output import atomic_write, provenance, save_figure, write_csv, write_json
-from ..tools.parallel import (METER, Timer, allgather_rows, describe_parallel, metered, on_root,
-                       parallel_report)
+from ..tools.parallel import (METER, PromptGroups, Timer, allgather_rows, describe_parallel, metered,
+                              on_root, parallel_report)
 
 log = logging.getLogger("pdeformer")
 
 QUANTITIES = ("mean", "cov", "risk", "l2", "l1", "mmd", "gradient")
+REFERENCES = ("exact", "expectation", "finest", "run", "paired", "draw")
 DEFAULTS = {"forward": ["l2", "mean", "cov"], "particles": ["mean", "cov", "mmd"],
             "gradient": ["risk", "gradient"]}
 STUDY = {
@@ -63,14 +90,17 @@ STUDY = {
     "command": Key(string(("forward", "particles", "gradient")), "forward"),
     "parameter": Key(string()),
     "values": Key(lambda k, v: _values(k, v)),
-    "reference": Key(string(("exact", "finest", "run")), "finest"),
+    "reference": Key(string(REFERENCES), "finest"),
     "reference_run": Key(path, None),
     "reference_command": Key(string(("forward", "particles", "gradient")), "forward"),
-    "reference_set": Key(lambda k, v: _strings(k, v), []),
+    "reference_set": Key(lambda k, v: override_strings(k, v), []),
     "quantities": Key(lambda k, v: _quantities(k, v), None),
     "expected_order": Key(number(), None),
-    "set": Key(lambda k, v: _strings(k, v), []),
+    "set": Key(lambda k, v: override_strings(k, v), []),
     "bandwidth": Key(number(positive=True), 0.5),
+    "seeds": Key(integer(1, 10**5), 1),
+    "seed_keys": Key(lambda k, v: _seed_keys(k, v), ["model.seed", "particles.seed"]),
+    "groups": Key(integer(1, 10**5), 1),
 }
 
 
@@ -80,9 +110,15 @@ def _values(key, v):
     return v
 
 
-def _strings(key, v):
+def override_strings(key, v):
     if not isinstance(v, list) or not all(isinstance(x, str) and "=" in x for x in v):
         raise ConfigError(key, "expected a list of \"section.key=value\" strings")
+    return v
+
+
+def _seed_keys(key, v):
+    if not isinstance(v, list) or not v or not all(isinstance(x, str) and x.count(".") == 1 for x in v):
+        raise ConfigError(key, "expected a list of \"section.key\" names of integer seeds")
     return v
 
 
@@ -95,33 +131,58 @@ def _quantities(key, v):
     return v
 
 
-def load_study(filename: str, overrides=()) -> dict:
-    """Read and check a study file (the [study] and an optional [output] table)."""
+def read_study_file(filename: str, section: str, keys: dict, overrides=()) -> tuple[dict, str]:
+    """The checked ``[section]`` table of a study-like file (with ``--set`` overrides) and
+    its folder; ``run`` made absolute, ``output_dir`` ([output] dir, default
+    output/<file name> beside the file) and ``<section>_file`` added."""
     from ..tools.config import apply_override, parse_override, read_toml
-    raw = read_toml(filename, "study file")
+    raw = read_toml(filename, f"{section} file")
     base = os.path.dirname(os.path.abspath(filename))
     for text in overrides:
         apply_override(raw, *parse_override(text), os.getcwd(), base)
     for k in raw:
-        if k not in ("study", "output"):
-            raise ConfigError(k, "unknown section (a study file has [study] and [output])")
-    study = check_table("study", raw.get("study", {}), STUDY)
+        if k not in (section, "output"):
+            raise ConfigError(k, f"unknown section (a {section} file has [{section}] and [output])")
+    table = check_table(section, raw.get(section, {}), keys)
     out = check_table("output", raw.get("output", {}), {"dir": Key(path, None)})
     stem = os.path.splitext(os.path.basename(filename))[0]
-    study["run"] = os.path.normpath(os.path.join(base, study["run"]))
-    if study["reference"] == "run":
+    table["run"] = os.path.normpath(os.path.join(base, table["run"]))
+    table["output_dir"] = os.path.normpath(os.path.join(base, out["dir"] or os.path.join("output", stem)))
+    table[f"{section}_file"] = os.path.abspath(filename)
+    return table, base
+
+
+def load_study(filename: str, overrides=()) -> dict:
+    """Read and check a study file (the [study] and an optional [output] table)."""
+    study, base = read_study_file(filename, "study", STUDY, overrides)
+    if study["reference"] in ("run", "paired"):
         if study["reference_run"] is None:
-            raise ConfigError("study.reference_run", "missing (needed by reference = 'run')")
+            raise ConfigError("study.reference_run", f"missing (needed by reference = '{study['reference']}')")
         study["reference_run"] = os.path.normpath(os.path.join(base, study["reference_run"]))
+    elif study["reference"] == "draw":
+        if study["reference_run"] is not None:
+            raise ConfigError("study.reference_run", "a 'draw' reference is the study's own run "
+                              "(with reference_set): leave reference_run out")
+        study["reference_run"] = study["run"]
+        study["reference_command"] = study["command"]
     study["quantities"] = study["quantities"] or DEFAULTS[study["command"]]
+    if study["parameter"] in study["seed_keys"]:
+        raise ConfigError("study.seed_keys", f"{study['parameter']!r} is the swept parameter: an "
+                          "ensemble would set it again in every case")
+    if study["groups"] > study["seeds"]:
+        raise ConfigError("study.groups", f"{study['groups']} groups for {study['seeds']} seed(s): "
+                          "at most one group per member of the ensemble")
     allowed = {"forward": {"mean", "cov", "risk", "l2", "l1"},
                "particles": {"mean", "cov", "risk", "mmd", "gradient"},
                "gradient": {"mean", "cov", "risk", "gradient"}}[study["command"]]
     for q in study["quantities"]:
         if q not in allowed:
             raise ConfigError("study.quantities", f"{q!r} is not measured by command {study['command']!r}")
-    study["output_dir"] = os.path.normpath(os.path.join(base, out["dir"] or os.path.join("output", stem)))
-    study["study_file"] = os.path.abspath(filename)
+    if study["reference"] in ("exact", "expectation"):
+        for q in study["quantities"]:
+            if q not in ("mean", "cov", "l2", "l1"):
+                raise ConfigError("study.quantities", f"{q!r} needs a reference run (reference = "
+                                  f"{study['reference']!r} gives mean, cov, l2 and l1)")
     return study
 
 
@@ -154,7 +215,6 @@ class Case:
             raise ConfigError("mesh.shape", "convergence studies on a circle or sphere are not "
                               "supported yet (tests/test_sphere.py measures the orders there)")
         t0 = time.perf_counter()
-        check_memory(cfg, command, comm, differentiable=gradient or command == "gradient")
         differentiable = command == "gradient"
         self.problem = build_problem(cfg, comm, differentiable)
         if self.problem.radius is not None:
@@ -221,28 +281,37 @@ class Case:
         return np.concatenate([g.dQ.ravel(), g.dK.ravel(), g.dV.ravel()])
 
 
-def _exact(case: Case):
-    """Exact final mean and cov (and density expression) of uniform attention."""
+def _exact(case: Case, kind: str):
+    """Per prompt (final mean, cov, prompt, shift) of the exact reference: uniform
+    attention translates the prompt by the shift (``exact``); the H -> infinity limit of
+    the model's random head law leaves it where it is (``expectation``)."""
     from ..model.exact import uniform_attention_mean
     from ..model.prompts import GaussianMixture
     p = case.problem
-    if np.any(p.heads.Q != 0):
+    if kind == "exact" and np.any(p.heads.Q != 0):
         raise ConfigError("study.reference", "'exact' needs uniform attention (Q = 0: model.query_scale = 0)")
+    if kind == "expectation" and (case.cfg["model"]["params"] is not None
+                                  or case.cfg["model"]["init"] != "random"):
+        raise ConfigError("study.reference", "'expectation' needs heads drawn from the model's random "
+                          "law (no model.params, model.init = 'random'): only there is V centred and "
+                          "independent of (Q, K), so that the limit velocity vanishes")
     out = []
     for name, prompt in p.prompts:
         if not isinstance(prompt, GaussianMixture):
-            raise ConfigError("study.reference", f"'exact' needs Gaussian-mixture prompts ({name!r} is not)")
-        m1 = uniform_attention_mean(p.heads, prompt.mean(), 1.0)
-        out.append((m1, prompt.cov(), prompt, m1 - prompt.mean()))
+            raise ConfigError("study.reference", f"{kind!r} needs Gaussian-mixture prompts ({name!r} is not)")
+        m0 = prompt.mean()
+        m1 = uniform_attention_mean(p.heads, m0, 1.0) if kind == "exact" else m0
+        out.append((m1, prompt.cov(), prompt, m1 - m0))
     return out
 
 
 def errors(case: Case, ref, kind: str, quantities, bandwidth: float) -> dict:
-    """Error of every quantity of ``case`` against the reference (a Case, or 'exact')."""
+    """Error of every quantity of ``case`` against the reference: a Case, or the exact
+    solution (``kind`` exact or expectation)."""
     comm = case.problem.comm
     out = {}
     S = len(case.problem.prompts)
-    exact = _exact(case) if kind == "exact" else None
+    exact = _exact(case, kind) if kind in ("exact", "expectation") else None
     for q in quantities:
         vals = []
         for s in range(S):
@@ -321,6 +390,7 @@ def _mmd(case, ref, s, bandwidth, comm):
 # --------------------------------------------------------------------------- the study
 
 def orders(sizes, errs):
+    """Observed orders between successive cases: log(e_{i-1}/e_i) / log(h_{i-1}/h_i)."""
     out = [math.nan]
     for i in range(1, len(errs)):
         a, b, sa, sb = errs[i - 1], errs[i], sizes[i - 1], sizes[i]
@@ -329,130 +399,282 @@ def orders(sizes, errs):
     return out
 
 
+def member_sets(study: dict, base: dict, j: int) -> list[str]:
+    """The overrides of ensemble member j: every seed key at its base value + j."""
+    out = []
+    for key in study["seed_keys"]:
+        sec, name = key.split(".")
+        value = base.get(sec, {}).get(name) if isinstance(base.get(sec), dict) else None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError("study.seed_keys", f"{key!r} is not an integer seed of the run "
+                              "configuration (e.g. model.seed, particles.seed, data.seed)")
+        out.append(f"{key}={value + j}")
+    return out
+
+
+def prepare(study: dict) -> tuple[list, list | None, list]:
+    """The configurations of a study: ``cfgs[j][i]`` of member j and case i, the
+    reference's (None; one for all members; one per member where paired) and the seed
+    overrides ``sets[j]`` of members 0..n (member n: the seeds of a drawn reference)."""
+    param, values, n = study["parameter"], study["values"], study["seeds"]
+    base = load_config(study["run"], study["set"])
+    ensemble = n > 1 or study["reference"] in ("draw", "paired")
+    sets = [member_sets(study, base, j) if ensemble else [] for j in range(n + 1)]
+    cfgs = [[load_config(study["run"], study["set"] + [f"{param}={json.dumps(v)}"] + sets[j])
+             for v in values] for j in range(n)]
+    reference_cfgs = None
+    if study["reference"] == "run":
+        reference_cfgs = [load_config(study["reference_run"], study["reference_set"])]
+    elif study["reference"] == "paired":
+        reference_cfgs = [load_config(study["reference_run"], study["reference_set"] + sets[j])
+                          for j in range(n)]
+    elif study["reference"] == "draw":     # seeds base + n: no member uses them
+        reference_cfgs = [load_config(study["run"], study["set"] + study["reference_set"] + sets[n])]
+    return cfgs, reference_cfgs, sets
+
+
 def run_study(study: dict, comm=None, walltime: float | None = None) -> dict:
-    """Run the cases of a study (and its reference), compare them, write the tables and
-    summary.json; a PdeformerError still writes summary.json with its status."""
+    """Run the cases of a study (every member of its ensemble, and its reference),
+    compare them, write the tables and summary.json; a PdeformerError still writes
+    summary.json with its status."""
     from mpi4py import MPI
     from .run import output_session
     METER.reset()
-    comm = metered(comm or MPI.COMM_WORLD)
+    world = metered(comm or MPI.COMM_WORLD)
     timer = Timer()
-    param, values = study["parameter"], study["values"]
-    cfgs = [load_config(study["run"], study["set"] + [f"{param}={json.dumps(v)}"]) for v in values]
-    reference_cfg = None
-    if study["reference"] == "run":
-        reference_cfg = load_config(study["reference_run"], study["reference_set"])
+    param, values, n = study["parameter"], study["values"], study["seeds"]
+    cfgs, reference_cfgs, sets = prepare(study)
+    groups = PromptGroups(world, study["groups"], [f"member {j}" for j in range(n)], "study.groups")
     outdir = study["output_dir"]
-    info = provenance(comm) if comm.rank == 0 else {}
+    info = provenance(world) if world.rank == 0 else {}
 
     def on_error(e):   # agreed on every rank: the summary says how the study ended
-        on_root(comm, write_json, os.path.join(outdir, "summary.json"), {
+        on_root(world, write_json, os.path.join(outdir, "summary.json"), {
             "command": "converge", "status": status_of(e), "error": str(e), "study": study,
-            "provenance": info, "ranks": comm.size, "timings": timer.report(comm)})
+            "provenance": info, "ranks": world.size, "timings": timer.report(world)})
 
-    announce = (f"pdeformer converge {study['study_file']}: {param} over {values} on {comm.size} "
-                f"rank(s), reference {study['reference']}, output in {outdir}")
-    with output_session("converge", outdir, comm, announce, on_error):
-        cases, ref, status = _run_cases(study, cfgs, reference_cfg, comm, timer, walltime)
-        rows = _error_rows(study, cases, ref)
+    announce = (f"pdeformer converge {study['study_file']}: {param} over {values}"
+                + (f", {n} seeds each" if n > 1 else "") + f" on {world.size} rank(s)"
+                + (f" in {groups.count} groups" if groups.count > 1 else "")
+                + f", reference {study['reference']}, output in {outdir}")
+    with output_session("converge", outdir, world, announce, on_error):
+        records, status = run_ensemble(study, cfgs, reference_cfgs, groups, timer, walltime)
+        rows, fits = error_rows(study, records)
         meter = METER.snapshot()
         summary = {"command": "converge", "status": status, "study": study, "provenance": info,
-                   "ranks": comm.size, "rows": rows, "timings": timer.report(comm),
-                   "files": ["convergence.csv", "convergence.md", "convergence.png", "pdeformer.log"]}
-        summary["parallel"] = parallel_report(comm, None, meter)
-        summary["files"] = on_root(comm, _write_study, outdir, study, rows, summary)
+                   "ranks": world.size, "reference": describe_reference(study),
+                   "seeds": _seed_table(study, sets[:n]) if sets[0] else None,
+                   "reference_seeds": sets[n] if study["reference"] == "draw" else None,
+                   "rows": rows, "fits": fits, "timings": timer.report(world),
+                   "files": ["convergence.csv", "convergence.md", "convergence.png", "pdeformer.log"]
+                   + (["ensemble.csv"] if n > 1 else [])}
+        summary["parallel"] = parallel_report(world, None, meter)
+        summary["parallel"].update(groups=groups.count, ranks_per_group=groups.size,
+                                   group_members=groups.blocks)
+        summary["files"] = on_root(world, _write_study, outdir, study, rows, fits, records, summary)
         for r in rows:
-            log.info("%-8s %-10s %-12s error %.4e  order %s", r["quantity"], param, r["value"], r["error"],
+            log.info("%-8s %-10s %-12s error %.4e%s  order %s", r["quantity"], param, r["value"], r["error"],
+                     f" [{r['ci_low']:.3e}, {r['ci_high']:.3e}]" if r["seeds"] > 1 else "",
                      "-" if math.isnan(r["order"]) else f"{r['order']:.2f}")
-        if comm.rank == 0:
+        for q, f in fits.items():
+            log.info("%-8s fitted order %.3f, 95%% interval [%.3f, %.3f]%s", q, f["order"], f["low"],
+                     f["high"], "" if f["expected"] is None else f" (expected {f['expected']:g})")
+        if world.rank == 0:
             log.info(describe_parallel(summary["parallel"]))
         return summary
 
 
-def _run_cases(study: dict, cfgs: list, reference_cfg, comm, timer, walltime) -> tuple[list, object, str]:
-    """(cases, reference, status): the reference run, then the cases (the finest first
-    where it is the reference), stopping before a case the walltime guard would not fit
-    (rank 0 decides for all ranks)."""
+def _seed_table(study: dict, sets: list) -> dict:
+    """{seed key: [its value for member 0, 1, ...]}."""
+    return {k: [int(x.split("=", 1)[1]) for m in sets for x in m if x.startswith(k + "=")]
+            for k in study["seed_keys"]}
+
+
+def describe_reference(study: dict) -> str:
+    """What the study's errors are measured against, in words."""
+    kind, n = study["reference"], study["seeds"]
+    extra = f" with {', '.join(study['reference_set'])}" if study["reference_set"] else ""
+    if kind == "exact":
+        return "the exact solution of uniform attention (Q = 0): the prompt translated"
+    if kind == "expectation":
+        return ("the exact H -> infinity limit over the head law: V is centred and independent of "
+                "(Q, K), so the mean-field velocity E[V] E[m_theta(x)] vanishes and the limit is the "
+                "prompt itself")
+    if kind == "finest":
+        return "the finest case" + (" of the same draw" if n > 1 else "")
+    if kind in ("run", "paired"):
+        rel = os.path.relpath(study["reference_run"], os.path.dirname(study["study_file"]))
+        return f"the run `{rel}`{extra}, " + ("with each member's seeds" if kind == "paired" else "computed once")
+    return f"an independent draw of the base run{extra}, its seeds base + {n} (no member uses them)"
+
+
+def run_ensemble(study: dict, cfgs: list, reference_cfgs, groups, timer, walltime) -> tuple[list, str]:
+    """(records, status): every group runs the reference (if it is a run; a paired one
+    per member) and then its members' cases, the finest first where it is the member's
+    reference, stopping before a run the walltime guard would not fit (each group's
+    first rank decides for its group). A record is one error: {case, member, quantity,
+    error, seconds}; the records of all groups are gathered on every rank. The memory
+    check and the attention costs are settled first, on all ranks together."""
+    from ..attention.costs import machine_costs
     param, values = study["parameter"], study["values"]
+    comm = groups.comm
     wants_grad = "gradient" in study["quantities"]
-    ref = None
-    if reference_cfg is not None:
-        with timer.phase("reference"):
-            ref = Case(study["reference_command"], reference_cfg, comm, timer, wants_grad)
-        log.info("reference run %s: %.1f s", study["reference_run"], ref.seconds)
-    order = list(range(len(values)))
-    if study["reference"] == "finest":   # the finest first: it is every case's reference
-        order = order[-1:] + order[:-1]
-    cases = [None] * len(values)
-    for i in order:
+    kind = study["reference"] if study["reference"] in ("exact", "expectation") else "case"
+    machine_costs(groups.world)     # one measurement: every group chooses alike
+    for command, cfg in [(study["command"], c) for c in cfgs[0]] + \
+            [(study["reference_command"], c) for c in (reference_cfgs or [])[:1]]:
+        check_memory(cfg, command, comm, groups.world,
+                     differentiable=wants_grad or command == "gradient")
+    records, seconds = [], []
+
+    def run(command, cfg, what, phase):
+        """One run, or None where the walltime guard stops before it."""
+        expected = 2.0 * max(seconds) if seconds else 0.0   # the next may be finer
         if walltime is not None and comm.bcast(
-                timer.elapsed() + _expected(cases) > walltime if comm.rank == 0 else None):
+                timer.elapsed() + expected > walltime if comm.rank == 0 else None):
             if comm.rank == 0:
-                log.warning("warning: stopping before %s = %s: the walltime guard (%.0f s) would "
-                            "be passed", param, values[i], walltime)
-            return cases, ref, "walltime"
-        with timer.phase("cases"):
-            cases[i] = Case(study["command"], cfgs[i], comm, timer, wants_grad)
-        log.info("case %s = %s: %.1f s", param, json.dumps(values[i]), cases[i].seconds)
-        if study["reference"] == "finest" and i == len(values) - 1:
-            ref = cases[i]
-    return cases, ref, "completed"
+                log.warning("warning: stopping before %s: the walltime guard (%.0f s) would be "
+                            "passed", what, walltime)
+            return None
+        with timer.phase(phase):
+            case = Case(command, cfg, comm, timer, wants_grad)
+        seconds.append(case.seconds)
+        log.info("%s: %.1f s", what, case.seconds)
+        return case
+
+    with groups.combined():
+        ref, stopped = None, False
+        if reference_cfgs and study["reference"] != "paired":
+            ref = run(study["reference_command"], reference_cfgs[0], f"the reference ({study['reference']})",
+                      "reference")
+            stopped = ref is None
+        order = list(range(len(values)))
+        finest = study["reference"] == "finest"
+        if finest:   # the finest first: it is the reference of its member's cases
+            order = order[-1:] + order[:-1]
+        for j in groups.owned:
+            if stopped:
+                break
+            member = f", member {j}" if study["seeds"] > 1 else ""
+            member_ref = ref
+            if study["reference"] == "paired":
+                member_ref = run(study["reference_command"], reference_cfgs[j], f"the reference{member}",
+                                 "reference")
+                stopped = member_ref is None
+            for i in order if not stopped else ():
+                case = run(study["command"], cfgs[j][i], f"case {param} = {json.dumps(values[i])}{member}",
+                           "cases")
+                if case is None:
+                    stopped = True
+                    break
+                if finest and i == len(values) - 1:
+                    member_ref = case
+                    continue
+                for q, e in errors(case, member_ref, kind, study["quantities"], study["bandwidth"]).items():
+                    records.append({"case": i, "member": j, "quantity": q, "error": e,
+                                    "seconds": case.seconds})
+        status = "walltime" if stopped else "completed"
+    records = sorted(groups.gather_lists(records), key=lambda r: (r["case"], r["member"]))
+    statuses = groups.gather_lists([status])
+    return records, ("walltime" if "walltime" in statuses else "completed")
 
 
-def _error_rows(study: dict, cases: list, ref) -> list[dict]:
-    """One row per case run and quantity: its error against the reference and the
-    observed order against the case before it."""
+def ensemble_matrix(records: list, quantity: str) -> tuple[list, list, np.ndarray]:
+    """(cases, members, errors (cases x members)) of one quantity over the members that
+    have every case (a member the walltime guard cut short is left out; where none has
+    every case, the cases every member has)."""
+    have = {}
+    for r in records:
+        if r["quantity"] == quantity:
+            have.setdefault(r["member"], {})[r["case"]] = r["error"]
+    if not have:
+        return [], [], np.zeros((0, 0))
+    cases = sorted(set().union(*have.values()))
+    members = sorted(j for j, c in have.items() if len(c) == len(cases))
+    if not members:
+        cases = sorted(set.intersection(*(set(c) for c in have.values())))
+        members = sorted(have)
+    return cases, members, np.array([[have[j][i] for j in members] for i in cases]).reshape(len(cases), len(members))
+
+
+def error_rows(study: dict, records: list) -> tuple[list, dict]:
+    """One row per case and quantity (the mean error over the ensemble's members, its
+    95% interval, the observed order against the case before it) and per quantity the
+    order fitted over all cases (pdeformer.tools.stats)."""
+    from ..tools.stats import fit_order, mean_interval
     param, values = study["parameter"], study["values"]
-    kind = "exact" if study["reference"] == "exact" else "case"
     sizes = [size_of(param, v) for v in values]
-    table = {}
-    for i, case in enumerate(cases):
-        if case is None or (study["reference"] == "finest" and i == len(values) - 1):
+    seconds = {}
+    for r in records:
+        seconds.setdefault(r["case"], {})[r["member"]] = r["seconds"]
+    rows, fits = [], {}
+    for q in study["quantities"]:
+        cases, members, E = ensemble_matrix(records, q)
+        if not cases:
             continue
-        for q, e in errors(case, ref, kind, study["quantities"], study["bandwidth"]).items():
-            table.setdefault(q, []).append((i, e))
-    rows = []
-    for q, entries in table.items():
-        idx = [i for i, _ in entries]
-        errs = [e for _, e in entries]
-        for (i, e), o in zip(entries, orders([sizes[i] for i in idx], errs)):
-            rows.append({"case": i, "value": json.dumps(values[i]), "size": sizes[i],
-                         "quantity": q, "error": e, "order": o, "seconds": cases[i].seconds})
-    return rows
+        ivs = [mean_interval(e) for e in E]
+        for i, iv, o in zip(cases, ivs, orders([sizes[i] for i in cases], [iv.mean for iv in ivs])):
+            rows.append({"case": i, "value": json.dumps(values[i]), "size": sizes[i], "quantity": q,
+                         "error": iv.mean, "sem": iv.sem, "ci_low": iv.low, "ci_high": iv.high,
+                         "seeds": iv.n, "order": o,
+                         "seconds": float(np.mean([seconds[i][j] for j in members]))})
+        fit = fit_order([sizes[i] for i in cases], E)
+        if math.isfinite(fit.order):
+            fits[q] = {"order": fit.order, "low": fit.low, "high": fit.high, "constant": fit.constant,
+                       "cases": fit.cases, "seeds": fit.members, "expected": study["expected_order"]}
+    return rows, fits
 
 
-def _write_study(outdir: str, study: dict, rows: list, summary: dict) -> list:
-    """convergence.csv, .md, .png and summary.json (rank 0); the files written."""
-    write_csv(os.path.join(outdir, "convergence.csv"),
-              ["case", "value", "size", "quantity", "error", "order", "seconds"],
-              [[r[k] for k in ("case", "value", "size", "quantity", "error", "order", "seconds")]
-               for r in rows])
-    _markdown(os.path.join(outdir, "convergence.md"), study, rows)
-    if not _plot(os.path.join(outdir, "convergence.png"), study, rows):
+COLUMNS = ("case", "value", "size", "quantity", "error", "sem", "ci_low", "ci_high", "seeds", "order", "seconds")
+
+
+def _write_study(outdir: str, study: dict, rows: list, fits: dict, records: list, summary: dict) -> list:
+    """convergence.csv, .md, .png, ensemble.csv and summary.json (rank 0); the files written."""
+    write_csv(os.path.join(outdir, "convergence.csv"), list(COLUMNS), [[r[k] for k in COLUMNS] for r in rows])
+    if study["seeds"] > 1:
+        write_csv(os.path.join(outdir, "ensemble.csv"), ["case", "value", "member", "quantity", "error"],
+                  [[r["case"], json.dumps(study["values"][r["case"]]), r["member"], r["quantity"], r["error"]]
+                   for r in records])
+    _markdown(os.path.join(outdir, "convergence.md"), study, rows, fits)
+    if not _plot(os.path.join(outdir, "convergence.png"), study, rows, fits):
         summary["files"].remove("convergence.png")
     write_json(os.path.join(outdir, "summary.json"), summary)
     return summary["files"]
 
 
-def _expected(cases) -> float:
-    done = [c.seconds for c in cases if c is not None]
-    return 2.0 * max(done) if done else 0.0   # the next case is finer: allow twice the largest
-
-
-def _markdown(filename, study, rows):
+def _markdown(filename, study, rows, fits):
+    n = study["seeds"]
+    keys = ", ".join(study["seed_keys"])
     lines = [f"# Convergence: {study['parameter']} ({study['command']}, reference {study['reference']})", "",
              f"Base run: `{os.path.relpath(study['run'], os.path.dirname(study['study_file']))}`"
              + (f"; expected order {study['expected_order']:g}" if study["expected_order"] is not None else ""),
-             "", f"| {study['parameter']} | size | quantity | error | order |", "|---|---|---|---|---|"]
+             "", f"Reference: {describe_reference(study)}.", ""]
+    if n > 1:
+        lines += [f"Ensembles of {n} draws per case ({keys} = base + 0..{n - 1}): the error is the mean "
+                  "over the draws, with its 95% interval (Student's t).", ""]
+    lines += [f"| {study['parameter']} | size | quantity | error | 95% interval | order |",
+              "|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["quantity"], r["case"])):
         o = "—" if math.isnan(r["order"]) else f"{r['order']:.2f}"
-        lines.append(f"| {r['value']} | {r['size']:.4g} | {r['quantity']} | {r['error']:.3e} | {o} |")
+        ci = f"[{r['ci_low']:.3e}, {r['ci_high']:.3e}]" if r["seeds"] > 1 else "—"
+        lines.append(f"| {r['value']} | {r['size']:.4g} | {r['quantity']} | {r['error']:.3e} | {ci} | {o} |")
+    if fits:
+        how = ("weighted least squares over all cases, 95% intervals by the members' jackknife"
+               if n > 1 else "least squares over all cases, one draw each; 95% intervals from "
+               "their scatter about the power law")
+        lines += ["", f"Orders fitted to error = C size^p ({how}):", "",
+                  "| quantity | order p | 95% interval | expected | C | members |", "|---|---|---|---|---|---|"]
+        for q, f in fits.items():
+            exp = "—" if f["expected"] is None else f"{f['expected']:g}"
+            ci = "—" if math.isnan(f["low"]) else f"[{f['low']:.3f}, {f['high']:.3f}]"
+            lines.append(f"| {q} | {f['order']:.3f} | {ci} | {exp} | {f['constant']:.3g} | {f['seeds']} |")
     with atomic_write(filename) as f:
         f.write("\n".join(lines) + "\n")
 
 
-def _plot(filename, study, rows) -> bool:
-    """Log-log error against size, one line per quantity, with the expected slope."""
+def _plot(filename, study, rows, fits) -> bool:
+    """Log-log error against size, one line per quantity (the ensemble's 95% band, the
+    fitted power law), with the expected slope."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -463,10 +685,21 @@ def _plot(filename, study, rows) -> bool:
     fig, ax = plt.subplots(figsize=(5.5, 4.2))
     by_value = all(math.isnan(r["size"]) for r in rows)   # e.g. the DG degree: error per value
     for q in sorted({r["quantity"] for r in rows}):
-        pts = sorted((float(json.loads(r["value"])) if by_value else r["size"], r["error"])
-                     for r in rows if r["quantity"] == q and r["error"] > 0)
-        if pts:
-            (ax.semilogy if by_value else ax.loglog)(*zip(*pts), "o-", label=q)
+        sel = sorted((r for r in rows if r["quantity"] == q and r["error"] > 0),
+                     key=lambda r: float(json.loads(r["value"])) if by_value else r["size"])
+        if not sel:
+            continue
+        x = np.array([float(json.loads(r["value"])) if by_value else r["size"] for r in sel])
+        y = np.array([r["error"] for r in sel])
+        fit = fits.get(q)
+        label = q if fit is None else f"{q}: p = {fit['order']:.2f}" + (
+            "" if math.isnan(fit["low"]) else f" [{fit['low']:.2f}, {fit['high']:.2f}]")
+        line, = (ax.semilogy if by_value else ax.loglog)(x, y, "o-", label=label)
+        if all(r["seeds"] > 1 for r in sel):
+            lo = np.maximum([r["ci_low"] for r in sel], 1e-3 * y)
+            ax.fill_between(x, lo, [r["ci_high"] for r in sel], color=line.get_color(), alpha=0.2, lw=0)
+        if fit is not None and not by_value:
+            ax.loglog(x, fit["constant"] * x ** fit["order"], ":", color=line.get_color(), lw=1)
     sizes = sorted({r["size"] for r in rows if r["size"] > 0})
     if study["expected_order"] is not None and len(sizes) >= 2:
         top = max((r["error"] for r in rows), default=1.0)
@@ -475,10 +708,10 @@ def _plot(filename, study, rows) -> bool:
         ax.loglog(xs, top * (xs / s0) ** study["expected_order"], "k--",
                   label=f"slope {study['expected_order']:g}")
     ax.set_xlabel(study["parameter"] if by_value else f"size ({study['parameter']})")
-    ax.set_ylabel("error")
+    ax.set_ylabel("error" + (f" (mean of {study['seeds']}, 95% band)" if study["seeds"] > 1 else ""))
     ax.set_title(f"{study['command']}: {study['parameter']}")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     save_figure(filename, fig, dpi=110)
     plt.close(fig)

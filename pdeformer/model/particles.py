@@ -12,7 +12,7 @@ point-cloud prompt, ``kind = "points"``, is its own tokens and weights), and
 the same kernel, heads and SSP scheme as the Eulerian solver, with a fixed number of
 steps per layer (``[particles] steps_per_layer``, default
 ``discretisation.steps_per_layer`` or 10). Tokens are drawn from the seeded stream
-(``particles.seed``, prompt index), so they are the same for any number of ranks; each
+(``particles.seed``, TOKEN_STREAM, prompt index), so they are the same for any number of ranks; each
 rank moves its own block of tokens (the targets) and sees all of them as sources. With
 prompt groups a prompt's tokens are dealt over the ranks of the group that owns it. Tokens
 live in R^d: none leave, so ``mass`` is 1 and ``outflow`` 0 in diagnostics.csv, and
@@ -50,6 +50,13 @@ from .sphere import on_sphere, projection_vjp, sphere_moments, tangential_positi
 from .velocity import AttentionVelocity
 
 log = logging.getLogger("pdeformer")
+
+# The tokens' random stream is (particles.seed, TOKEN_STREAM, prompt index). The tag keeps
+# it apart from the heads' streams (model.seed, layer, head) and (model.seed, 2^20, head),
+# which an untagged (seed, index) would meet where the seeds coincide (numpy pads a seed
+# sequence with zeros: (s, 0) and (s, 0, 0) are one stream), e.g. across the members of
+# an ensemble that offsets both seeds.
+TOKEN_STREAM = 0x746F6B656E     # "token"
 
 
 def weighted_moments(comm, x: np.ndarray, w: np.ndarray, centre: np.ndarray):
@@ -97,14 +104,14 @@ class ParticleSolver:
     # ------------------------------------------------------------ tokens
     def initial_tokens(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """This rank's block of the N tokens of prompt ``index`` and their weights 1/N.
-        All ranks draw the same N tokens (stream (seed, index)) and keep their block.
+        All ranks draw the same N tokens (stream (seed, TOKEN_STREAM, index)) and keep their block.
         A point-cloud prompt is its own tokens, with its weights."""
         prompt = self.problem.prompts[index][1]
         if prompt.kind == "points":
             x, w = prompt.points, prompt.weights
         else:
             try:
-                x = prompt.sample(self.tokens, np.random.default_rng([self.seed, index]))
+                x = prompt.sample(self.tokens, np.random.default_rng([self.seed, TOKEN_STREAM, index]))
             except InputError as e:
                 raise InputError(f"prompts[{index}]: {e}") from None
             w = np.full(self.tokens, 1.0 / self.tokens)
