@@ -198,6 +198,7 @@ def test_ensembles_are_the_same_on_1_and_2_ranks_and_in_groups(tmp_path):
     ("study.groups=3", "study.groups: 3 groups for 2 seed(s)"),
     ("study.seed_keys=[\"model.scale\"]", "study.seed_keys: 'model.scale' is not an integer seed"),
     ("study.quantities=[\"risk\"]", "study.quantities: 'risk' needs a reference run (reference = 'expectation'"),
+    ("study.seed_keys=[\"model.heads\"]", "study.seed_keys: 'model.heads' is the swept parameter"),
 ])
 def test_ensemble_errors(tmp_path, override, message):
     from conftest import check_one_line_error
