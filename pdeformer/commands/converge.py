@@ -468,9 +468,7 @@ def run_study(study: dict, comm=None, walltime: float | None = None) -> dict:
                    "rows": rows, "fits": fits, "timings": timer.report(world),
                    "files": ["convergence.csv", "convergence.md", "convergence.png", "pdeformer.log"]
                    + (["ensemble.csv"] if n > 1 else [])}
-        summary["parallel"] = parallel_report(world, None, meter)
-        summary["parallel"].update(groups=groups.count, ranks_per_group=groups.size,
-                                   group_members=groups.blocks)
+        summary["parallel"] = parallel_report(world, groups, meter)
         summary["files"] = on_root(world, _write_study, outdir, study, rows, fits, records, summary)
         for r in rows:
             log.info("%-8s %-10s %-12s error %.4e%s  order %s", r["quantity"], param, r["value"], r["error"],

@@ -95,17 +95,14 @@ def _usable(sizes, errors) -> tuple[np.ndarray, np.ndarray]:
     return h[ok], E[ok]
 
 
-def jackknife(estimate, errors: np.ndarray, level: float = LEVEL) -> tuple[float, float]:
-    """The leave-one-member-out interval (low, high) of ``estimate(errors)`` around its
-    value on all members (nan for fewer than 3 members)."""
+def jackknife_se(estimate, errors: np.ndarray) -> float:
+    """The leave-one-member-out standard error of ``estimate(errors)`` (errors: cases x
+    members), sqrt((n-1)/n sum_j (theta_(j) - mean)^2); nan for fewer than 3 members."""
     n = errors.shape[1]
     if n < 3:
-        return math.nan, math.nan
-    full = estimate(errors)
+        return math.nan
     reps = np.array([estimate(np.delete(errors, j, axis=1)) for j in range(n)])
-    se = math.sqrt((n - 1) / n * float(((reps - reps.mean()) ** 2).sum()))
-    q = t_quantile(n - 1, level)
-    return full - q * se, full + q * se
+    return math.sqrt((n - 1) / n * float(((reps - reps.mean()) ** 2).sum()))
 
 
 def fit_order(sizes, errors, level: float = LEVEL) -> OrderFit:
@@ -118,7 +115,8 @@ def fit_order(sizes, errors, level: float = LEVEL) -> OrderFit:
         return OrderFit(math.nan, math.nan, math.nan, math.nan, m, n)
     p, C = _power_law(h, E)
     if n > 1:
-        low, high = jackknife(lambda sub: _power_law(h, sub)[0], E, level)
+        half = t_quantile(n - 1, level) * jackknife_se(lambda sub: _power_law(h, sub)[0], E)
+        low, high = p - half, p + half
     elif m > 2:
         X = np.column_stack([np.ones(m), np.log(h)])
         r = np.log(E[:, 0]) - X @ np.array([math.log(C), p])
@@ -138,8 +136,8 @@ def fit_constant(sizes, errors, order: float, level: float = LEVEL) -> Interval:
     scaled = lambda sub: float(np.mean(sub.mean(axis=1) / h ** order))
     C = scaled(E)
     if n > 1:
-        low, high = jackknife(scaled, E, level)
-        q = t_quantile(n - 1, level)
-        return Interval(C, (high - C) / q if math.isfinite(high) else math.nan, low, high, n)
+        se = jackknife_se(scaled, E)
+        half = t_quantile(n - 1, level) * se
+        return Interval(C, se, C - half, C + half, n)
     iv = mean_interval(E[:, 0] / h ** order, level)
     return Interval(C, iv.sem, iv.low, iv.high, n)
