@@ -18,6 +18,15 @@ efficiency E(P) = C(1) / (P max_r C_r(P)) with C_r the compute CPU seconds of ra
 (``parallel.compute_cpu_s`` in summary.json: CPU time outside MPI communication), and
 the bytes communicated per rank (largest over ranks). On a machine with fewer cores than
 ranks the wall time says little; E(P) says how the run would scale with one core per rank.
+
+``--ideal`` adds what the machine itself allows a case at P ranks: P copies of its first
+prompt, solved on one rank and then by P prompt groups of one rank each (the work divided
+perfectly, nothing communicated during the solve). Their speedup is the ceiling of any
+division of that work here: process start-up and imports (about 0.9 s, not divided) and
+what P busy cores cost each other (memory bandwidth, shared caches) are in it, pdeformer's
+communication and repeated work are not. ``reached`` is the case's speedup over it.
+
+    .venv/bin/python benchmarks/scaling.py --ranks 1 2 --cases forward128 train --ideal --repeat 3
 """
 
 import argparse
@@ -57,12 +66,31 @@ def prompts16_config(folder: str) -> str:
     return path
 
 
+def copies_config(folder: str, copies: int) -> str:
+    """runs/default.toml with its first prompt ``copies`` times (renamed): work that P
+    prompt groups divide exactly."""
+    with open(DEFAULT) as f:
+        head, first = f.read().split("[[prompts]]")[:2]
+    name = first.split('name = "')[1].split('"')[0]
+    text = head + "".join("[[prompts]]" + first.replace(f'name = "{name}"', f'name = "{name}_{i}"')
+                          for i in range(copies))
+    path = os.path.join(folder, f"copies{copies}.toml")
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
 # the solvers' scaling, without the pictures a run draws when it ends (one rank draws them)
 NO_PICTURES = ["output.plots=false"]
 
 
 def case_command(case: str, ranks: int, folder: str) -> tuple[str, list[str], list[str]]:
-    """(command, config and flags, --set overrides) of a case."""
+    """(command, config and flags, --set overrides) of a case; ``CASE@K``: the case on
+    K copies of the first prompt in K prompt groups (``--ideal``; one group on one rank)."""
+    if "@" in case:
+        case, copies = case.split("@")
+        command, _, sets = case_command(case, ranks, folder)
+        return command, [copies_config(folder, int(copies)), "--prompt-groups", str(ranks)], sets
     if case in ("forward128", "forward256"):
         n = case[-3:]
         return "forward", [DEFAULT], [f"mesh.cells=[{n},{n}]", "output.fields=false"]
@@ -75,7 +103,7 @@ def case_command(case: str, ranks: int, folder: str) -> tuple[str, list[str], li
 
 def run(case: str, ranks: int, folder: str) -> dict:
     command, args, sets = case_command(case, ranks, folder)
-    out = os.path.join(folder, f"{case}-{ranks}")
+    out = os.path.join(folder, f"{case.replace('@', '-copies')}-{ranks}")
     cmd = mpirun_command(ranks) + [sys.executable, "-m", "pdeformer", command, *args, "-q",
                                    "--set", f"output.dir={out}", *sets, *NO_PICTURES]
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
@@ -99,17 +127,22 @@ def main():
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs of every case and P, interleaved; the one with the least wall "
                          "time is reported (a shared machine's noise only ever adds)")
+    ap.add_argument("--ideal", action="store_true",
+                    help="also the ceiling of every case but prompts16: P copies of its first "
+                         "prompt on 1 rank and in P groups of one rank")
     args = ap.parse_args()
     print(f"pdeformer scaling on {os.cpu_count()} core(s); E(P) = C(1) / (P max_r C_r(P)) "
           f"from compute_cpu_s; best of {args.repeat}", flush=True)
+    runs = [(case, P) for case in args.cases for P in args.ranks]
+    ideal = [c for c in args.cases if c != "prompts16"] if args.ideal else []
+    runs += [(f"{case}@{P}", n) for case in ideal for P in args.ranks if P > 1 for n in (1, P)]
     best = {}
     with tempfile.TemporaryDirectory() as folder:
         for _ in range(args.repeat):
-            for case in args.cases:
-                for P in args.ranks:
-                    r = run(case, P, folder)
-                    if (case, P) not in best or r["wall"] < best[case, P]["wall"]:
-                        best[case, P] = r
+            for key in runs:
+                r = run(*key, folder)
+                if key not in best or r["wall"] < best[key]["wall"]:
+                    best[key] = r
     print(f"{'case':>11} {'P':>3} {'wall [s]':>9} {'speedup':>8} {'solve [s]':>9} {'speedup':>8} "
           f"{'C max [s]':>10} {'C sum [s]':>10} {'E(P)':>6} {'MB/rank':>8} {'comm [s]':>9}")
     for case in args.cases:
@@ -121,6 +154,22 @@ def main():
             print(f"{case:>11} {P:>3} {r['wall']:>9.1f} {base['wall'] / r['wall']:>8.2f} "
                   f"{r['phase']:>9.1f} {base['phase'] / r['phase']:>8.2f} {cmax:>10.2f} "
                   f"{csum:>10.2f} {E:>6.2f} {max(r['bytes']) / 1e6:>8.1f} {max(r['comm']):>9.2f}")
+
+    if not ideal:
+        return
+    print("\nceiling: P copies of the first prompt, 1 rank against P groups of one rank")
+    print(f"{'case':>11} {'P':>3} {'1 rank [s]':>10} {'P groups [s]':>12} {'ceiling':>8} "
+          f"{'solve':>6} {'case':>6} {'reached':>8}")
+    for case in ideal:
+        for P in args.ranks:
+            if P == 1:
+                continue
+            one, many = best[f"{case}@{P}", 1], best[f"{case}@{P}", P]
+            ceiling = one["wall"] / many["wall"]
+            speedup = (best[case, 1]["wall"] / best[case, P]["wall"]
+                       if (case, 1) in best else float("nan"))
+            print(f"{case:>11} {P:>3} {one['wall']:>10.1f} {many['wall']:>12.1f} {ceiling:>8.2f} "
+                  f"{one['phase'] / many['phase']:>6.2f} {speedup:>6.2f} {speedup / ceiling:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -29,10 +29,22 @@ from dataclasses import dataclass
 import numpy as np
 
 
+_GAINS: dict = {}     # value_gain of the layers seen lately, by their values' bytes
+
+
 def value_gain(V: np.ndarray) -> float:
     """(1/H) sum_h |V_h|_2 for one layer's values V (H, d, d): |v(x)| <= value_gain * max_h
-    |m_h(x)| for v = (1/H) sum_h V_h m_h, and the same for errors of the m_h."""
-    return float(np.mean(np.linalg.norm(V, ord=2, axis=(1, 2))))
+    |m_h(x)| for v = (1/H) sum_h V_h m_h, and the same for errors of the m_h. Kept per
+    values (every evaluation of a layer asks for it; H SVDs each time would not divide
+    over ranks)."""
+    V = np.ascontiguousarray(V, dtype=float)
+    key = (V.shape, V.tobytes())
+    gain = _GAINS.get(key)
+    if gain is None:
+        if len(_GAINS) >= 256:
+            _GAINS.clear()
+        gain = _GAINS[key] = float(np.mean(np.linalg.norm(V, ord=2, axis=(1, 2))))
+    return gain
 
 
 def attention_matrices(Q: np.ndarray, K: np.ndarray) -> np.ndarray:

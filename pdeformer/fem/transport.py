@@ -168,6 +168,7 @@ class DGTransport:
         self.v = dolfinx.fem.Function(self.W, name="velocity")
         self.velocity_vector = ufl.as_vector([self.v]) if self.d == 1 else self.v
         self.z = dolfinx.fem.Function(self.V, name="adjoint")   # M^{-1} of a rate cotangent
+        self._ghosts_stale = False
         self._adjoint_forms = None
         self.n_owned = self.V.dofmap.index_map.size_local * self.V.dofmap.index_map_bs
         self._build_forms()
@@ -268,10 +269,21 @@ class DGTransport:
             b.destroy()
 
     # ---------------------------------------------------------------- state
-    def set_state(self, coeffs: np.ndarray) -> None:
-        """Make ``coeffs`` (owned DG coefficients) the density the forms see."""
+    def set_state(self, coeffs: np.ndarray, ghosts: bool = True) -> None:
+        """Make ``coeffs`` (owned DG coefficients) the density the forms see. ``ghosts =
+        False`` leaves the ghost cells' copies for :meth:`rate` and :meth:`rate_vjp` to
+        update when they assemble: values on owned cells (sources, check points, moments)
+        read none, a DG dof belonging to one cell."""
         self.u.x.array[:self.n_owned] = coeffs
-        scatter_forward(self.u, self.comm)
+        self._ghosts_stale = not ghosts
+        if ghosts:
+            scatter_forward(self.u, self.comm)
+
+    def _update_ghosts(self) -> None:
+        """The ghost cells' copies of the density, where :meth:`set_state` left them."""
+        if self._ghosts_stale:
+            scatter_forward(self.u, self.comm)
+            self._ghosts_stale = False
 
     def set_velocity(self, owned_values: np.ndarray) -> None:
         """Owned velocity node values (n_nodes, d) -> v (and its ghosts)."""
@@ -295,6 +307,7 @@ class DGTransport:
         int (v.n)^+ u ds (its boundary facets; the sum over ranks is the outflow: the
         time integral is linear, so it is summed where it is reported), for the u and v
         set now."""
+        self._update_ghosts()
         b = self.load_vector
         with b.localForm() as loc:
             loc.set(0.0)
@@ -310,20 +323,22 @@ class DGTransport:
         z = M^{-1} rate_bar, u_bar = (dR/du)^T z, v_bar = (dR/dv)^T z."""
         if self._adjoint_forms is None:  # compiled on first use: forward runs never need them
             J = self._residual(self.z)
-            self._adjoint_forms = (
-                dolfinx.fem.form(ufl.derivative(J, self.u, ufl.TestFunction(self.V))),
-                dolfinx.fem.form(ufl.derivative(J, self.v, ufl.TestFunction(self.W))))
+            forms = (dolfinx.fem.form(ufl.derivative(J, self.u, ufl.TestFunction(self.V))),
+                     dolfinx.fem.form(ufl.derivative(J, self.v, ufl.TestFunction(self.W))))
+            self._adjoint_forms = [(f, dolfinx.fem.petsc.create_vector(f)) for f in forms]
+        self._update_ghosts()
         b = self.load_vector
         b.array_w[:] = rate_bar
         self._solve_mass(b, self.solution)
         self.z.x.array[:self.n_owned] = self.solution.array_r
         scatter_forward(self.z, self.comm)
         out = []
-        for form in self._adjoint_forms:
-            vec = dolfinx.fem.petsc.assemble_vector(form)
+        for form, vec in self._adjoint_forms:
+            with vec.localForm() as loc:
+                loc.set(0.0)
+            dolfinx.fem.petsc.assemble_vector(vec, form)
             add_ghost_contributions(vec)
             out.append(vec.array_r.copy())
-            vec.destroy()
         return out[0], out[1].reshape(-1, self.d)
 
     def project(self, rho0, quadrature_degree: int) -> tuple[np.ndarray, float]:
@@ -365,7 +380,7 @@ class DGTransport:
         """min of rho over each owned cell's check points: its vertices, attention sources
         and facet flux points, then its Lagrange nodes (where the coefficients are the
         values). With ``where`` also the index of the point of the minimum in that order."""
-        self.set_state(coeffs)
+        self.set_state(coeffs, ghosts=False)
         vals = np.hstack([dfx.evaluate(self._check_expr, self.mesh, self.sources.cells),
                           self.u.x.array[self.cell_dofs]])
         low = vals.min(axis=1) if vals.shape[0] else np.zeros(0)

@@ -452,7 +452,7 @@ class ForwardSolver:
         Laplace tables are planned per (prompt, layer): each keeps its own sizes."""
         tr = self.transport
         with self.timer.phase("velocity"):
-            tr.set_state(coeffs)
+            tr.set_state(coeffs, ghosts=False)
             weights, signed = tr.source_weights()
             vel = self.velocity_field(tr.sources.points, weights, layer, signed=signed,
                                       key=(self.current_prompt, layer),
