@@ -646,9 +646,8 @@ class ForwardSolver:
         def rhs(Y, j):
             if j > 0:
                 vel, plan = self.velocity(Y[0], layer), self.velocity_field.last_sum
-            else:
+            else:       # set as the transport velocity by next_step, just before this step
                 vel, plan = first
-                tr.set_velocity(vel)
             if tape is not None:
                 stages.append((Y[0], vel, self._taped(plan)))
             with self.timer.phase("transport"):
