@@ -478,7 +478,7 @@ class DGTransport:
         """mass = int rho, negative_mass ~ int max(0, -rho) (the same points with the
         weights' magnitudes: some rules on tetrahedra have negative weights), mean and
         covariance of rho / mass: one Allreduce."""
-        self.set_state(coeffs)
+        self.set_state(coeffs, ghosts=False)
         rule = self.moment_rule
         values = rule.values()
         w = values * rule.measure
@@ -495,7 +495,7 @@ class DGTransport:
         empty on a flat mesh."""
         if not self.manifold:
             return {}
-        self.set_state(coeffs)
+        self.set_state(coeffs, ghosts=False)
         rule = self.moment_rule
         return sphere_moments(rule.points, rule.values() * rule.measure, self.comm)
 
