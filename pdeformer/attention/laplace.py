@@ -880,9 +880,12 @@ class LaplaceTable(HeadSums):
                 for sh, _ in self.tile_data]
 
     def _tile_factors(self) -> list:
-        """Per tile: e^{shift}/N on the grid, the factor of its shifted sums in the values."""
+        """Per tile: e^{shift}/N on the grid, the factor of its shifted sums in the values
+        (one tile: 1/N of its shifted sums, the shift cancels)."""
         norm = self.ncols - 1 if self.signed else 0
         scales, sums = self._scales(), self._sums
+        if len(sums) == 1:
+            return [1.0 / sums[0][norm]]
         with np.errstate(divide="ignore"):
             logs = [ls + np.log(np.maximum(sm[norm], 0.0)) for ls, sm in zip(scales, sums)]
         total = np.logaddexp.reduce(logs, axis=0)                 # log N
@@ -1241,14 +1244,14 @@ class FineGrid(HeadSums):
     def _table_cotangent(self, acc: np.ndarray) -> np.ndarray:
         """Fine-grid cotangents (width, nf^d) of this rank's targets to table cotangents
         (ncomp, n, ..), summed over ranks: the fine-grid sums are reduced onto each rank's
-        share of rows (Reduce_scatter), which it samples back (S_0^T X S_1, and S_2 in
-        3-D), then one Allreduce of the tables."""
+        share of rows (Reduce_scatter), which it samples back (S_0^T (X S_1), and S_2 in
+        3-D: both products on its rows only), then one Allreduce of the tables."""
         nf, nc, comm, S, d = self.nf, self.table.ncomp, self.table.comm, self.sample, self.d
         X = reduce_shares(comm, np.moveaxis(acc[:nc].reshape((nc,) + (nf,) * d), 0, 1))  # (rows, nc, ..)
         X = np.ascontiguousarray(np.moveaxis(X, 1, 0))                             # (nc, rows, ..)
         S0 = self.sample[0][share(nf, comm)]
         if d == 2:
-            local = np.matmul(np.matmul(S0.T, X), S[1])
+            local = np.matmul(S0.T, np.matmul(X, S[1]))
         else:
             n = self.table.n
             Y = np.matmul(S[1].T, np.matmul(X, S[2]))                            # (nc, rows, n, n)
