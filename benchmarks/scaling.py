@@ -33,6 +33,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -70,9 +71,12 @@ def copies_config(folder: str, copies: int) -> str:
     """runs/default.toml with its first prompt ``copies`` times (renamed): work that P
     prompt groups divide exactly."""
     with open(DEFAULT) as f:
-        head, first = f.read().split("[[prompts]]")[:2]
-    name = first.split('name = "')[1].split('"')[0]
-    text = head + "".join("[[prompts]]" + first.replace(f'name = "{name}"', f'name = "{name}_{i}"')
+        head, *prompts = f.read().split("[[prompts]]")
+    name = re.search(r'^name\s*=\s*"([^"]+)"', prompts[0], re.M)
+    if name is None or any(re.search(r"^\s*\[", p, re.M) for p in prompts):
+        sys.exit(f"{DEFAULT}: --ideal expects the [[prompts]] last, the first with a name")
+    first = prompts[0]
+    text = head + "".join("[[prompts]]" + first[:name.start(1)] + f"{name.group(1)}_{i}" + first[name.end(1):]
                           for i in range(copies))
     path = os.path.join(folder, f"copies{copies}.toml")
     with open(path, "w") as f:

@@ -883,9 +883,9 @@ class LaplaceTable(HeadSums):
         """Per tile: e^{shift}/N on the grid, the factor of its shifted sums in the values
         (one tile: 1/N of its shifted sums, the shift cancels)."""
         norm = self.ncols - 1 if self.signed else 0
+        if len(self._sums) == 1:
+            return [1.0 / self._sums[0][norm]]
         scales, sums = self._scales(), self._sums
-        if len(sums) == 1:
-            return [1.0 / sums[0][norm]]
         with np.errstate(divide="ignore"):
             logs = [ls + np.log(np.maximum(sm[norm], 0.0)) for ls, sm in zip(scales, sums)]
         total = np.logaddexp.reduce(logs, axis=0)                 # log N

@@ -638,7 +638,8 @@ class ForwardSolver:
 
     def _step(self, state, dt, layer, first, tape=None):
         """One SSP step; ``first`` = (velocity, kernel plan) of the first stage, already
-        computed for the step size."""
+        computed for the step size and set as the transport velocity (next_step does both
+        just before the step)."""
         tr = self.transport
         limiter = self.disc.limiter
         stages, limits = [], []
