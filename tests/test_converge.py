@@ -81,8 +81,13 @@ def test_finest_reference_and_density_errors_across_meshes(tmp_path):
     ("study.quantities=[\"mmd\"]", "study.quantities: 'mmd' is not measured by command 'forward'"),
 ])
 def test_study_errors(tmp_path, override, message):
+    check_study_error(tmp_path, "mesh.toml", [override], message)
+
+
+def check_study_error(tmp_path, study: str, overrides: list, message: str) -> None:
+    """`converge` of a shipped study with bad overrides: one line naming the key, exit 2."""
     from conftest import check_one_line_error
-    proc = run_cli(["converge", os.path.join(STUDIES, "mesh.toml"), "--set", override,
+    proc = run_cli(["converge", os.path.join(STUDIES, study), "--set", *overrides,
                     f"output.dir={tmp_path}/e"], check=False)
     check_one_line_error(proc, message)
 
@@ -201,10 +206,7 @@ def test_ensembles_are_the_same_on_1_and_2_ranks_and_in_groups(tmp_path):
     ("study.seed_keys=[\"model.heads\"]", "study.seed_keys: 'model.heads' is the swept parameter"),
 ])
 def test_ensemble_errors(tmp_path, override, message):
-    from conftest import check_one_line_error
-    proc = run_cli(["converge", os.path.join(STUDIES, "heads.toml"), "--set", "study.seeds=2", override,
-                    f"output.dir={tmp_path}/e"], check=False)
-    check_one_line_error(proc, message)
+    check_study_error(tmp_path, "heads.toml", ["study.seeds=2", override], message)
 
 
 @pytest.mark.mpi

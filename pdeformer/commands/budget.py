@@ -65,7 +65,7 @@ import os
 
 import numpy as np
 
-from ..tools.config import Key, integer, load_config, path, string
+from ..tools.config import Key, integer, load_config, path, positive_int_list, string
 from .converge import (COLUMNS, describe_reference, ensemble_matrix, error_rows, override_strings,
                        prepare, read_study_file, run_ensemble, size_of)
 from ..tools.errors import ConfigError, status_of
@@ -95,9 +95,7 @@ def _ints(n_min: int, length: int | None = None):
 def _cells(key, v):
     if not isinstance(v, list) or len(v) < 2:
         raise ConfigError(key, "expected a list of at least two meshes, e.g. [[8, 8], [16, 16]]")
-    for c in v:
-        _ints(1)(key, c)
-    return v
+    return [positive_int_list(f"{key}[{i}]", c) for i, c in enumerate(v)]
 
 
 def _checks(key, v):
@@ -125,7 +123,7 @@ BUDGET = {
     "width_reference_heads": Key(integer(1, 10**6), 4096),
     "tokens": Key(_ints(2)),
     "cells": Key(_cells),
-    "cells_reference": Key(_ints(1)),
+    "cells_reference": Key(positive_int_list),
     "seeds": Key(integer(2, 10**5), 16),
     "groups": Key(integer(1, 10**5), 1),
     "quantities": Key(_quantities, ["mean", "cov"]),
