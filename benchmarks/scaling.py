@@ -24,7 +24,10 @@ prompt, solved on one rank and then by P prompt groups of one rank each (the wor
 perfectly, nothing communicated during the solve). Their speedup is the ceiling of any
 division of that work here: process start-up and imports (about 0.9 s, not divided) and
 what P busy cores cost each other (memory bandwidth, shared caches) are in it, pdeformer's
-communication and repeated work are not. ``reached`` is the case's speedup over it.
+communication and repeated work are not. ``reached`` is the case's speedup over it, and
+E(P) the compute efficiency of the copies: where P exceeds the cores, what oversubscription
+alone leaves of E(P) (prompts16's work is the same kind: gradients on 64^2, one per
+prompt, so ``train``'s ceiling at P = 8 bounds its E(8) too).
 
     .venv/bin/python benchmarks/scaling.py --ranks 1 2 --cases forward128 train --ideal --repeat 3
 """
@@ -171,7 +174,7 @@ def main():
         return
     print("\nceiling: P copies of the first prompt, 1 rank against P groups of one rank")
     print(f"{'case':>11} {'P':>3} {'1 rank [s]':>10} {'P groups [s]':>12} {'ceiling':>8} "
-          f"{'solve':>6} {'case':>6} {'reached':>8}")
+          f"{'solve':>6} {'case':>6} {'reached':>8} {'E(P)':>6}")
     for case in ideal:
         for P in args.ranks:
             if P == 1:
@@ -181,7 +184,8 @@ def main():
             speedup = (best[case, 1]["wall"] / best[case, P]["wall"]
                        if (case, 1) in best else float("nan"))
             print(f"{case:>11} {P:>3} {one['wall']:>10.1f} {many['wall']:>12.1f} {ceiling:>8.2f} "
-                  f"{one['phase'] / many['phase']:>6.2f} {speedup:>6.2f} {speedup / ceiling:>8.2f}")
+                  f"{one['phase'] / many['phase']:>6.2f} {speedup:>6.2f} {speedup / ceiling:>8.2f} "
+                  f"{one['csum'] / (P * many['cmax']):>6.2f}")
 
 
 if __name__ == "__main__":

@@ -217,7 +217,7 @@ def test_tables_kept_on_the_tape_give_the_rebuilt_gradient(tmp_path, tape_mb, mo
         del built[:]
         tape = []
         adj.forward.solve_prompt(0, tape=tape)
-        entries, forward_builds = [p for _, _, st, _ in tape for _, _, p in st], len(built)
+        entries, forward_builds = [p for _, _, st, _ in tape for _, _, p, _ in st], len(built)
         del built[:]
         g = adj.gradient(refreeze=False)
         return g, entries, len(built) - forward_builds     # the adjoint sweep's builds

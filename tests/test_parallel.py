@@ -369,3 +369,71 @@ def test_the_shipped_config_gives_the_same_results_on_any_rank_count(tmp_path):
                     assert abs(a[k] - b[k]) <= 1e-10 * max(1.0, abs(a[k])), (P, k, a, b)
         assert abs(other["objective"]["risk"] - summary["objective"]["risk"]) <= 1e-10 * summary["objective"]["risk"]
         assert np.abs(other_gradient - gradient).max() <= 1e-10 * np.abs(gradient).max(), P
+
+
+SUMS_SCRIPT = r'''
+import json, sys
+import numpy as np
+from mpi4py import MPI
+from pdeformer.tools.parallel import METER, RING_BYTES, MeteredComm, allreduce_sum, reduce_scatter_sum
+comm = MeteredComm(MPI.COMM_WORLD)
+P, r = comm.size, comm.rank
+out = {"exact": True, "same_bits": True, "close": 0.0, "calls": [], "bytes": []}
+for n in (5, RING_BYTES // 8 - 1, RING_BYTES // 8 + 3, 40001):       # MPI's sums, the ring's
+    x = np.random.default_rng(1000 * n + r).standard_normal(n) * 10.0 ** (r % 3)
+    xs = comm.allgather(x)
+    # uneven blocks, one of them empty where P > 2
+    cuts = np.sort(np.random.default_rng(n).integers(0, n + 1, P - 1))
+    if P > 2:
+        cuts[0] = cuts[1]
+    counts = np.diff(np.concatenate([[0], cuts, [n]]))
+    lo = int(counts[:r].sum())
+    before = (METER.comm_calls, METER.comm_bytes)
+    mine = reduce_scatter_sum(comm, x, counts)
+    out["calls"].append(METER.comm_calls - before[0])
+    out["bytes"].append((METER.comm_bytes - before[1]) / (8 * n + 8 * counts[r]))
+    block = [v[lo:lo + counts[r]] for v in xs]
+    if x.nbytes >= RING_BYTES and P > 1:      # summed in the ring's order: ranks r+1, .., P-1, 0, .., r
+        expected = block[(r + 1) % P].copy()
+        for k in range(2, P + 1):
+            expected += block[(r + k) % P]
+        out["exact"] &= bool(np.array_equal(mine, expected))
+    exact = np.sum(np.array(block, dtype=np.longdouble), axis=0)
+    scale = np.abs(np.array(block)).sum(axis=0) + 1e-300
+    out["close"] = max(out["close"], float(np.max(np.abs(mine - exact) / scale, initial=0.0)))
+    y = x.reshape(-1, 1).copy()
+    before = (METER.comm_calls, METER.comm_bytes)
+    allreduce_sum(comm, y)
+    out["calls"].append(METER.comm_calls - before[0])
+    out["bytes"].append((METER.comm_bytes - before[1]) / (16 * n))
+    exact = np.sum(np.array(xs, dtype=np.longdouble), axis=0)
+    scale = np.abs(np.array(xs)).sum(axis=0)
+    out["close"] = max(out["close"], float(np.max(np.abs(y[:, 0] - exact) / scale)))
+    ys = comm.allgather(y)
+    out["same_bits"] &= all(np.array_equal(ys[0], v) for v in ys)
+results = comm.gather(out)
+if r == 0:
+    json.dump(results, open(sys.argv[1], "w"))
+'''
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
+def test_sums_over_ranks(tmp_path, nprocs):
+    """reduce_scatter_sum and allreduce_sum (MPI's sums below RING_BYTES, the ring's from
+    there on) against the sums in extended precision, to a few roundings of the summands'
+    magnitudes (P <= 4 terms: at most 3 roundings, 2^-52 each); the ring adds each block
+    in its documented order (bit for bit), allreduce_sum gives every rank the same bits,
+    and each counts as one metered call with the bytes of the MPI call it replaces."""
+    from pdeformer.tools.parallel import mpirun_command
+    script, out = tmp_path / "sums.py", tmp_path / "out.json"
+    script.write_text(SUMS_SCRIPT)
+    subprocess.run(mpirun_command(nprocs) + [sys.executable, str(script), str(out)], check=True,
+                   timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp_path)
+    for rank in json.loads(out.read_text()):
+        assert rank["exact"] and rank["same_bits"], rank
+        assert rank["close"] <= 4 * 2.0**-52, rank
+        if nprocs > 1:
+            assert rank["calls"] == [1] * 8 and np.allclose(rank["bytes"], 1.0), rank
+        else:
+            assert rank["calls"] == [0] * 8, rank

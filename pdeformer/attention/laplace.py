@@ -59,7 +59,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .softmax import Sources, moments_from_sums, partial_sums, value_gain
-from ..tools.parallel import allgather_rows, any_rank
+from ..tools.parallel import allgather_rows, allreduce_sum, any_rank, reduce_scatter_sum
 from .costs import machine_costs
 from .compiled import (KERNEL_DEGREE, PANEL_QMAX, fine_velocity, fine_velocity_vjp, kernels_on,
                        panel_gather, panel_spread)
@@ -109,14 +109,13 @@ def allgather_shares(comm, local: np.ndarray, count: int) -> np.ndarray:
 
 def reduce_shares(comm, full: np.ndarray) -> np.ndarray:
     """The sum over ranks of (count, ...) arrays, this rank's share of its rows only (one
-    Reduce_scatter)."""
+    reduce-scatter, :func:`reduce_scatter_sum`)."""
     if comm.size == 1:
         return full
     count, tail = full.shape[0], full.shape[1:]
     counts, _ = _share_counts(count, comm, int(np.prod(tail)))
-    mine = np.empty((counts[comm.rank] // max(1, int(np.prod(tail))),) + tail)
-    comm.Reduce_scatter(np.ascontiguousarray(full).ravel(), mine, counts, op=MPI.SUM)
-    return mine
+    mine = reduce_scatter_sum(comm, full, counts)
+    return mine.reshape((counts[comm.rank] // max(1, int(np.prod(tail))),) + tail)
 
 
 def any_negative(weights: np.ndarray, comm) -> bool:
@@ -841,7 +840,7 @@ class LaplaceTable(HeadSums):
                 local[t] = self._through(tile, E, E0, W)
                 continue
             self._dense_sums(tile.pts, shifts, c, local[t])
-        self.comm.Allreduce(MPI.IN_PLACE, local, op=MPI.SUM)
+        allreduce_sum(self.comm, local)
         return local
 
     def _source_chunk(self) -> int:
@@ -960,7 +959,7 @@ class LaplaceTable(HeadSums):
                     local[k] += (W[0] * cbar[blk, k:k + 1]).T @ W[1]
                 else:
                     local[k] += ((W[0] * cbar[blk, k:k + 1]).T @ W12).reshape(local[k].shape)
-        self.comm.Allreduce(MPI.IN_PLACE, local, op=MPI.SUM)
+        allreduce_sum(self.comm, local)
         return local
 
     # ------------------------------------------------------------------ reverse mode
@@ -1256,7 +1255,7 @@ class FineGrid(HeadSums):
             n = self.table.n
             Y = np.matmul(S[1].T, np.matmul(X, S[2]))                            # (nc, rows, n, n)
             local = np.matmul(S0.T, Y.reshape(nc, len(S0), n * n)).reshape(nc, n, n, n)
-        comm.Allreduce(MPI.IN_PLACE, local, op=MPI.SUM)
+        allreduce_sum(comm, local)
         return local
 
     def local_errors(self, b: np.ndarray) -> np.ndarray:

@@ -77,10 +77,11 @@ def reference_facet_points(mesh, degree: int) -> np.ndarray:
     return np.vstack(pts)
 
 
-def add_ghost_contributions(b) -> None:
-    """Sum the contributions assembled on other ranks into the owned entries (counted
-    as communication, see pdeformer.tools.parallel.METER)."""
-    ghost_update_add(b)
+def add_ghost_contributions(*vectors) -> None:
+    """Sum the contributions assembled on other ranks into the owned entries of each
+    vector, their messages in flight together (counted as communication, see
+    pdeformer.tools.parallel.METER)."""
+    ghost_update_add(*vectors)
 
 
 class CellQuadrature:
@@ -171,6 +172,7 @@ class DGTransport:
         self._ghosts_stale = False
         self._adjoint_forms = None
         self.n_owned = self.V.dofmap.index_map.size_local * self.V.dofmap.index_map_bs
+        self.n_velocity_owned = self.W.dofmap.index_map.size_local * self.W.dofmap.index_map_bs
         self._build_forms()
         self._build_mass_solver(petsc_options or {})
         self._build_cell_data()
@@ -269,15 +271,28 @@ class DGTransport:
             b.destroy()
 
     # ---------------------------------------------------------------- state
-    def set_state(self, coeffs: np.ndarray, ghosts: bool = True) -> None:
-        """Make ``coeffs`` (owned DG coefficients) the density the forms see. ``ghosts =
-        False`` leaves the ghost cells' copies for :meth:`rate` and :meth:`rate_vjp` to
-        update when they assemble: values on owned cells (sources, check points, moments)
-        read none, a DG dof belonging to one cell."""
+    def set_state(self, coeffs: np.ndarray, ghosts: bool | np.ndarray = True) -> None:
+        """Make ``coeffs`` (owned DG coefficients) the density the forms see. ``ghosts``:
+        True updates the ghost cells' copies from their owners; False leaves them for
+        :meth:`rate` and :meth:`rate_vjp` to update when they assemble (values on owned
+        cells -- sources, check points, moments -- read none, a DG dof belonging to one
+        cell); an array is the copies themselves, as :meth:`ghost_values` returned them
+        for these coefficients (no communication)."""
         self.u.x.array[:self.n_owned] = coeffs
+        if isinstance(ghosts, np.ndarray):
+            self.u.x.array[self.n_owned:] = ghosts
+            self._ghosts_stale = False
+            return
         self._ghosts_stale = not ghosts
         if ghosts:
             scatter_forward(self.u, self.comm)
+
+    def ghost_values(self) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of the ghost entries of the density and of the velocity as the forms
+        read them (updated first where stale): what :meth:`set_state` and
+        :meth:`set_velocity` take back later without communication (the adjoint's tape)."""
+        self._update_ghosts()
+        return self.u.x.array[self.n_owned:].copy(), self.v.x.array[self.n_velocity_owned:].copy()
 
     def _update_ghosts(self) -> None:
         """The ghost cells' copies of the density, where :meth:`set_state` left them."""
@@ -285,9 +300,13 @@ class DGTransport:
             scatter_forward(self.u, self.comm)
             self._ghosts_stale = False
 
-    def set_velocity(self, owned_values: np.ndarray) -> None:
-        """Owned velocity node values (n_nodes, d) -> v (and its ghosts)."""
+    def set_velocity(self, owned_values: np.ndarray, ghosts: np.ndarray | None = None) -> None:
+        """Owned velocity node values (n_nodes, d) -> v, and its ghosts: updated from their
+        owners, or ``ghosts`` as :meth:`ghost_values` returned them for these values."""
         self.v.x.array[:owned_values.size] = owned_values.ravel()
+        if ghosts is not None:
+            self.v.x.array[owned_values.size:] = ghosts
+            return
         scatter_forward(self.v, self.comm)
 
     def source_weights(self) -> tuple[np.ndarray, bool]:
@@ -332,14 +351,13 @@ class DGTransport:
         self._solve_mass(b, self.solution)
         self.z.x.array[:self.n_owned] = self.solution.array_r
         scatter_forward(self.z, self.comm)
-        out = []
         for form, vec in self._adjoint_forms:
             with vec.localForm() as loc:
                 loc.set(0.0)
             dolfinx.fem.petsc.assemble_vector(vec, form)
-            add_ghost_contributions(vec)
-            out.append(vec.array_r.copy())
-        return out[0], out[1].reshape(-1, self.d)
+        vecs = [vec for _, vec in self._adjoint_forms]
+        add_ghost_contributions(*vecs)             # both at once: one exchange
+        return vecs[0].array_r.copy(), vecs[1].array_r.copy().reshape(-1, self.d)
 
     def project(self, rho0, quadrature_degree: int) -> tuple[np.ndarray, float]:
         """L2 projection of a UFL density (of x = SpatialCoordinate) onto DG-k:

@@ -16,7 +16,8 @@ the computed risk to round-off (a Taylor test falls as eps^2), not an approximat
 the continuous one. The step plan is frozen (steps_per_layer, or counts fixed at the
 start of the evaluation), so the discrete risk is a smooth function of the heads.
 
-Memory: every step stores the density and velocity at each stage:
+Memory: every step stores the density and velocity at each stage, with their ghost
+entries (so that the adjoint sets them without communication):
 steps x stages x (DG dofs + d velocity nodes) doubles per prompt (see :meth:`tape_bytes`).
 """
 
@@ -133,7 +134,8 @@ class AdjointSolver:
                 tape = []
                 coeffs, _ = fw.solve_prompt(s, tape=tape)
                 tape_bytes = max(tape_bytes, sum(
-                    sum(Y.nbytes + v.nbytes + getattr(p, "nbytes", 0) for Y, v, p in st)
+                    sum(Y.nbytes + v.nbytes + getattr(p, "nbytes", 0) + gu.nbytes + gv.nbytes
+                        for Y, v, p, (gu, gv) in st)
                     + sum(getattr(r, "nbytes", 0) for r in lim or ()) for _, _, st, lim in tape))
                 F, lam = self.objective_at(s, coeffs)
                 local[s] = F
@@ -202,11 +204,11 @@ class AdjointSolver:
         return ssp_step_vjp(self.forward.scheme, lam, dt,
                             lambda j, Lbar: self._rate_vjp(*stages[j], layer, Lbar, dA, dV), limit_vjp)
 
-    def _rate_vjp(self, Y, vel, plan, layer, Lbar, dA, dV) -> np.ndarray:
+    def _rate_vjp(self, Y, vel, plan, ghosts, layer, Lbar, dA, dV) -> np.ndarray:
         fw = self.forward
         tr = fw.transport
-        tr.set_state(Y)
-        tr.set_velocity(vel)
+        tr.set_state(Y, ghosts=ghosts[0])        # the ghost copies the forward pass read:
+        tr.set_velocity(vel, ghosts=ghosts[1])   # no communication
         # an overflow is found and reported (one line) just below, without numpy's warnings
         with fw.timer.phase("adjoint transport"), np.errstate(over="ignore", invalid="ignore"):
             Ybar, vbar = tr.rate_vjp(Lbar)

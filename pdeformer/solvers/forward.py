@@ -649,11 +649,11 @@ class ForwardSolver:
                 vel, plan = self.velocity(Y[0], layer), self.velocity_field.last_sum
             else:       # set as the transport velocity by next_step, just before this step
                 vel, plan = first
-            if tape is not None:
-                stages.append((Y[0], vel, self._taped(plan)))
             with self.timer.phase("transport"):
                 tr.set_state(Y[0])
                 du, rate = tr.rate()
+            if tape is not None:        # with the ghosts the forms read: the adjoint sets them back
+                stages.append((Y[0], vel, self._taped(plan), tr.ghost_values()))
             return [du, np.array([rate])]
 
         def limit(Y):

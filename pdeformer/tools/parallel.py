@@ -84,6 +84,81 @@ def allgather_rows(comm, a: np.ndarray) -> np.ndarray:
     return out.reshape((-1,) + tail)
 
 
+# ------------------------------------------------------------------ large sums over ranks
+RING_BYTES = 1 << 16     # sums of arrays from 64 KiB on go round the ring of ranks
+RING_TAG = 7121          # point-to-point tag of the ring's messages
+
+
+def reduce_scatter_sum(comm, full: np.ndarray, counts) -> np.ndarray:
+    """sum_ranks full[displ_r : displ_r + counts[r]] on rank r (a flat float64 array of
+    sum(counts) entries on every rank): MPI_Reduce_scatter with op SUM. From RING_BYTES on,
+    by the ring of ranks: in step s = 0 .. P-2 rank r sends its partial sum of block
+    (r - s - 1) mod P to rank r + 1 and adds its own entries to the partial sum of block
+    (r - s - 2) mod P it receives from rank r - 1, so each block is summed in one fixed
+    order (ranks b+1, .., P-1, 0, .., b for block b; the result does not depend on timing)
+    and each rank moves (P-1)/P of the array. Open MPI's own Reduce_scatter measured 3-5x
+    slower for 0.1-1 MB on 2 ranks (docs/hpc.md)."""
+    P, r = comm.size, comm.rank
+    counts = np.asarray(counts, dtype=np.int64)
+    full = np.ascontiguousarray(full, dtype=np.float64).ravel()
+    if P == 1:
+        return full[:counts[0]].copy()
+    if full.nbytes < RING_BYTES:
+        mine = np.empty(int(counts[r]))
+        comm.Reduce_scatter(full, mine, counts, op=MPI.SUM)
+        return mine
+    with _metering(comm, full.nbytes + 8 * int(counts[r])):
+        return _ring_reduce_scatter(comm, full, counts)
+
+
+def _ring_reduce_scatter(comm, full: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The ring of :func:`reduce_scatter_sum` (P - 1 Sendrecv, not metered)."""
+    P, r = comm.size, comm.rank
+    displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    right, left = (r + 1) % P, (r - 1) % P
+    b = (r - 1) % P
+    partial = full[displs[b]:displs[b] + counts[b]]
+    for s in range(P - 1):
+        b = (r - s - 2) % P
+        received = np.empty(int(counts[b]))
+        MPI.Intracomm.Sendrecv(comm, partial, dest=right, sendtag=RING_TAG,
+                               recvbuf=received, source=left, recvtag=RING_TAG)
+        received += full[displs[b]:displs[b] + counts[b]]
+        partial = received
+    return partial
+
+
+def allreduce_sum(comm, array: np.ndarray) -> np.ndarray:
+    """``array`` (float64, C-contiguous) summed over ranks in place: MPI_Allreduce with
+    op SUM; from RING_BYTES on as :func:`reduce_scatter_sum` over equal blocks of the
+    flat array, then one Allgatherv of the blocks. Every rank gets the same bits."""
+    if comm.size == 1:
+        return array
+    if array.nbytes < RING_BYTES:
+        comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+        return array
+    flat = array.reshape(-1)
+    P, n = comm.size, flat.size
+    bounds = np.array([n * k // P for k in range(P + 1)], dtype=np.int64)
+    counts = np.diff(bounds)
+    with _metering(comm, 2 * array.nbytes):       # counted as the Allreduce it is
+        mine = _ring_reduce_scatter(comm, flat, counts)
+        MPI.Intracomm.Allgatherv(comm, mine, [flat, counts, bounds[:-1], MPI.DOUBLE])
+    return array
+
+
+@contextmanager
+def _metering(comm, nbytes: int):
+    """Count a section of point-to-point messages as one call of a :class:`MeteredComm`
+    (nothing for other communicators)."""
+    if not isinstance(comm, MeteredComm):
+        yield
+        return
+    with METER:
+        yield
+    METER.add(nbytes)
+
+
 class _RankFilter(logging.Filter):
     def __init__(self, rank):
         super().__init__()
@@ -481,17 +556,25 @@ def scatter_forward(u, comm) -> None:
     METER.add(8 * dofmap.index_map.num_ghosts * dofmap.index_map_bs)
 
 
-def ghost_update_add(b) -> None:
-    """Sum a PETSc ghosted vector's ghost contributions into their owners, counted as
-    communication (ghost entries x 8 bytes)."""
+def ghost_update_add(*vectors) -> None:
+    """Sum PETSc ghosted vectors' ghost contributions into their owners, all begun before
+    any is finished (their messages travel together), counted as one communication
+    (ghost entries x 8 bytes)."""
     from petsc4py import PETSc
-    if b.getComm().getSize() == 1:
-        b.ghostUpdate(addv=PETSc.InsertMode.ADD, mode=PETSc.ScatterMode.REVERSE)
+    add, reverse = PETSc.InsertMode.ADD, PETSc.ScatterMode.REVERSE
+    if vectors[0].getComm().getSize() == 1:
+        for b in vectors:
+            b.ghostUpdate(addv=add, mode=reverse)
         return
-    with b.localForm() as loc:
-        ghosts = loc.getSize() - b.getLocalSize()
+    ghosts = 0
+    for b in vectors:
+        with b.localForm() as loc:
+            ghosts += loc.getSize() - b.getLocalSize()
     with METER:
-        b.ghostUpdate(addv=PETSc.InsertMode.ADD, mode=PETSc.ScatterMode.REVERSE)
+        for b in vectors:
+            b.ghostUpdateBegin(addv=add, mode=reverse)
+        for b in vectors:
+            b.ghostUpdateEnd(addv=add, mode=reverse)
     METER.add(8 * ghosts)
 
 
