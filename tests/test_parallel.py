@@ -375,11 +375,15 @@ SUMS_SCRIPT = r'''
 import json, sys
 import numpy as np
 from mpi4py import MPI
-from pdeformer.tools.parallel import METER, RING_BYTES, MeteredComm, allreduce_sum, reduce_scatter_sum
+from pdeformer.tools.parallel import (METER, RING_BLOCK_BYTES, RING_TAG, MeteredComm,
+                                      allreduce_sum, reduce_scatter_sum)
 comm = MeteredComm(MPI.COMM_WORLD)
 P, r = comm.size, comm.rank
-out = {"exact": True, "same_bits": True, "close": 0.0, "calls": [], "bytes": []}
-for n in (5, RING_BYTES // 8 - 1, RING_BYTES // 8 + 3, 40001):       # MPI's sums, the ring's
+ring = RING_BLOCK_BYTES * P // 8          # doubles from which the sums go round the ring
+out = {"exact": True, "same_bits": True, "close": 0.0, "calls": [], "bytes": [], "isolated": True}
+stray = np.empty(1)
+pending = MPI.COMM_WORLD.Irecv(stray, source=MPI.ANY_SOURCE, tag=RING_TAG)   # must not see the ring
+for n in (5, ring - 1, ring + 3, max(40001, 2 * ring)):       # MPI's sums, then the ring's
     x = np.random.default_rng(1000 * n + r).standard_normal(n) * 10.0 ** (r % 3)
     xs = comm.allgather(x)
     # uneven blocks, one of them empty where P > 2
@@ -393,7 +397,7 @@ for n in (5, RING_BYTES // 8 - 1, RING_BYTES // 8 + 3, 40001):       # MPI's sum
     out["calls"].append(METER.comm_calls - before[0])
     out["bytes"].append((METER.comm_bytes - before[1]) / (8 * n + 8 * counts[r]))
     block = [v[lo:lo + counts[r]] for v in xs]
-    if x.nbytes >= RING_BYTES and P > 1:      # summed in the ring's order: ranks r+1, .., P-1, 0, .., r
+    if n >= ring and P > 1:      # summed in the ring's order: ranks r+1, .., P-1, 0, .., r
         expected = block[(r + 1) % P].copy()
         for k in range(2, P + 1):
             expected += block[(r + k) % P]
@@ -411,6 +415,16 @@ for n in (5, RING_BYTES // 8 - 1, RING_BYTES // 8 + 3, 40001):       # MPI's sum
     out["close"] = max(out["close"], float(np.max(np.abs(y[:, 0] - exact) / scale)))
     ys = comm.allgather(y)
     out["same_bits"] &= all(np.array_equal(ys[0], v) for v in ys)
+out["isolated"] = not pending.Test()
+pending.Cancel()
+pending.Wait()
+refused = []
+for bad in (np.zeros((4, 4), dtype=np.float32), np.zeros((4, 4), order="F")):
+    try:
+        allreduce_sum(comm, bad)
+    except TypeError:
+        refused.append(True)
+out["refused"] = refused
 results = comm.gather(out)
 if r == 0:
     json.dump(results, open(sys.argv[1], "w"))
@@ -420,18 +434,22 @@ if r == 0:
 @pytest.mark.mpi
 @pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
 def test_sums_over_ranks(tmp_path, nprocs):
-    """reduce_scatter_sum and allreduce_sum (MPI's sums below RING_BYTES, the ring's from
-    there on) against the sums in extended precision, to a few roundings of the summands'
-    magnitudes (P <= 4 terms: at most 3 roundings, 2^-52 each); the ring adds each block
-    in its documented order (bit for bit), allreduce_sum gives every rank the same bits,
-    and each counts as one metered call with the bytes of the MPI call it replaces."""
+    """reduce_scatter_sum and allreduce_sum (MPI's sums for blocks under RING_BLOCK_BYTES
+    per rank, the ring's from there on) against the sums in extended precision, to a few
+    roundings of the summands' magnitudes (P <= 4 terms: at most 3 roundings, 2^-52
+    each); the ring adds each block in its documented order (bit for bit), on its own
+    duplicate of the communicator (a receive posted on the communicator with its tag sees
+    nothing), allreduce_sum gives every rank the same bits and refuses arrays it cannot
+    sum in place, and each counts as one metered call with the bytes of the MPI call it
+    replaces."""
     from pdeformer.tools.parallel import mpirun_command
     script, out = tmp_path / "sums.py", tmp_path / "out.json"
     script.write_text(SUMS_SCRIPT)
     subprocess.run(mpirun_command(nprocs) + [sys.executable, str(script), str(out)], check=True,
-                   timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp_path)
+                   timeout=60, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp_path)
     for rank in json.loads(out.read_text()):
-        assert rank["exact"] and rank["same_bits"], rank
+        assert rank["exact"] and rank["same_bits"] and rank["isolated"], rank
+        assert rank["refused"] == [True, True], rank
         assert rank["close"] <= 4 * 2.0**-52, rank
         if nprocs > 1:
             assert rank["calls"] == [1] * 8 and np.allclose(rank["bytes"], 1.0), rank

@@ -484,9 +484,10 @@ class ForwardSolver:
         """Transport prompt ``index`` from t = 0 to 1; returns (coefficients, outflow).
 
         With ``tape`` (a list), every step appends ``(layer, dt, stages, limits)``, stages
-        being the (density, velocity, kernel plan) at which the scheme evaluated its
-        right-hand side and limits what the limiter did to each new stage (None without
-        the limiter; see DGTransport.limit): what the adjoint sweep needs."""
+        being the (density, velocity, kernel plan, (density ghosts, velocity ghosts)) at
+        which the scheme evaluated its right-hand side (the ghost entries as the forms read
+        them, DGTransport.ghost_values) and limits what the limiter did to each new stage
+        (None without the limiter; see DGTransport.limit): what the adjoint sweep needs."""
         self.current_prompt, self.evaluations = index, 0
         self._tape_room = self.velocity_field.tape_mb * 2 ** 20 if tape is not None else 0
         prompt = PromptMarch(self, index, trackers, tape)

@@ -15,7 +15,9 @@ agree whether any group failed and then combine their results over the world.
 Accounting (:data:`METER`, :class:`MeteredComm`): every collective pdeformer calls goes
 through a :class:`MeteredComm`, which adds its wall time, the CPU time spent inside it
 and its payload bytes to one meter per process; ghost updates of dolfinx/PETSc vectors
-made by pdeformer (:func:`scatter_forward`, :func:`ghost_update_add`) count the same way.
+made by pdeformer (:func:`scatter_forward`, :func:`ghost_update_add`) count the same way,
+and so do the ring sums (:func:`reduce_scatter_sum`, :func:`allreduce_sum`: one call with
+the bytes of the MPI call they replace, where the communicator is a MeteredComm).
 ``summary.json`` reports per rank ``compute_cpu_s`` (CPU seconds outside communication),
 ``comm_s`` and ``comm_bytes``.
 """
@@ -85,25 +87,32 @@ def allgather_rows(comm, a: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------ large sums over ranks
-RING_BYTES = 1 << 16     # sums of arrays from 64 KiB on go round the ring of ranks
-RING_TAG = 7121          # point-to-point tag of the ring's messages
+RING_BLOCK_BYTES = 1 << 15   # sums whose blocks per rank reach 32 KiB go round the ring
+RING_TAG = 7121              # point-to-point tag of the ring's messages (on its own duplicate)
+
+
+def _by_ring(comm, nbytes: int) -> bool:
+    """Whether a sum of ``nbytes`` per rank goes round the ring: where each rank's block
+    is large enough that bandwidth, not the P - 1 steps' latency, sets its time (the same
+    answer on every rank: the sizes agree)."""
+    return nbytes >= RING_BLOCK_BYTES * comm.size
 
 
 def reduce_scatter_sum(comm, full: np.ndarray, counts) -> np.ndarray:
     """sum_ranks full[displ_r : displ_r + counts[r]] on rank r (a flat float64 array of
-    sum(counts) entries on every rank): MPI_Reduce_scatter with op SUM. From RING_BYTES on,
-    by the ring of ranks: in step s = 0 .. P-2 rank r sends its partial sum of block
-    (r - s - 1) mod P to rank r + 1 and adds its own entries to the partial sum of block
-    (r - s - 2) mod P it receives from rank r - 1, so each block is summed in one fixed
-    order (ranks b+1, .., P-1, 0, .., b for block b; the result does not depend on timing)
-    and each rank moves (P-1)/P of the array. Open MPI's own Reduce_scatter measured 3-5x
-    slower for 0.1-1 MB on 2 ranks (docs/hpc.md)."""
+    sum(counts) entries on every rank): MPI_Reduce_scatter with op SUM. Where the blocks
+    are large (:func:`_by_ring`), by the ring of ranks: in step s = 0 .. P-2 rank r sends
+    its partial sum of block (r - s - 1) mod P to rank r + 1 and adds its own entries to
+    the partial sum of block (r - s - 2) mod P it receives from rank r - 1, so each block
+    is summed in one fixed order (ranks b+1, .., P-1, 0, .., b for block b; the result
+    does not depend on timing) and each rank moves (P-1)/P of the array. Open MPI 4.1's
+    own Reduce_scatter measured 3-4x slower for 0.3-1 MB on 2 ranks (docs/hpc.md)."""
     P, r = comm.size, comm.rank
     counts = np.asarray(counts, dtype=np.int64)
     full = np.ascontiguousarray(full, dtype=np.float64).ravel()
     if P == 1:
         return full[:counts[0]].copy()
-    if full.nbytes < RING_BYTES:
+    if not _by_ring(comm, full.nbytes):
         mine = np.empty(int(counts[r]))
         comm.Reduce_scatter(full, mine, counts, op=MPI.SUM)
         return mine
@@ -112,8 +121,10 @@ def reduce_scatter_sum(comm, full: np.ndarray, counts) -> np.ndarray:
 
 
 def _ring_reduce_scatter(comm, full: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """The ring of :func:`reduce_scatter_sum` (P - 1 Sendrecv, not metered)."""
-    P, r = comm.size, comm.rank
+    """The ring of :func:`reduce_scatter_sum` (P - 1 Sendrecv, not metered), on the
+    communicator's own duplicate (:func:`_ring_comm`)."""
+    ring = _ring_comm(comm)
+    P, r = ring.size, ring.rank
     displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
     right, left = (r + 1) % P, (r - 1) % P
     b = (r - 1) % P
@@ -121,20 +132,41 @@ def _ring_reduce_scatter(comm, full: np.ndarray, counts: np.ndarray) -> np.ndarr
     for s in range(P - 1):
         b = (r - s - 2) % P
         received = np.empty(int(counts[b]))
-        MPI.Intracomm.Sendrecv(comm, partial, dest=right, sendtag=RING_TAG,
-                               recvbuf=received, source=left, recvtag=RING_TAG)
+        ring.Sendrecv(partial, dest=right, sendtag=RING_TAG, recvbuf=received, source=left,
+                      recvtag=RING_TAG)
         received += full[displs[b]:displs[b] + counts[b]]
         partial = received
     return partial
 
 
+_RING_KEY = None
+
+
+def _ring_comm(comm) -> MPI.Intracomm:
+    """A duplicate of ``comm`` kept as an attribute of it (made on first use, a
+    collective call; freed with it): the ring's messages can meet no other point-to-point
+    traffic of the program on ``comm``, as PETSc and dolfinx keep theirs on duplicates."""
+    global _RING_KEY
+    if _RING_KEY is None:
+        _RING_KEY = MPI.Comm.Create_keyval(delete_fn=lambda c, k, dup: dup.Free())
+    dup = comm.Get_attr(_RING_KEY)
+    if dup is None:
+        dup = MPI.Intracomm(MPI.Intracomm.Dup(comm))     # a plain one (not metered)
+        comm.Set_attr(_RING_KEY, dup)
+    return dup
+
+
 def allreduce_sum(comm, array: np.ndarray) -> np.ndarray:
     """``array`` (float64, C-contiguous) summed over ranks in place: MPI_Allreduce with
-    op SUM; from RING_BYTES on as :func:`reduce_scatter_sum` over equal blocks of the
-    flat array, then one Allgatherv of the blocks. Every rank gets the same bits."""
+    op SUM; where the blocks are large (:func:`_by_ring`) as :func:`reduce_scatter_sum`
+    over equal blocks of the flat array, then one Allgatherv of the blocks. Every rank
+    gets the same bits."""
+    if array.dtype != np.float64 or not array.flags.c_contiguous:
+        raise TypeError(f"allreduce_sum: a C-contiguous float64 array, not {array.dtype} "
+                        f"({'' if array.flags.c_contiguous else 'not '}C-contiguous)")
     if comm.size == 1:
         return array
-    if array.nbytes < RING_BYTES:
+    if not _by_ring(comm, array.nbytes):
         comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
         return array
     flat = array.reshape(-1)
@@ -143,7 +175,7 @@ def allreduce_sum(comm, array: np.ndarray) -> np.ndarray:
     counts = np.diff(bounds)
     with _metering(comm, 2 * array.nbytes):       # counted as the Allreduce it is
         mine = _ring_reduce_scatter(comm, flat, counts)
-        MPI.Intracomm.Allgatherv(comm, mine, [flat, counts, bounds[:-1], MPI.DOUBLE])
+        _ring_comm(comm).Allgatherv(mine, [flat, counts, bounds[:-1], MPI.DOUBLE])
     return array
 
 
