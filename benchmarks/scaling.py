@@ -18,6 +18,9 @@ efficiency E(P) = C(1) / (P max_r C_r(P)) with C_r the compute CPU seconds of ra
 (``parallel.compute_cpu_s`` in summary.json: CPU time outside MPI communication), and
 the bytes communicated per rank (largest over ranks). On a machine with fewer cores than
 ranks the wall time says little; E(P) says how the run would scale with one core per rank.
+With ``--repeat N`` every figure is the least over N interleaved rounds, and the wall-time
+speedup within each round (its 1-rank and P-rank runs minutes apart, so a slow stretch of
+a shared machine slows both) is given too, as median and range.
 
 ``--ideal`` adds what the machine itself allows a case at P ranks: P copies of its first
 prompt, solved on one rank and then by P prompt groups of one rank each (the work divided
@@ -37,6 +40,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -137,13 +141,21 @@ def least(results: list[dict]) -> dict:
             "bytes": max(results[0]["bytes"]), "comm": min(max(r["comm"]) for r in results)}
 
 
+def by_round(base: list[dict], runs: list[dict]) -> str:
+    """The wall-time speedup within each round of the interleaved runs (the two runs
+    minutes apart, so a slow stretch of the machine slows both): median and range."""
+    ratios = sorted(b["wall"] / r["wall"] for b, r in zip(base, runs))
+    return f"  {statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--cases", nargs="+", default=["forward128", "forward256", "train", "prompts16"])
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs of every case and P, interleaved; each figure is the least "
-                         "over them (a shared machine's noise only ever adds)")
+                         "over them (a shared machine's noise only ever adds), and the "
+                         "speedup within each round is given as a median and range")
     ap.add_argument("--ideal", action="store_true",
                     help="also the ceiling of every case but prompts16: P copies of its first "
                          "prompt on 1 rank and in P groups of one rank")
@@ -160,7 +172,8 @@ def main():
                 results[key].append(run(*key, folder))
     best = {key: least(rs) for key, rs in results.items()}
     print(f"{'case':>11} {'P':>3} {'wall [s]':>9} {'speedup':>8} {'solve [s]':>9} {'speedup':>8} "
-          f"{'C max [s]':>10} {'C sum [s]':>10} {'E(P)':>6} {'MB/rank':>8} {'comm [s]':>9}")
+          f"{'C max [s]':>10} {'C sum [s]':>10} {'E(P)':>6} {'MB/rank':>8} {'comm [s]':>9}"
+          + ("  speedup by round: median (range)" if args.repeat > 1 else ""))
     for case in args.cases:
         base = best[case, args.ranks[0]]
         for P in args.ranks:
@@ -168,7 +181,8 @@ def main():
             E = base["csum"] / (P * r["cmax"]) if args.ranks[0] == 1 else float("nan")
             print(f"{case:>11} {P:>3} {r['wall']:>9.1f} {base['wall'] / r['wall']:>8.2f} "
                   f"{r['phase']:>9.1f} {base['phase'] / r['phase']:>8.2f} {r['cmax']:>10.2f} "
-                  f"{r['csum']:>10.2f} {E:>6.2f} {r['bytes'] / 1e6:>8.1f} {r['comm']:>9.2f}")
+                  f"{r['csum']:>10.2f} {E:>6.2f} {r['bytes'] / 1e6:>8.1f} {r['comm']:>9.2f}"
+                  + (by_round(results[case, args.ranks[0]], results[case, P]) if args.repeat > 1 else ""))
 
     if not ideal:
         return
