@@ -59,7 +59,8 @@ import numpy as np
 from mpi4py import MPI
 
 from .softmax import Sources, moments_from_sums, partial_sums, value_gain
-from ..tools.parallel import allgather_rows, allreduce_sum, any_rank, reduce_scatter_sum
+from ..tools.parallel import (allgather_rows, allreduce_sum, any_rank, reduce_scatter_sum,
+                              share_bounds)
 from .costs import machine_costs
 from .compiled import (KERNEL_DEGREE, PANEL_QMAX, fine_velocity, fine_velocity_vjp, kernels_on,
                        panel_gather, panel_spread)
@@ -91,7 +92,7 @@ def share(count: int, comm) -> slice:
 
 
 def _share_counts(count: int, comm, width: int) -> tuple[np.ndarray, np.ndarray]:
-    bounds = np.array([count * r // comm.size for r in range(comm.size + 1)]) * width
+    bounds = share_bounds(count, comm.size) * width
     return np.diff(bounds), bounds[:-1]
 
 
@@ -114,8 +115,7 @@ def reduce_shares(comm, full: np.ndarray) -> np.ndarray:
         return full
     count, tail = full.shape[0], full.shape[1:]
     counts, _ = _share_counts(count, comm, int(np.prod(tail)))
-    mine = reduce_scatter_sum(comm, full, counts)
-    return mine.reshape((counts[comm.rank] // max(1, int(np.prod(tail))),) + tail)
+    return reduce_scatter_sum(comm, full, counts).reshape((-1,) + tail)
 
 
 def any_negative(weights: np.ndarray, comm) -> bool:

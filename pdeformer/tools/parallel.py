@@ -91,6 +91,12 @@ RING_BLOCK_BYTES = 1 << 15   # sums whose blocks per rank reach 32 KiB go round 
 RING_TAG = 7121              # point-to-point tag of the ring's messages (on its own duplicate)
 
 
+def share_bounds(count: int, size: int) -> np.ndarray:
+    """Bounds of the contiguous shares [r count / P, (r + 1) count / P) of ``count`` rows
+    over P = ``size`` ranks, (P + 1,)."""
+    return np.array([count * r // size for r in range(size + 1)], dtype=np.int64)
+
+
 def _by_ring(comm, nbytes: int) -> bool:
     """Whether a sum of ``nbytes`` per rank goes round the ring: where each rank's block
     is large enough that bandwidth, not the P - 1 steps' latency, sets its time (the same
@@ -170,8 +176,7 @@ def allreduce_sum(comm, array: np.ndarray) -> np.ndarray:
         comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
         return array
     flat = array.reshape(-1)
-    P, n = comm.size, flat.size
-    bounds = np.array([n * k // P for k in range(P + 1)], dtype=np.int64)
+    bounds = share_bounds(flat.size, comm.size)
     counts = np.diff(bounds)
     with _metering(comm, 2 * array.nbytes):       # counted as the Allreduce it is
         mine = _ring_reduce_scatter(comm, flat, counts)
