@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import requires_dolfinx, run_cli, write_config
-from conftest import check_one_line_error
+from conftest import ROOT, check_one_line_error
 
 pytestmark = [requires_dolfinx]
 
@@ -455,3 +455,52 @@ def test_sums_over_ranks(tmp_path, nprocs):
             assert rank["calls"] == [1] * 8 and np.allclose(rank["bytes"], 1.0), rank
         else:
             assert rank["calls"] == [0] * 8, rank
+
+
+# ------------------------------------------------------------------ benchmarks/least_communication.py
+
+@pytest.mark.mpi
+def test_least_communication_adds_collectives_and_changes_nothing(tmp_path):
+    """benchmarks/least_communication.py on 2 copies of a prompt in 2 one-rank groups
+    (laplace tables, 24^2): with the least communication one table sum per velocity
+    evaluation and one barrier per right-hand side are added, with the table pipeline a
+    reduce-scatter, a table sum and a gather per evaluation (the laplace backend's own
+    calls, which a one-rank group makes without messages); the solve itself is the same
+    to the bit as with nothing added."""
+    import importlib.util
+    from pdeformer.tools.parallel import mpirun_command
+    spec = importlib.util.spec_from_file_location("scaling", os.path.join(ROOT, "benchmarks", "scaling.py"))
+    scaling = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scaling)
+    copies = scaling.copies_config(str(tmp_path), 2)
+    script = os.path.join(ROOT, "benchmarks", "least_communication.py")
+    runs = {}
+    for mode in ("--none", "--least", "--table-pipeline"):
+        out = tmp_path / mode.strip("-")
+        cmd = mpirun_command(2) + [sys.executable, script, *([mode] if mode != "--least" else []),
+                                   "forward", copies, "-q", "--prompt-groups", "2", "--set",
+                                   "mesh.cells=[24,24]", 'attention.backend="laplace"', "output.fields=false",
+                                   "output.plots=false", f"output.dir={out}"]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        added = [line for line in proc.stderr.splitlines() if line.startswith("least_communication")]
+        runs[mode] = (_read(out), added)
+    summary = runs["--none"][0]["summary"]
+    per_rank = summary["stats"]["velocity_evaluations"] // 2    # one prompt per rank
+    assert summary["attention"]["laplace"] == 2 * per_rank
+
+    def added(mode) -> dict:
+        (line,) = runs[mode][1]
+        counts = line.split("added per rank: ")[1]
+        return {} if counts == "nothing" else {k: int(n) for n, k in (c.split(" ", 1) for c in counts.split(", "))}
+
+    assert added("--none") == {}
+    least, pipeline = added("--least"), added("--table-pipeline")
+    assert least["table sums"] == per_rank and least["barriers"] >= 1, least
+    # every evaluation builds its table through panels and samples a fine grid (searches: more)
+    assert min(pipeline[k] for k in ("gathers", "reduce-scatters", "table sums")) >= per_rank, pipeline
+    assert pipeline["barriers"] == least["barriers"], (pipeline, least)
+    for mode in ("--least", "--table-pipeline"):
+        assert runs[mode][0]["diagnostics"] == runs["--none"][0]["diagnostics"]
+        assert runs[mode][0]["summary"]["objective"] == summary["objective"]

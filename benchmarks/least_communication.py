@@ -1,0 +1,138 @@
+"""The ceiling of a case with the least communication any division of its sources needs.
+
+    mpirun -n 2 python benchmarks/least_communication.py [--none | --table-pipeline] \\
+        [--table-doubles N] forward COPIES.toml --prompt-groups 2 -q \\
+        --set mesh.cells=[128,128] output.fields=false
+
+COPIES.toml holds P identical copies of one prompt (what ``benchmarks/scaling.py --ideal``
+writes: ``copies2.toml`` in its folder), solved by P prompt groups of one rank each: the
+work divided exactly, nothing communicated during the solve. This script adds, over all
+ranks, the two synchronisations that dividing one prompt's sources and cells cannot do
+without:
+
+* per velocity evaluation, one sum over ranks of a table-sized array (``--table-doubles``,
+  default 3 x 193^2: the largest tables of the 128^2 forward pass), round the ring as
+  pdeformer sums its tables (:func:`pdeformer.tools.parallel.allreduce_sum`);
+* per right-hand side of the transport, one barrier (the ghost exchange of the facet
+  fluxes).
+
+With ``--table-pipeline`` the velocity's synchronisations are instead those of the
+laplace table divided over ranks as pdeformer divides it, at the same points of each
+evaluation and with the same sizes: the reduce-scatter of the panel sums, the sum of the
+tables and the gather of the fine grid's rows (and the reverse mode's), each on scratch
+arrays of the size the one-rank group passes (nothing of the solve changes).
+
+Timed against the same copies with ``--none`` (nothing added) and one rank solving all
+copies, it says what these two cost on the machine, and so how much of the ceiling is
+left for any design's other messages, waiting and repeated work. The groups must make
+the same evaluations in the same order (identical copies do), or the sums pair
+different evaluations.
+"""
+
+import atexit
+import sys
+from collections import Counter
+
+import numpy as np
+from mpi4py import MPI
+
+from pdeformer.commands.cli import main
+from pdeformer.fem import transport
+from pdeformer.model import velocity
+from pdeformer.tools.parallel import allreduce_sum
+
+TABLE_DOUBLES = 3 * 193 ** 2
+ADDED: Counter = Counter()   # the collectives added, by kind (this rank)
+
+
+def report(comm, mode: str) -> None:
+    """One line on rank 0 at the end: what was added per rank (the same on every rank)."""
+    if comm.rank == 0:
+        added = ", ".join(f"{n} {kind}" for kind, n in sorted(ADDED.items())) or "nothing"
+        print(f"least_communication ({mode}): added per rank: {added}", file=sys.stderr)
+
+
+def add_least_communication(comm, table_doubles: int) -> None:
+    """Patch the velocity and the right-hand side to synchronise ``comm`` as above."""
+    table = np.ones(table_doubles)
+    evaluate = velocity.AttentionVelocity.__call__
+
+    def evaluate_and_sum(*args, **kwargs):
+        out = evaluate(*args, **kwargs)
+        table[:] = 1.0
+        allreduce_sum(comm, table)
+        ADDED["table sums"] += 1
+        return out
+
+    velocity.AttentionVelocity.__call__ = evaluate_and_sum
+    barrier_after_rate(comm)
+
+
+def barrier_after_rate(comm) -> None:
+    """Patch the transport's right-hand side to end in a barrier of ``comm``."""
+    rate = transport.DGTransport.rate
+
+    def rate_and_barrier(*args, **kwargs):
+        out = rate(*args, **kwargs)
+        comm.Barrier()
+        ADDED["barriers"] += 1
+        return out
+
+    transport.DGTransport.rate = rate_and_barrier
+
+
+def add_table_pipeline(comm) -> None:
+    """Patch the laplace backend's sums and gathers over its group (one rank: no
+    messages) to also make the same-sized collective over ``comm`` on scratch arrays, and
+    the right-hand side to end in a barrier (the ghost exchange)."""
+    from pdeformer.attention import laplace
+    from pdeformer.tools.parallel import reduce_scatter_sum
+    scratch: dict = {}
+
+    def buffer(size: int) -> np.ndarray:
+        if size not in scratch:
+            scratch[size] = np.ones(size)
+        return scratch[size]
+
+    def shares(count: int, width: int) -> np.ndarray:
+        return np.diff(np.arange(comm.size + 1) * count // comm.size) * width
+
+    reduce_shares, allreduce, allgather = (laplace.reduce_shares, laplace.allreduce_sum,
+                                           laplace.allgather_shares)
+
+    def reduce_shares_too(group, full):
+        width = full.size // full.shape[0]
+        reduce_scatter_sum(comm, buffer(full.size), shares(full.shape[0], width))
+        ADDED["reduce-scatters"] += 1
+        return reduce_shares(group, full)
+
+    def allreduce_too(group, array):
+        allreduce_sum(comm, buffer(array.size))
+        ADDED["table sums"] += 1
+        return allreduce(group, array)
+
+    def allgather_too(group, local, count):
+        counts = shares(count, local.size // count)
+        comm.Allgatherv(buffer(int(counts[comm.rank])),
+                        [buffer(local.size + 1), counts, np.cumsum(counts) - counts, MPI.DOUBLE])
+        ADDED["gathers"] += 1
+        return allgather(group, local, count)
+
+    laplace.reduce_shares, laplace.allreduce_sum, laplace.allgather_shares = (
+        reduce_shares_too, allreduce_too, allgather_too)
+    barrier_after_rate(comm)
+
+
+if __name__ == "__main__":
+    args, mode, doubles = sys.argv[1:], "least", TABLE_DOUBLES
+    while args and args[0] in ("--none", "--table-pipeline", "--table-doubles"):
+        if args[0] == "--table-doubles":
+            doubles, args = int(args[1]), args[2:]
+        else:
+            mode, args = args[0][2:], args[1:]
+    if mode == "least" and MPI.COMM_WORLD.size > 1:
+        add_least_communication(MPI.COMM_WORLD, doubles)
+    if mode == "table-pipeline" and MPI.COMM_WORLD.size > 1:
+        add_table_pipeline(MPI.COMM_WORLD)
+    atexit.register(report, MPI.COMM_WORLD, mode)
+    sys.exit(main(args))
