@@ -127,6 +127,8 @@ if __name__ == "__main__":
     args, mode, doubles = sys.argv[1:], "least", TABLE_DOUBLES
     while args and args[0] in ("--none", "--table-pipeline", "--table-doubles"):
         if args[0] == "--table-doubles":
+            if len(args) < 2 or not args[1].isdigit() or int(args[1]) == 0:
+                sys.exit("least_communication.py: --table-doubles needs a positive integer")
             doubles, args = int(args[1]), args[2:]
         else:
             mode, args = args[0][2:], args[1:]
