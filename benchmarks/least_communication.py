@@ -86,7 +86,7 @@ def add_table_pipeline(comm) -> None:
     messages) to also make the same-sized collective over ``comm`` on scratch arrays, and
     the right-hand side to end in a barrier (the ghost exchange)."""
     from pdeformer.attention import laplace
-    from pdeformer.tools.parallel import reduce_scatter_sum
+    from pdeformer.tools.parallel import reduce_scatter_sum, share_bounds
     scratch: dict = {}
 
     def buffer(size: int) -> np.ndarray:
@@ -95,7 +95,8 @@ def add_table_pipeline(comm) -> None:
         return scratch[size]
 
     def shares(count: int, width: int) -> np.ndarray:
-        return np.diff(np.arange(comm.size + 1) * count // comm.size) * width
+        """Entries of each rank's share of ``count`` rows of ``width`` (laplace.share)."""
+        return np.diff(share_bounds(count, comm.size)) * width
 
     reduce_shares, allreduce, allgather = (laplace.reduce_shares, laplace.allreduce_sum,
                                            laplace.allgather_shares)
@@ -113,6 +114,8 @@ def add_table_pipeline(comm) -> None:
 
     def allgather_too(group, local, count):
         counts = shares(count, local.size // count)
+        # the receive buffer one entry longer: never the send buffer, even where a rank's
+        # share is all the rows
         comm.Allgatherv(buffer(int(counts[comm.rank])),
                         [buffer(local.size + 1), counts, np.cumsum(counts) - counts, MPI.DOUBLE])
         ADDED["gathers"] += 1

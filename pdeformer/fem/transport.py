@@ -77,13 +77,6 @@ def reference_facet_points(mesh, degree: int) -> np.ndarray:
     return np.vstack(pts)
 
 
-def add_ghost_contributions(*vectors) -> None:
-    """Sum the contributions assembled on other ranks into the owned entries of each
-    vector, their messages in flight together (counted as communication, see
-    pdeformer.tools.parallel.METER)."""
-    ghost_update_add(*vectors)
-
-
 class CellQuadrature:
     """A quadrature rule on the owned cells: physical points y_q, measure
     omega_q = |J(y_q)| w_q, and the values of a DG function u there -- so integrals of
@@ -253,7 +246,7 @@ class DGTransport:
         surf = dolfinx.fem.petsc.assemble_vector(dolfinx.fem.form(
             one * w0 * ufl.ds + one * (w0("+") + w0("-")) * ufl.dS))
         for b in (vol, surf):
-            add_ghost_contributions(b)
+            ghost_update_add(b)
         ncell = mesh.topology.index_map(self.tdim).size_local
         dofs0 = dfx.cell_dofs(V0)[:ncell, 0]
         self.cell_volume = vol.array_r[dofs0].copy()
@@ -265,7 +258,7 @@ class DGTransport:
         # cell mean = sum_i mean_weights[K, i] * c_i  (integrals of the basis / |K|)
         w = ufl.TestFunction(self.V)
         basis_int = dolfinx.fem.petsc.assemble_vector(dolfinx.fem.form(one * w * ufl.dx))
-        add_ghost_contributions(basis_int)
+        ghost_update_add(basis_int)
         self.mean_weights = basis_int.array_r[self.cell_dofs] / self.cell_volume[:, None]
         for b in (vol, surf, basis_int):
             b.destroy()
@@ -331,7 +324,7 @@ class DGTransport:
         with b.localForm() as loc:
             loc.set(0.0)
         dolfinx.fem.petsc.assemble_vector(b, self.residual_form)
-        add_ghost_contributions(b)
+        ghost_update_add(b)
         self._solve_mass(b, self.solution)
         return self.solution.array_r.copy(), float(dolfinx.fem.assemble_scalar(self.outflow_form))
 
@@ -356,7 +349,7 @@ class DGTransport:
                 loc.set(0.0)
             dolfinx.fem.petsc.assemble_vector(vec, form)
         vecs = [vec for _, vec in self._adjoint_forms]
-        add_ghost_contributions(*vecs)             # both at once: one exchange
+        ghost_update_add(*vecs)             # both at once: one exchange
         return vecs[0].array_r.copy(), vecs[1].array_r.copy().reshape(-1, self.d)
 
     def project(self, rho0, quadrature_degree: int) -> tuple[np.ndarray, float]:
@@ -365,7 +358,7 @@ class DGTransport:
         w = ufl.TestFunction(self.V)
         dx = ufl.dx(metadata={"quadrature_degree": quadrature_degree})
         b = dolfinx.fem.petsc.assemble_vector(dolfinx.fem.form(rho0 * w * dx))
-        add_ghost_contributions(b)
+        ghost_update_add(b)
         x = b.duplicate()
         self._solve_mass(b, x)
         mass = self.comm.allreduce(float(b.array_r.sum()), op=MPI.SUM)
