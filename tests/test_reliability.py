@@ -240,6 +240,56 @@ def test_memory_limit_and_estimate_against_the_peak(tmp_path):
     check_one_line_error(proc, f"times the limit of {limit:g} GB")
 
 
+def _tape(folder) -> tuple[float, int]:
+    """(the estimate's tape part, the largest tape a rank held), in bytes."""
+    s = summary_of(folder)
+    return s["memory"]["estimate_parts_gb"]["tape"] * 2**30, s["tape_bytes_per_rank"]
+
+
+TAPE = ["discretisation.steps_per_layer=2", "attention.tape_mb=0"]   # CONFIG: no limiter
+
+
+@pytest.mark.parametrize("sets", [[], ["discretisation.degree=3"],    # ssprk104: 10 stages
+                                  ["mesh.cell=\"quadrilateral\"", "discretisation.degree=2"]])
+def test_the_tape_estimate_is_the_tape_on_one_rank(tmp_path, sets):
+    """Without the limiter the tape of a fixed-step gradient run is the scheme's stages x
+    (owned density coefficients + d values per velocity node) per step: the estimate
+    counts exactly that (the old one took 4 stages and 2 values per coefficient: 4.4x
+    too little for DG-3)."""
+    cfg = write_config(tmp_path, CONFIG)
+    run_cli(["gradient", cfg, "--set", *TAPE, *sets], cwd=str(tmp_path))
+    estimate, tape = _tape(tmp_path / "out")
+    assert estimate == tape
+
+
+@pytest.mark.parametrize("nprocs, sets, most", [
+    (1, ["discretisation.limiter=true"], 2.0),
+    pytest.param(3, [], 1.5, marks=pytest.mark.mpi),
+    pytest.param(3, ["discretisation.limiter=true", "discretisation.degree=2"], 2.0, marks=pytest.mark.mpi)])
+def test_the_tape_estimate_bounds_the_tape(tmp_path, nprocs, sets, most):
+    """With the limiter (records for every cell counted; this coarse run limits more than
+    a third of them at a stage, so at most 2x) and on 3 ranks (ghosts counted for a
+    compact part's whole boundary: at most 1.5x the tape here) the estimate is above
+    the largest tape a rank held."""
+    cfg = write_config(tmp_path, CONFIG)
+    run_cli(["gradient", cfg, "--set", *TAPE, *sets], nprocs=nprocs, cwd=str(tmp_path))
+    estimate, tape = _tape(tmp_path / "out")
+    assert tape <= estimate <= most * tape, (estimate, tape)
+
+
+@pytest.mark.parametrize("nprocs, config", [
+    (1, "runs/default.toml"), pytest.param(3, "runs/sphere.toml", marks=pytest.mark.mpi)])
+def test_the_particle_tape_estimate_is_the_tape(tmp_path, nprocs, config):
+    """A particle gradient keeps per stage its block of positions and velocities (on the
+    sphere also the positions before renormalising and the radial parts): exactly what
+    the estimate counts."""
+    out = tmp_path / "out"
+    run_cli(["particles", config, "--gradient", "--set", f"output.dir={out}", "particles.tokens=1000",
+             "particles.points=false", "model.layers=2", "output.plots=false"], nprocs=nprocs)
+    estimate, tape = _tape(out)
+    assert estimate == tape
+
+
 # ------------------------------------------------------------------ outflow
 
 def test_outflow_beyond_the_tail_tolerance_is_warned_once_per_prompt(tmp_path):

@@ -507,7 +507,8 @@ def _particle_risk(run: Run, adjoint, local: dict, gradient: bool, results: dict
         with run.timer.phase("gradient"):
             g = adjoint.gradient()
         run.write_gradient(g)
-        results.update(risk=g.risk, gradient_norm=g.norm())
+        results.update(risk=g.risk, gradient_norm=g.norm(),
+                       tape_bytes_per_rank=run.comm.allreduce(g.tape_bytes, op=MPI.MAX))
         log.info("|dR/dtheta| = %.6e", g.norm())
 
 

@@ -71,6 +71,15 @@ def march(layers: int, frames: int, controller: StepController,
     return steps
 
 
+def tape_nbytes(tape) -> int:
+    """Bytes a tape holds: the ``nbytes`` of its arrays and recorded objects (tables,
+    limiter records), through nested lists and tuples; plain numbers and plans without
+    ``nbytes`` count nothing."""
+    if isinstance(tape, (list, tuple)):
+        return sum(tape_nbytes(x) for x in tape)
+    return int(getattr(tape, "nbytes", 0))
+
+
 def sweep_back(tape: list, costate, step_vjp: Callable):
     """The adjoint sweep: the costate at t = 1 carried back through every step of the
     tape, last first (``step_vjp(costate, *entry)`` returns the costate at the step's

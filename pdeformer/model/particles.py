@@ -42,7 +42,7 @@ from ..tools.datasets import chosen_prompts
 from ..tools.errors import ConfigError, InputError, SolverBreakdown
 from ..integrator.frames import Frame, Tracker, located
 from .heads import Gradient
-from ..integrator.march import FixedSteps, march, sweep_back
+from ..integrator.march import FixedSteps, march, sweep_back, tape_nbytes
 from .objectives import OBJECTIVES
 from ..tools.parallel import Timer, allgather_rows, any_rank, moment_sums, on_root
 from ..integrator.schemes import SCHEMES, ssp_step, ssp_step_vjp
@@ -282,7 +282,7 @@ class ParticleAdjoint:
         chosen = chosen_prompts(sv.problem, prompts)
         dA = np.zeros((heads.layers, heads.heads, heads.dim, heads.dim))
         dV = np.zeros_like(heads.V)
-        local = {}
+        local, tape_bytes = {}, 0
         sv.velocity_field.refreeze()
         with groups.combined():
             for s in groups.owned:
@@ -290,6 +290,7 @@ class ParticleAdjoint:
                     continue
                 tape = []
                 x, w = sv.solve_prompt(s, tape=tape)
+                tape_bytes = max(tape_bytes, tape_nbytes(tape))
                 F, lam = self._finite(s, self.objective.particle_value_and_gradient(
                     x, w, self.targets[s], sv.comm))
                 local[s] = F
@@ -301,7 +302,7 @@ class ParticleAdjoint:
         for a in (dA, dV):   # every rank's share, summed over all groups
             groups.world.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
         S = len(chosen)
-        return Gradient.of_heads(heads, [risks[s] for s in chosen], dA / S, dV / S, prompts=chosen)
+        return Gradient.of_heads(heads, [risks[s] for s in chosen], dA / S, dV / S, tape_bytes, chosen)
 
     def _finite(self, index: int, value_gradient):
         """(F, dF/dx) of prompt ``index``; a breakdown where F (the same on every rank)

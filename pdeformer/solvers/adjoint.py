@@ -17,8 +17,11 @@ the continuous one. The step plan is frozen (steps_per_layer, or counts fixed at
 start of the evaluation), so the discrete risk is a smooth function of the heads.
 
 Memory: every step stores the density and velocity at each stage, with their ghost
-entries (so that the adjoint sets them without communication):
-steps x stages x (DG dofs + d velocity nodes) doubles per prompt (see :meth:`tape_bytes`).
+entries (so that the adjoint sets them without communication), and the limiter's record
+of the cells it limited: steps x stages x (DG dofs + d values per velocity node + up to
+4 + 2 x dofs per cell for the limiter) doubles per prompt, and the tables up to
+``[attention] tape_mb`` (measured: :func:`~pdeformer.integrator.march.tape_nbytes`;
+estimated: :func:`~pdeformer.tools.budget.dg_tape_bytes`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from ..tools.datasets import chosen_prompts
 from ..tools.errors import SolverBreakdown
 from .forward import ForwardSolver, located
 from ..model.heads import Gradient, query_key_derivatives
-from ..integrator.march import sweep_back
+from ..integrator.march import sweep_back, tape_nbytes
 from ..model.objectives import default_quadrature_degree
 from ..tools.parallel import any_rank
 from ..integrator.schemes import ssp_step_vjp
@@ -133,10 +136,7 @@ class AdjointSolver:
                     continue
                 tape = []
                 coeffs, _ = fw.solve_prompt(s, tape=tape)
-                tape_bytes = max(tape_bytes, sum(
-                    sum(Y.nbytes + v.nbytes + getattr(p, "nbytes", 0) + gu.nbytes + gv.nbytes
-                        for Y, v, p, (gu, gv) in st)
-                    + sum(getattr(r, "nbytes", 0) for r in lim or ()) for _, _, st, lim in tape))
+                tape_bytes = max(tape_bytes, tape_nbytes(tape))
                 F, lam = self.objective_at(s, coeffs)
                 local[s] = F
                 self.start = fw.comm.allreduce(float(np.abs(self._dF).max(initial=0.0)), op=MPI.MAX)

@@ -13,17 +13,22 @@ Per rank, in bytes (the constants are peak resident sizes of ``pdeformer forward
     + LAPLACE_TABLES                       (laplace/auto in 1-D and 2-D; in 3-D
                                            LAPLACE_TABLES_3D: the caps of the fine grid, the
                                            panel sums (twice: reordered) and the tiles' sums)
-    + tape                                 (gradient, train: the stage densities of every
-                                           step of a prompt, and tables up to tape_mb)
+    + tape                                 (gradient, train: per step and stage of a prompt
+                                           the density, velocity and their ghost entries,
+                                           and the limiter's records, counted as if every
+                                           cell were limited; tables up to tape_mb; see
+                                           :func:`dg_tape_bytes`)
     + PER_TOKEN * d * tokens               (particles: every rank draws all N tokens; 650 B
                                            per token measured in 2-D)
     + heads                                Q, K, V with gradients and optimiser moments
 
 Steps of a CFL-controlled run are not known in advance: the tape counts
-MIN_STEPS_PER_LAYER, so for those runs the estimate is a lower bound. A rank's need times
-the ranks on its node must stay under ``[output] max_memory_gb`` (default: the node's
-available memory, MemAvailable); otherwise the run stops as bad input (exit 2) with the
-estimate, on every rank.
+MIN_STEPS_PER_LAYER, so for those runs the estimate is a lower bound. With fixed steps
+(``steps_per_layer``; particles always) the tape part bounds the tape the adjoint keeps
+(``tape_bytes_per_rank`` of summary.json) from above: exactly on one rank without the
+limiter. A rank's need times the ranks on its node must stay under
+``[output] max_memory_gb`` (default: the node's available memory, MemAvailable);
+otherwise the run stops as bad input (exit 2) with the estimate, on every rank.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import math
 import xml.etree.ElementTree as ET
 
+from ..integrator.schemes import SCHEMES
 from .errors import ConfigError
 
 MB = 2**20
@@ -41,6 +47,16 @@ LAPLACE_TABLES = 64 * MB
 LAPLACE_TABLES_3D = 512 * MB   # pdeformer.attention.laplace: FINE3_BYTES + 2 PANEL3_BYTES + TILE_SUMS3_BYTES
 PER_TOKEN = 400            # per token and dimension
 MIN_STEPS_PER_LAYER = 4
+PARTICLE_STEPS = 10        # particles' steps per layer when neither section sets them
+LIMITED_CELL_BYTES = 32    # per limited cell: its index, theta, mean and minimum (+ 16 B per dof)
+# A rank's share of a partitioned mesh (rank_share): its owned cells and nodes are at most
+# PARTITION_IMBALANCE times the average, its ghosts GHOST_CELLS (cells) and GHOST_NODES
+# (Lagrange nodes) times owned^((t-1)/t). Largest measured on dolfinx 0.5.2 partitions of
+# boxes (triangles, quadrilaterals, tetrahedra, hexahedra), meshes/disk and meshes/ball
+# on 2-4 ranks: 1.02 (cells), 1.075 (nodes, 729 of them), 2.5 and 6.7.
+PARTITION_IMBALANCE = 1.05
+GHOST_CELLS = 3.0
+GHOST_NODES = 7.0
 
 ADVICE = {"mesh": "use more nodes or a coarser mesh",
           "tokens": "use fewer particles.tokens (every rank draws all of them)",
@@ -51,6 +67,24 @@ ADVICE = {"mesh": "use more nodes or a coarser mesh",
 
 SIMPLICES_PER_BOX_CELL = {"interval": 1, "triangle": 2, "quadrilateral": 1, "tetrahedron": 6,
                           "hexahedron": 1}
+
+
+def _xdmf_grid(mesh: dict):
+    """The mesh file's XDMF Grid of the configured name (only the header is read), or
+    None where the file cannot say."""
+    try:
+        root = ET.parse(mesh["file"]).getroot()
+        return next(g for g in root.iter("Grid") if g.get("Name") == mesh["name"])
+    except (OSError, ET.ParseError, StopIteration):
+        return None
+
+
+def _rows(node) -> int | None:
+    """The leading dimension of an XDMF Topology or Geometry (None where it has none)."""
+    try:
+        return int(node.get("NumberOfElements") or node.find("DataItem").get("Dimensions").split()[0])
+    except (AttributeError, ValueError, IndexError):
+        return None
 
 
 def mesh_size(mesh: dict) -> tuple[int, int, str] | None:
@@ -65,14 +99,12 @@ def mesh_size(mesh: dict) -> tuple[int, int, str] | None:
         d = len(mesh["cells"])
         cell = mesh["cell"] or {1: "interval", 2: "triangle", 3: "tetrahedron"}[d]
         return math.prod(mesh["cells"]) * SIMPLICES_PER_BOX_CELL.get(cell, 1), d, cell
-    try:
-        root = ET.parse(mesh["file"]).getroot()
-        grid = next(g for g in root.iter("Grid") if g.get("Name") == mesh["name"])
-        topo = grid.find("Topology")
-        cells = int(topo.get("NumberOfElements") or topo.find("DataItem").get("Dimensions").split()[0])
-        cell = (topo.get("TopologyType") or "").lower()
-    except (OSError, ET.ParseError, StopIteration, AttributeError, ValueError, IndexError):
+    grid = _xdmf_grid(mesh)
+    topo = grid.find("Topology") if grid is not None else None
+    cells = _rows(topo)
+    if cells is None:
         return None
+    cell = (topo.get("TopologyType") or "").lower()
     d = {"polyline": 1, "interval": 1, "triangle": 2, "quadrilateral": 2, "tetrahedron": 3,
          "hexahedron": 3}.get(cell, 3)
     return cells, d, cell
@@ -83,12 +115,11 @@ def token_dimension(mesh: dict, tdim: int) -> int:
     in, or a mesh file whose Geometry has more coordinates than its cells' dimension)."""
     if mesh["file"] is None:
         return tdim + (mesh["shape"] != "box")
-    try:
-        root = ET.parse(mesh["file"]).getroot()
-        grid = next(g for g in root.iter("Grid") if g.get("Name") == mesh["name"])
-        gdim = {"X": 1, "XY": 2, "XYZ": 3}.get(grid.find("Geometry").get("GeometryType", ""), tdim)
-    except (OSError, ET.ParseError, StopIteration, AttributeError):
+    grid = _xdmf_grid(mesh)
+    geometry = grid.find("Geometry") if grid is not None else None
+    if geometry is None:
         return tdim
+    gdim = {"X": 1, "XY": 2, "XYZ": 3}.get(geometry.get("GeometryType", ""), tdim)
     return gdim if gdim == tdim + 1 else tdim
 
 
@@ -97,6 +128,68 @@ def dofs_per_cell(cell: str, degree: int, d: int) -> int:
     if cell in ("quadrilateral", "hexahedron"):
         return (degree + 1) ** d
     return math.comb(degree + d, d)
+
+
+def lagrange_nodes(mesh: dict, cells: int, tdim: int, k: int) -> float:
+    """Nodes of degree-k Lagrange elements on the whole mesh: on a box prod (k N_a + 1)
+    (its simplices add no vertices, so every cell type has the same lattice); on a
+    circle k N; otherwise k^t V for V vertices (the file's Geometry; a sphere's
+    icosahedral triangles have C/2 + 2). k^t V is the count's leading term for
+    triangles and tetrahedra (Euler: E ~ V + C) and bounds it from above for the
+    box-like ones; a file whose header does not say counts V = C + 1."""
+    if mesh["shape"] == "circle":
+        return float(k * cells)
+    if mesh["shape"] == "box" and mesh["file"] is None:
+        return float(math.prod(k * n + 1 for n in mesh["cells"]))
+    if mesh["shape"] == "sphere":
+        vertices = cells / 2 + 2
+    else:
+        grid = _xdmf_grid(mesh)
+        vertices = _rows(grid.find("Geometry")) if grid is not None else None
+        vertices = vertices if vertices is not None else cells + 1
+    return float(k ** tdim * vertices)
+
+
+def rank_share(count: float, tdim: int, ranks: int, layer: float) -> tuple[float, float]:
+    """(owned, ghost) entries of one rank when ``count`` cells or nodes of a t-dimensional
+    mesh are partitioned over ``ranks``: the owned share times PARTITION_IMBALANCE, and
+    ``layer`` (owned)^((t-1)/t) ghosts, no more than the others own; (count, 0) on one
+    rank. The ghosts are those of a compact part's boundary (a square of 2 s^2 triangles
+    has 4 s edges, 2.8 A^(1/2); a cube of 6 s^3 tetrahedra 12 s^2 faces, 3.6 A^(2/3))."""
+    if ranks <= 1:
+        return float(count), 0.0
+    own = count / ranks
+    return PARTITION_IMBALANCE * own, min(layer * own ** ((tdim - 1) / tdim), count - own)
+
+
+def dg_tape_bytes(cfg: dict, cells: int, tdim: int, cell: str, d: int, ranks: int) -> float:
+    """Bytes of one prompt's tape on a rank of a group of ``ranks`` (without its tables,
+    ``tape_mb``): per stage of every step (the scheme's stages, steps_per_layer or
+    MIN_STEPS_PER_LAYER per layer) the owned density coefficients and d velocity values
+    per owned Lagrange node, with their ghost entries (:func:`rank_share`); with the
+    limiter one record per stage of LIMITED_CELL_BYTES + 16 B per dof for every owned
+    cell (the most it can limit; runs on 32^2-64^2 limit about half their cells)."""
+    disc = cfg["discretisation"]
+    n = dofs_per_cell(cell, disc["degree"], tdim)
+    own, ghosts = rank_share(cells, tdim, ranks, GHOST_CELLS)
+    nodes = sum(rank_share(lagrange_nodes(cfg["mesh"], cells, tdim, disc["velocity_degree"]),
+                           tdim, ranks, GHOST_NODES))
+    stage = 8 * n * (own + ghosts) + 8 * d * nodes
+    if disc["limiter"]:
+        stage += own * (LIMITED_CELL_BYTES + 16 * n)
+    steps = disc["steps_per_layer"] or MIN_STEPS_PER_LAYER
+    return cfg["model"]["layers"] * steps * SCHEMES[disc["scheme"]].stages * stage
+
+
+def particle_tape_bytes(cfg: dict, d: int, manifold: bool, ranks: int) -> float:
+    """Bytes of one prompt's particle tape on a rank: per stage of every step its block
+    of the tokens' positions and velocities (on a circle or sphere also the positions
+    before renormalising and the velocity's radial part)."""
+    disc, pc = cfg["discretisation"], cfg["particles"]
+    steps = pc["steps_per_layer"] or disc["steps_per_layer"] or PARTICLE_STEPS
+    tokens = math.ceil(pc["tokens"] / ranks)
+    stage = 8 * tokens * (3 * d + 1 if manifold else 2 * d)
+    return cfg["model"]["layers"] * steps * SCHEMES[disc["scheme"]].stages * stage
 
 
 def estimate(cfg: dict, command: str, group_size: int, differentiable: bool = False) -> dict:
@@ -122,12 +215,9 @@ def estimate(cfg: dict, command: str, group_size: int, differentiable: bool = Fa
         tokens = cfg["particles"]["tokens"]
         parts["tokens"] = PER_TOKEN * d * tokens
         if differentiable and L is not None:
-            steps = cfg["particles"]["steps_per_layer"] or MIN_STEPS_PER_LAYER
-            parts["tape"] = 8 * d * tokens / group_size * L * steps * 4
+            parts["tape"] = particle_tape_bytes(cfg, d, d > tdim, group_size)
     elif differentiable and L is not None:
-        steps = disc["steps_per_layer"] or MIN_STEPS_PER_LAYER
-        stages = 4
-        parts["tape"] = 8 * 2 * coeffs / group_size * L * steps * stages \
+        parts["tape"] = dg_tape_bytes(cfg, cells, tdim, cell, d, group_size) \
             + cfg["attention"]["tape_mb"] * MB
     parts["total"] = sum(parts.values())
     return parts
