@@ -36,7 +36,6 @@ from __future__ import annotations
 import math
 import xml.etree.ElementTree as ET
 
-from ..integrator.schemes import SCHEMES
 from .errors import ConfigError
 
 MB = 2**20
@@ -178,7 +177,7 @@ def dg_tape_bytes(cfg: dict, cells: int, tdim: int, cell: str, d: int, ranks: in
     if disc["limiter"]:
         stage += own * (LIMITED_CELL_BYTES + 16 * n)
     steps = disc["steps_per_layer"] or MIN_STEPS_PER_LAYER
-    return cfg["model"]["layers"] * steps * SCHEMES[disc["scheme"]].stages * stage
+    return cfg["model"]["layers"] * steps * scheme_stages(disc["scheme"]) * stage
 
 
 def particle_tape_bytes(cfg: dict, d: int, manifold: bool, ranks: int) -> float:
@@ -189,7 +188,14 @@ def particle_tape_bytes(cfg: dict, d: int, manifold: bool, ranks: int) -> float:
     steps = pc["steps_per_layer"] or disc["steps_per_layer"] or PARTICLE_STEPS
     tokens = math.ceil(pc["tokens"] / ranks)
     stage = 8 * tokens * (3 * d + 1 if manifold else 2 * d)
-    return cfg["model"]["layers"] * steps * SCHEMES[disc["scheme"]].stages * stage
+    return cfg["model"]["layers"] * steps * scheme_stages(disc["scheme"]) * stage
+
+
+def scheme_stages(name: str) -> int:
+    """Stages of an SSP scheme (the registry in pdeformer.integrator.schemes, imported
+    when an estimate is made: tools sit below the integrator)."""
+    from ..integrator.schemes import SCHEMES
+    return SCHEMES[name].stages
 
 
 def estimate(cfg: dict, command: str, group_size: int, differentiable: bool = False) -> dict:
