@@ -26,9 +26,10 @@ Steps of a CFL-controlled run are not known in advance: the tape counts
 MIN_STEPS_PER_LAYER, so for those runs the estimate is a lower bound. With fixed steps
 (``steps_per_layer``; particles always) the tape part bounds the tape the adjoint keeps
 (``tape_bytes_per_rank`` of summary.json) from above: exactly on one rank without the
-limiter. A rank's need times the ranks on its node must stay under
-``[output] max_memory_gb`` (default: the node's available memory, MemAvailable);
-otherwise the run stops as bad input (exit 2) with the estimate, on every rank.
+limiter on a box or circle (elsewhere the velocity's nodes are counted from above).
+A rank's need times the ranks on its node must stay under ``[output] max_memory_gb``
+(default: the node's available memory, MemAvailable); otherwise the run stops as bad
+input (exit 2) with the estimate, on every rank.
 """
 
 from __future__ import annotations
