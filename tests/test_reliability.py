@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from conftest import ROOT, check_one_line_error, run_cli, write_config
 from test_train import CONFIG
@@ -275,6 +276,76 @@ def test_the_tape_estimate_bounds_the_tape(tmp_path, nprocs, sets, most):
     run_cli(["gradient", cfg, "--set", *TAPE, *sets], nprocs=nprocs, cwd=str(tmp_path))
     estimate, tape = _tape(tmp_path / "out")
     assert tape <= estimate <= most * tape, (estimate, tape)
+
+
+MESHES = {   # [mesh] sections: boxes and the circle exact, the others bounded from above
+    "triangles": {"shape": "box", "file": None, "cells": [6, 5], "cell": "triangle"},
+    "quadrilaterals": {"shape": "box", "file": None, "cells": [6, 5], "cell": "quadrilateral"},
+    "tetrahedra": {"shape": "box", "file": None, "cells": [3, 4, 2], "cell": "tetrahedron"},
+    "hexahedra": {"shape": "box", "file": None, "cells": [3, 4, 2], "cell": "hexahedron"},
+    "interval": {"shape": "box", "file": None, "cells": [7], "cell": "interval"},
+    "circle": {"shape": "circle", "file": None, "cells": [12], "radius": 1.0},
+    "sphere": {"shape": "sphere", "file": None, "refinements": 2, "radius": 1.0},
+    "disk": {"shape": "box", "file": os.path.join(ROOT, "meshes", "disk.xdmf"), "name": "mesh"},
+    "ball": {"shape": "box", "file": os.path.join(ROOT, "meshes", "ball.xdmf"), "name": "mesh"}}
+
+
+@pytest.mark.parametrize("name", sorted(MESHES))
+def test_velocity_nodes_of_the_estimate_against_dolfinx(name):
+    """The estimate's Lagrange node count (degrees 1-3) against the spaces dolfinx builds:
+    equal on boxes and the circle; elsewhere from above (Euler's formula with bounds on
+    the boundary), by at most 10% (measured: the ball's tetrahedra 1.066, the disk and
+    the sphere under 1.004)."""
+    from mpi4py import MPI
+    from pdeformer.fem import _dolfinx as dfx
+    from pdeformer.fem.mesh import box_mesh, circle_mesh, read_mesh, sphere_mesh
+    from pdeformer.tools.budget import lagrange_nodes, mesh_size
+    spec = MESHES[name]
+    comm = MPI.COMM_SELF
+    if spec["file"] is not None:
+        mesh = read_mesh(comm, spec["file"], spec["name"])
+    elif spec["shape"] == "circle":
+        mesh = circle_mesh(comm, spec["cells"][0], spec["radius"])
+    elif spec["shape"] == "sphere":
+        mesh = sphere_mesh(comm, spec["refinements"], spec["radius"])
+    else:
+        d = len(spec["cells"])
+        mesh = box_mesh(comm, [0.0] * d, [1.0] * d, spec["cells"], spec["cell"])
+    cells, tdim, cell = mesh_size(spec)
+    exact = spec["shape"] == "circle" or (spec["shape"] == "box" and spec["file"] is None)
+    for k in (1, 2, 3):
+        nodes = dfx.function_space(mesh, "Lagrange", k).dofmap.index_map.size_global
+        estimate = lagrange_nodes(spec, cells, tdim, cell, k)
+        if exact or k == 1:       # k = 1: the vertices themselves
+            assert estimate == nodes, (k, estimate, nodes)
+        else:
+            assert nodes <= estimate <= 1.1 * nodes, (k, estimate, nodes)
+
+
+def test_an_inline_point_cloud_counts_its_own_points():
+    """Particles: a prompt of 5 inline points with [particles] tokens = 2 has the largest
+    tape, ceil(5 / 2) = 3 tokens on the busier of 2 ranks, x and v (d = 1) per stage."""
+    from pdeformer.integrator.schemes import SCHEMES
+    from pdeformer.tools.budget import estimate
+    from pdeformer.tools.config import load_config
+    cfg = load_config(os.path.join(ROOT, "runs", "ntk", "prompts.toml"),
+                      ["particles.tokens=2", "particles.steps_per_layer=3",
+                       "prompts[0].points=[[-0.5], [0.5], [2.0], [2.5], [3.0]]"])
+    stages = SCHEMES[cfg["discretisation"]["scheme"]].stages
+    assert estimate(cfg, "particles", 2, True)["tape"] == cfg["model"]["layers"] * 3 * stages * 8 * 3 * 2
+
+
+def test_a_kept_table_counts_once_on_the_tape():
+    """A TableSum whose interpolant is its table (the laplace table itself) holds that
+    table once: the tape counts the entry's own nbytes, not its fields."""
+    from pdeformer.integrator.march import tape_nbytes
+    from pdeformer.model.velocity import TableSum
+
+    class Table:
+        nbytes = 1000
+    table, fine = Table(), Table()
+    stage = (np.zeros(3), TableSum(None, table, table), TableSum(None, table, fine))
+    assert tape_nbytes([(0, 0.1, [stage], None)]) == 24 + 1000 + 2000
 
 
 @pytest.mark.parametrize("nprocs, config", [

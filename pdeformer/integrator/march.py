@@ -73,11 +73,15 @@ def march(layers: int, frames: int, controller: StepController,
 
 def tape_nbytes(tape) -> int:
     """Bytes a tape holds: the ``nbytes`` of its arrays and recorded objects (tables,
-    limiter records), through nested lists and tuples; plain numbers and plans without
-    ``nbytes`` count nothing."""
+    limiter records; an object's own ``nbytes`` first, so a kept table that is also its
+    interpolant counts once), through nested lists and tuples; plain numbers and plans
+    without ``nbytes`` count nothing."""
+    nbytes = getattr(tape, "nbytes", None)
+    if nbytes is not None:
+        return int(nbytes)
     if isinstance(tape, (list, tuple)):
         return sum(tape_nbytes(x) for x in tape)
-    return int(getattr(tape, "nbytes", 0))
+    return 0
 
 
 def sweep_back(tape: list, costate, step_vjp: Callable):

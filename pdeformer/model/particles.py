@@ -38,6 +38,7 @@ import math
 import numpy as np
 from mpi4py import MPI
 
+from ..tools.config import PARTICLE_STEPS_PER_LAYER
 from ..tools.datasets import chosen_prompts
 from ..tools.errors import ConfigError, InputError, SolverBreakdown
 from ..integrator.frames import Frame, Tracker, located
@@ -79,7 +80,7 @@ class ParticleSolver:
         pc = opts.particles
         self.tokens = pc.tokens
         self.seed = pc.seed
-        self.steps_per_layer = pc.steps_per_layer or self.disc.steps_per_layer or 10
+        self.steps_per_layer = pc.steps_per_layer or self.disc.steps_per_layer or PARTICLE_STEPS_PER_LAYER
         self.frames_per_layer = opts.output.frames_per_layer
         if self.steps_per_layer % self.frames_per_layer:
             raise ConfigError("output.frames_per_layer",

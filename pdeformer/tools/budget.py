@@ -25,8 +25,9 @@ Per rank, in bytes (the constants are peak resident sizes of ``pdeformer forward
 Steps of a CFL-controlled run are not known in advance: the tape counts
 MIN_STEPS_PER_LAYER, so for those runs the estimate is a lower bound. With fixed steps
 (``steps_per_layer``; particles always) the tape part bounds the tape the adjoint keeps
-(``tape_bytes_per_rank`` of summary.json) from above: exactly on one rank without the
-limiter on a box or circle (elsewhere the velocity's nodes are counted from above).
+(``tape_bytes_per_rank`` of summary.json) from above: without the tables (all of
+tape_mb is added), exactly on one rank without the limiter on a box or circle
+(elsewhere the velocity's nodes are counted from above).
 A rank's need times the ranks on its node must stay under ``[output] max_memory_gb``
 (default: the node's available memory, MemAvailable); otherwise the run stops as bad
 input (exit 2) with the estimate, on every rank.
@@ -37,6 +38,7 @@ from __future__ import annotations
 import math
 import xml.etree.ElementTree as ET
 
+from .config import PARTICLE_STEPS_PER_LAYER
 from .errors import ConfigError
 
 MB = 2**20
@@ -47,14 +49,13 @@ LAPLACE_TABLES = 64 * MB
 LAPLACE_TABLES_3D = 512 * MB   # pdeformer.attention.laplace: FINE3_BYTES + 2 PANEL3_BYTES + TILE_SUMS3_BYTES
 PER_TOKEN = 400            # per token and dimension
 MIN_STEPS_PER_LAYER = 4
-PARTICLE_STEPS = 10        # particles' steps per layer when neither section sets them
 LIMITED_CELL_BYTES = 32    # per limited cell: its index, theta, mean and minimum (+ 16 B per dof)
 # A rank's share of a partitioned mesh (rank_share): its owned cells and nodes are at most
 # PARTITION_IMBALANCE times the average, its ghosts GHOST_CELLS (cells) and GHOST_NODES
 # (Lagrange nodes) times owned^((t-1)/t). Largest measured on dolfinx 0.5.2 partitions of
 # boxes (triangles, quadrilaterals, tetrahedra, hexahedra), meshes/disk and meshes/ball
 # on 2-4 ranks: 1.02 (cells), 1.075 (nodes, 729 of them), 2.5 and 6.7.
-PARTITION_IMBALANCE = 1.05
+PARTITION_IMBALANCE = 1.08
 GHOST_CELLS = 3.0
 GHOST_NODES = 7.0
 
@@ -130,13 +131,12 @@ def dofs_per_cell(cell: str, degree: int, d: int) -> int:
     return math.comb(degree + d, d)
 
 
-def lagrange_nodes(mesh: dict, cells: int, tdim: int, k: int) -> float:
+def lagrange_nodes(mesh: dict, cells: int, tdim: int, cell: str, k: int) -> float:
     """Nodes of degree-k Lagrange elements on the whole mesh: on a box prod (k N_a + 1)
-    (its simplices add no vertices, so every cell type has the same lattice); on a
-    circle k N; otherwise k^t V for V vertices (the file's Geometry; a sphere's
-    icosahedral triangles have C/2 + 2). k^t V is the count's leading term for
-    triangles and tetrahedra (Euler: E ~ V + C) and bounds it from above for the
-    box-like ones; a file whose header does not say counts V = C + 1."""
+    (its simplices add no vertices, so every cell type has the same lattice), on a
+    circle k N; otherwise V + (k-1) E + (nodes inside a face) F + (inside a cell) C from
+    V vertices (the file's Geometry; C/2 + 2 on the sphere; C + 1 where a file does not
+    say), C cells and the bounds of :func:`edges_and_faces`."""
     if mesh["shape"] == "circle":
         return float(k * cells)
     if mesh["shape"] == "box" and mesh["file"] is None:
@@ -147,7 +147,29 @@ def lagrange_nodes(mesh: dict, cells: int, tdim: int, k: int) -> float:
         grid = _xdmf_grid(mesh)
         vertices = _rows(grid.find("Geometry")) if grid is not None else None
         vertices = vertices if vertices is not None else cells + 1
-    return float(k ** tdim * vertices)
+    m = k - 1                                     # nodes inside an edge
+    if tdim == 1:
+        return float(vertices + m * cells)
+    edges, faces = edges_and_faces(cell, vertices, cells)
+    simplex = cell in ("triangle", "tetrahedron")
+    in_face = m * (m - 1) / 2 if simplex else m * m
+    if tdim == 2:
+        return float(vertices + m * edges + in_face * cells)
+    in_cell = m * (m - 1) * (m - 2) / 6 if simplex else m ** 3
+    return float(vertices + m * edges + in_face * faces + in_cell * cells)
+
+
+def edges_and_faces(cell: str, V: float, C: float) -> tuple[float, float]:
+    """Upper bounds on the edges and faces of a mesh of C cells and V vertices, from
+    Euler's formula: a surface or a planar mesh with at most one hole has E <= V + C
+    (F = C); a volume mesh has F = (f C + F_b) / 2 and E = V + F - C - 1 for f faces per
+    cell, with at most 2 V boundary triangles (tetrahedra: E <= 2 V + C, F <= 2 C + V)
+    or V boundary quadrilaterals (hexahedra: E <= 1.5 V + 2 C, F <= 3 C + V / 2)."""
+    if cell == "tetrahedron":
+        return 2 * V + C, 2 * C + V
+    if cell == "hexahedron":
+        return 1.5 * V + 2 * C, 3 * C + V / 2
+    return V + C, C
 
 
 def rank_share(count: float, tdim: int, ranks: int, layer: float) -> tuple[float, float]:
@@ -172,7 +194,7 @@ def dg_tape_bytes(cfg: dict, cells: int, tdim: int, cell: str, d: int, ranks: in
     disc = cfg["discretisation"]
     n = dofs_per_cell(cell, disc["degree"], tdim)
     own, ghosts = rank_share(cells, tdim, ranks, GHOST_CELLS)
-    nodes = sum(rank_share(lagrange_nodes(cfg["mesh"], cells, tdim, disc["velocity_degree"]),
+    nodes = sum(rank_share(lagrange_nodes(cfg["mesh"], cells, tdim, cell, disc["velocity_degree"]),
                            tdim, ranks, GHOST_NODES))
     stage = 8 * n * (own + ghosts) + 8 * d * nodes
     if disc["limiter"]:
@@ -182,12 +204,16 @@ def dg_tape_bytes(cfg: dict, cells: int, tdim: int, cell: str, d: int, ranks: in
 
 
 def particle_tape_bytes(cfg: dict, d: int, manifold: bool, ranks: int) -> float:
-    """Bytes of one prompt's particle tape on a rank: per stage of every step its block
-    of the tokens' positions and velocities (on a circle or sphere also the positions
-    before renormalising and the velocity's radial part)."""
+    """Bytes of the largest prompt's particle tape on a rank: per stage of every step its
+    block of the tokens' positions and velocities (on a circle or sphere also the
+    positions before renormalising and the velocity's radial part). A prompt has
+    [particles] tokens, an inline point cloud its own points (a point cloud read from a
+    file is counted as [particles] tokens)."""
     disc, pc = cfg["discretisation"], cfg["particles"]
-    steps = pc["steps_per_layer"] or disc["steps_per_layer"] or PARTICLE_STEPS
-    tokens = math.ceil(pc["tokens"] / ranks)
+    steps = pc["steps_per_layer"] or disc["steps_per_layer"] or PARTICLE_STEPS_PER_LAYER
+    counts = [len(p["points"]) if p.get("kind") == "points" and p.get("points") is not None
+              else pc["tokens"] for p in cfg["prompts"]]
+    tokens = math.ceil(max(counts, default=pc["tokens"]) / ranks)
     stage = 8 * tokens * (3 * d + 1 if manifold else 2 * d)
     return cfg["model"]["layers"] * steps * scheme_stages(disc["scheme"]) * stage
 

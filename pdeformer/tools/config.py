@@ -179,6 +179,7 @@ TOL_WHY = (" (a laplace table's values carry rounding of about 1e-13 of their si
 CELLS = {1: ("interval",), 2: ("triangle", "quadrilateral"), 3: ("tetrahedron", "hexahedron")}
 SHAPES = ("box", "circle", "sphere")
 SCHEMES = ("auto", "euler", "ssprk2", "ssprk3", "ssprk104")
+PARTICLE_STEPS_PER_LAYER = 10    # [particles] steps_per_layer where neither section sets it
 PROMPT_KINDS = ("gaussian_mixture", "uniform", "file", "points", "von_mises_fisher", "harmonics")
 NAME = r"[A-Za-z0-9_-]{1,64}"   # prompt names go into file names: short and portable
 
@@ -294,7 +295,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "tokens": Key(integer(1, 10**8), 10000, "tokens N sampled from each prompt"),
         "seed": Key(integer(0, 2**63 - 1), 0, "seed of the token samples"),
         "steps_per_layer": Key(integer(1, 10**7), None,
-                               "steps per layer (default: discretisation.steps_per_layer or 10)"),
+                               "steps per layer (default: discretisation.steps_per_layer or "
+                               f"{PARTICLE_STEPS_PER_LAYER})"),
         "points": Key(boolean, True, "write the tokens at every layer boundary (tokens_<prompt>.pvd)"),
     },
     "ntk": {
