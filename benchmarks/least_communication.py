@@ -86,7 +86,7 @@ def add_table_pipeline(comm) -> None:
     messages) to also make the same-sized collective over ``comm`` on scratch arrays, and
     the right-hand side to end in a barrier (the ghost exchange)."""
     from pdeformer.attention import laplace
-    from pdeformer.tools.parallel import reduce_scatter_sum, share_bounds
+    from pdeformer.tools.parallel import reduce_scatter_sum
     scratch: dict = {}
 
     def buffer(size: int) -> np.ndarray:
@@ -94,16 +94,12 @@ def add_table_pipeline(comm) -> None:
             scratch[size] = np.ones(size)
         return scratch[size]
 
-    def shares(count: int, width: int) -> np.ndarray:
-        """Entries of each rank's share of ``count`` rows of ``width`` (laplace.share)."""
-        return np.diff(share_bounds(count, comm.size)) * width
-
     reduce_shares, allreduce, allgather = (laplace.reduce_shares, laplace.allreduce_sum,
                                            laplace.allgather_shares)
 
     def reduce_shares_too(group, full):
-        width = full.size // full.shape[0]
-        reduce_scatter_sum(comm, buffer(full.size), shares(full.shape[0], width))
+        counts, _ = laplace._share_counts(full.shape[0], comm, full.size // full.shape[0])
+        reduce_scatter_sum(comm, buffer(full.size), counts)
         ADDED["reduce-scatters"] += 1
         return reduce_shares(group, full)
 
@@ -113,11 +109,11 @@ def add_table_pipeline(comm) -> None:
         return allreduce(group, array)
 
     def allgather_too(group, local, count):
-        counts = shares(count, local.size // count)
+        counts, displs = laplace._share_counts(count, comm, local.size // count)
         # the receive buffer one entry longer: never the send buffer, even where a rank's
         # share is all the rows
         comm.Allgatherv(buffer(int(counts[comm.rank])),
-                        [buffer(local.size + 1), counts, np.cumsum(counts) - counts, MPI.DOUBLE])
+                        [buffer(local.size + 1), counts, displs, MPI.DOUBLE])
         ADDED["gathers"] += 1
         return allgather(group, local, count)
 

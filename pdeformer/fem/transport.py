@@ -349,7 +349,7 @@ class DGTransport:
                 loc.set(0.0)
             dolfinx.fem.petsc.assemble_vector(vec, form)
         vecs = [vec for _, vec in self._adjoint_forms]
-        ghost_update_add(*vecs)             # both at once: one exchange
+        ghost_update_add(*vecs)                    # both at once: one exchange
         return vecs[0].array_r.copy(), vecs[1].array_r.copy().reshape(-1, self.d)
 
     def project(self, rho0, quadrature_degree: int) -> tuple[np.ndarray, float]:
