@@ -12,9 +12,11 @@ without:
 
 * per velocity evaluation, one sum over ranks of a table-sized array (``--table-doubles``,
   default 3 x 193^2: the largest tables of the 128^2 forward pass), round the ring as
-  pdeformer sums its tables (:func:`pdeformer.tools.parallel.allreduce_sum`);
-* per right-hand side of the transport, one barrier (the ghost exchange of the facet
-  fluxes).
+  pdeformer sums its tables (:func:`pdeformer.tools.parallel.allreduce_sum`); in a
+  gradient also per reverse evaluation (the table's cotangent, summed over the targets of
+  all ranks);
+* per right-hand side of the transport, and per reverse right-hand side in a gradient,
+  one barrier (the ghost exchange of the facet fluxes).
 
 With ``--table-pipeline`` the velocity's synchronisations are instead those of the
 laplace table divided over ranks as pdeformer divides it, at the same points of each
@@ -65,12 +67,23 @@ def add_least_communication(comm, table_doubles: int) -> None:
         return out
 
     velocity.AttentionVelocity.__call__ = evaluate_and_sum
+    reverse = velocity.AttentionVelocity.vjp
+
+    def reverse_and_sum(*args, **kwargs):
+        out = reverse(*args, **kwargs)
+        table[:] = 1.0
+        allreduce_sum(comm, table)
+        ADDED["table cotangent sums"] += 1
+        return out
+
+    velocity.AttentionVelocity.vjp = reverse_and_sum
     barrier_after_rate(comm)
 
 
 def barrier_after_rate(comm) -> None:
-    """Patch the transport's right-hand side to end in a barrier of ``comm``."""
-    rate = transport.DGTransport.rate
+    """Patch the transport's right-hand side and its reverse to end in a barrier of
+    ``comm``."""
+    rate, rate_vjp = transport.DGTransport.rate, transport.DGTransport.rate_vjp
 
     def rate_and_barrier(*args, **kwargs):
         out = rate(*args, **kwargs)
@@ -78,7 +91,14 @@ def barrier_after_rate(comm) -> None:
         ADDED["barriers"] += 1
         return out
 
+    def rate_vjp_and_barrier(*args, **kwargs):
+        out = rate_vjp(*args, **kwargs)
+        comm.Barrier()
+        ADDED["reverse barriers"] += 1
+        return out
+
     transport.DGTransport.rate = rate_and_barrier
+    transport.DGTransport.rate_vjp = rate_vjp_and_barrier
 
 
 def add_table_pipeline(comm) -> None:

@@ -463,10 +463,11 @@ def test_sums_over_ranks(tmp_path, nprocs):
 def test_least_communication_adds_collectives_and_changes_nothing(tmp_path):
     """benchmarks/least_communication.py on 2 copies of a prompt in 2 one-rank groups
     (laplace tables, 24^2): with the least communication one table sum per velocity
-    evaluation and one barrier per right-hand side are added, with the table pipeline a
-    reduce-scatter, a table sum and a gather per evaluation (the laplace backend's own
-    calls, which a one-rank group makes without messages); the solve itself is the same
-    to the bit as with nothing added."""
+    evaluation and one barrier per right-hand side are added (in a gradient also one
+    table sum per reverse evaluation and one barrier per reverse right-hand side), with
+    the table pipeline a reduce-scatter, a table sum and a gather per evaluation (the
+    laplace backend's own calls, which a one-rank group makes without messages); the
+    solve itself is the same to the bit as with nothing added."""
     import importlib.util
     from pdeformer.tools.parallel import mpirun_command
     spec = importlib.util.spec_from_file_location("scaling", os.path.join(ROOT, "benchmarks", "scaling.py"))
@@ -475,32 +476,44 @@ def test_least_communication_adds_collectives_and_changes_nothing(tmp_path):
     copies = scaling.copies_config(str(tmp_path), 2)
     script = os.path.join(ROOT, "benchmarks", "least_communication.py")
     runs = {}
-    for mode in ("--none", "--least", "--table-pipeline"):
-        out = tmp_path / mode.strip("-")
+    for command, mode in [("forward", "--none"), ("forward", "--least"), ("forward", "--table-pipeline"),
+                          ("gradient", "--none"), ("gradient", "--least")]:
+        out = tmp_path / f"{command}-{mode.strip('-')}"
         cmd = mpirun_command(2) + [sys.executable, script, *([mode] if mode != "--least" else []),
-                                   "forward", copies, "-q", "--prompt-groups", "2", "--set",
+                                   command, copies, "-q", "--prompt-groups", "2", "--set",
                                    "mesh.cells=[24,24]", 'attention.backend="laplace"', "output.fields=false",
                                    "output.plots=false", f"output.dir={out}"]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                               env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"))
         assert proc.returncode == 0, proc.stdout + proc.stderr
         added = [line for line in proc.stderr.splitlines() if line.startswith("least_communication")]
-        runs[mode] = (_read(out), added)
-    summary = runs["--none"][0]["summary"]
+        runs[command, mode] = (_read(out), added, out)
+    summary = runs["forward", "--none"][0]["summary"]
     per_rank = summary["stats"]["velocity_evaluations"] // 2    # one prompt per rank
     assert summary["attention"]["laplace"] == 2 * per_rank
 
-    def added(mode) -> dict:
-        (line,) = runs[mode][1]
+    def added(command, mode) -> dict:
+        (line,) = runs[command, mode][1]
         counts = line.split("added per rank: ")[1]
         return {} if counts == "nothing" else {k: int(n) for n, k in (c.split(" ", 1) for c in counts.split(", "))}
 
-    assert added("--none") == {}
-    least, pipeline = added("--least"), added("--table-pipeline")
+    assert added("forward", "--none") == added("gradient", "--none") == {}
+    least, pipeline = added("forward", "--least"), added("forward", "--table-pipeline")
     assert least["table sums"] == per_rank and least["barriers"] >= 1, least
+    assert "table cotangent sums" not in least and "reverse barriers" not in least, least
     # every evaluation builds its table through panels and samples a fine grid (searches: more)
     assert min(pipeline[k] for k in ("gathers", "reduce-scatters", "table sums")) >= per_rank, pipeline
     assert pipeline["barriers"] == least["barriers"], (pipeline, least)
     for mode in ("--least", "--table-pipeline"):
-        assert runs[mode][0]["diagnostics"] == runs["--none"][0]["diagnostics"]
-        assert runs[mode][0]["summary"]["objective"] == summary["objective"]
+        assert runs["forward", mode][0]["diagnostics"] == runs["forward", "--none"][0]["diagnostics"]
+        assert runs["forward", mode][0]["summary"]["objective"] == summary["objective"]
+    # a gradient: the reverse evaluations (one per forward one) and right-hand sides too
+    grad = runs["gradient", "--none"][0]["summary"]
+    reverse = added("gradient", "--least")
+    per_rank = grad["stats"]["velocity_evaluations"] // 2
+    assert reverse["table sums"] == reverse["table cotangent sums"] == per_rank, reverse
+    assert reverse["reverse barriers"] >= reverse["barriers"] // 2 >= 1, reverse
+    plain, least = (np.load(runs["gradient", m][2] / "gradient.npz") for m in ("--none", "--least"))
+    assert sorted(plain.files) == sorted(least.files)
+    for key in plain.files:
+        assert np.array_equal(plain[key], least[key]), key
