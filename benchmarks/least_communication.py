@@ -35,7 +35,11 @@ import atexit
 import sys
 from collections import Counter
 
-import numpy as np
+from pdeformer.tools.blas import choose_core
+
+choose_core()      # before numpy loads, as the pdeformer command does
+
+import numpy as np  # noqa: E402
 from mpi4py import MPI
 
 from pdeformer.commands.cli import main

@@ -13,6 +13,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the costs the attention's choices are made from, pinned (pdeformer/attention/costs.py):
 # no test depends on this machine's speed; subprocesses inherit it
 os.environ.setdefault("PDEFORMER_COSTS", os.path.join(ROOT, "tests", "costs.json"))
+# OpenBLAS's kernels chosen before numpy loads, as the pdeformer command chooses them
+# (pdeformer/tools/blas.py); the commands the tests start inherit the choice
+if "numpy" not in sys.modules:
+    from pdeformer.tools.blas import choose_core
+    choose_core()
 
 
 def has_dolfinx() -> bool:

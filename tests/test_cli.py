@@ -121,6 +121,8 @@ def test_forward_2d_outputs_read_back(tmp_path):
     prov = summary["provenance"]
     for key in ("pdeformer", "dolfinx", "petsc", "petsc4py", "mpi4py", "numpy"):
         assert re.fullmatch(r"\d+\.\d+.*", prov[key]), (key, prov[key])
+    assert set(prov["blas"]) == {"library", "core", "detected", "coretype_set_by"}, prov["blas"]
+    assert (prov["blas"]["library"] is None) == (prov["blas"]["core"] is None), prov["blas"]
     if os.path.isdir(os.path.join(ROOT, ".git")):
         assert re.fullmatch(r"[0-9a-f]{40}", prov["git"]["commit"]), prov["git"]
         assert prov["git"]["dirty"] in (True, False)

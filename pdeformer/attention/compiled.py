@@ -51,6 +51,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..tools.machine import cache_dir, cpu_identity
+
 log = logging.getLogger("pdeformer")
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"   # the C files (package data)
@@ -80,12 +82,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def cache_dir() -> Path:
-    if os.environ.get("PDEFORMER_CACHE"):
-        return Path(os.environ["PDEFORMER_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdeformer"
-
-
 def kernel_files() -> list[Path]:
     """The C files the kernels are built from (all of them go into the cache key)."""
     return sorted(KERNEL_DIR.glob("*.[ch]"))
@@ -111,17 +107,6 @@ def _compile(target: Path, source: str | None = None) -> None:
         else:
             raise RuntimeError(f"{cc} failed: {run.stderr.decode(errors='replace')[-300:]}")
         os.replace(lib, target)       # atomic: a rank never loads a half-written file
-
-
-def cpu_identity() -> str:
-    """The CPU as far as compiled code cares: model and instruction-set flags (Linux's
-    /proc/cpuinfo; elsewhere what platform reports)."""
-    keep = ("model name", "flags", "features", "cpu part", "cpu implementer", "isa")
-    try:
-        lines = Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
-        return " | ".join(ln for ln in lines if ln.split(":")[0].strip().lower() in keep)
-    except OSError:
-        return f"{platform.processor()} {platform.machine()}"
 
 
 def _build_key() -> str:

@@ -36,6 +36,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..tools.errors import InputError
+from ..tools.blas import loaded_openblas
 from .compiled import cache_dir, cpu_identity, kernel_key, kernels
 
 log = logging.getLogger("pdeformer")
@@ -167,12 +168,12 @@ def measure() -> Costs:
 
 
 def machine_key() -> str:
-    """What the costs depend on: the CPU, numpy's version and the compiled loops' build
-    (a different BLAS behind the same numpy is not seen: remove the file to measure
-    again). Not the rank count or the BLAS threads of the run: runs on 1 and on P ranks
-    of a machine take the same numbers, so they choose alike and their results agree to
-    round-off."""
-    text = "\n".join([cpu_identity(), np.__version__, kernel_key()])
+    """What the costs depend on: the CPU, numpy's version, the compiled loops' build and
+    the kernels OpenBLAS runs (pdeformer.tools.blas; another BLAS behind the same numpy is
+    not seen: remove the file to measure again). Not the rank count or the BLAS threads
+    of the run: runs on 1 and on P ranks of a machine take the same numbers, so they
+    choose alike and their results agree to round-off."""
+    text = "\n".join([cpu_identity(), np.__version__, kernel_key(), str(loaded_openblas()["core"])])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -321,10 +321,16 @@ COMMANDS = {   # command: (run it, the lines rank 0 prints about its output)
 
 def _info(args, comm) -> int:
     from ..fem._dolfinx import versions
+    from ..tools.blas import blas_record
     if comm.rank == 0:
         print(f"pdeformer {__version__}")
         for k, v in versions().items():
             print(f"{k:10s} {v}")
+        blas = blas_record()
+        if blas["library"] is not None:
+            by = {"pdeformer": f", set by pdeformer (OpenBLAS's own: {blas['detected']})",
+                  "user": ", set by OPENBLAS_CORETYPE"}.get(blas["coretype_set_by"], "")
+            print(f"{'openblas':10s} {blas['library']} (core {blas['core']}{by})")
         print(f"{'ranks':10s} {comm.size}")
     return 0
 
@@ -347,6 +353,8 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "plot":
         return _plot(args)
+    from ..tools.blas import choose_core
+    choose_core()      # before numpy loads: OpenBLAS's kernels for this CPU (tools/blas.py)
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     if comm.size > 1:  # one BLAS thread per rank unless told otherwise (before numpy loads)

@@ -36,6 +36,7 @@ from mpi4py import MPI
 
 from ..fem import _dolfinx as dfx
 from ..attention.costs import costs_record, machine_costs
+from ..tools.blas import describe_choice
 from ..tools.budget import check_memory, peak_memory
 from ..tools.errors import ConfigError, PdeformerError, SolverBreakdown, status_of
 from ..solvers.forward import ForwardSolver, Tracker, build_problem
@@ -63,6 +64,8 @@ def output_session(command: str, outdir: str, comm, announce: str, on_error, on_
     try:
         handler = add_log_file(comm, os.path.join(outdir, "pdeformer.log"))
         log.info("%s", announce)
+        if describe_choice():
+            log.info("%s", describe_choice())
         if comm.rank == 0:
             folder.report()
             if dfx.untested_version_warning():

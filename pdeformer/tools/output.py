@@ -134,8 +134,9 @@ def git_commit() -> dict:
 def provenance(comm) -> dict:
     """Who ran what where: versions, ranks, host, commit, time."""
     from ..fem._dolfinx import versions
+    from .blas import blas_record
     return {"pdeformer": __version__, "python": sys.version.split()[0], **versions(),
-            "ranks": comm.size, "host": socket.gethostname(), "platform": platform.platform(),
+            "blas": blas_record(), "ranks": comm.size, "host": socket.gethostname(), "platform": platform.platform(),
             "git": git_commit(), "argv": sys.argv,
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
