@@ -96,6 +96,10 @@ def test_probe_is_kept_per_machine(tmp_path, monkeypatch):
         raise AssertionError("probed again")
     monkeypatch.setattr(blas.subprocess, "run", no_child)
     assert blas.probe_core() == first
+    # a damaged cache file is probed again (here: the child fails, so nothing is known)
+    kept.write_text(json.dumps({"library": 3, "core": ["x"]}))
+    monkeypatch.setattr(blas.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", ""))
+    assert blas.probe_core() == {"library": None, "core": None}
 
 
 def test_the_command_runs_on_the_core_it_reports(tmp_path):

@@ -98,6 +98,13 @@ def _cache_path():
     return cache_dir() / f"blas-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
 
 
+def _well_formed(found) -> bool:
+    """Whether a probe's answer (from the child or the cache file) is {"library", "core"}
+    with strings or None."""
+    return (isinstance(found, dict) and {"library", "core"} <= set(found)
+            and all(isinstance(found[k], (str, type(None))) for k in ("library", "core")))
+
+
 def probe_core() -> dict:
     """{"library", "core"} that OpenBLAS takes here on its own (OPENBLAS_CORETYPE unset):
     from the cache, else from a child process importing numpy (kept, written atomically;
@@ -106,7 +113,7 @@ def probe_core() -> dict:
     try:
         with open(path) as f:
             found = json.load(f)
-        if isinstance(found, dict) and {"library", "core"} <= set(found):
+        if _well_formed(found):
             return found
     except (OSError, ValueError):
         pass
@@ -118,7 +125,7 @@ def probe_core() -> dict:
         found = json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0 else None
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         found = None
-    if not isinstance(found, dict) or not {"library", "core"} <= set(found):
+    if not _well_formed(found):
         return {"library": None, "core": None}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
