@@ -136,7 +136,8 @@ def provenance(comm) -> dict:
     from ..fem._dolfinx import versions
     from .blas import blas_record
     return {"pdeformer": __version__, "python": sys.version.split()[0], **versions(),
-            "blas": blas_record(), "ranks": comm.size, "host": socket.gethostname(), "platform": platform.platform(),
+            "blas": blas_record(), "ranks": comm.size, "host": socket.gethostname(),
+            "platform": platform.platform(),
             "git": git_commit(), "argv": sys.argv,
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
