@@ -6,7 +6,7 @@ than the OpenBLAS release falls back to a generic core: Debian 12's OpenBLAS 0.3
 5th-generation Xeon (GenuineIntel family 6 model 207) takes 'Prescott' (SSE3), and its
 matrix products run 4-5x slower than with the AVX-512 kernels the CPU has (measured:
 15 against 73 GFLOP/s for a 1000^3 product on one core; the 32^2 default forward
-pass's velocity 1.6-1.8 s against 0.74-0.76 s).
+pass's velocity 1.6-1.8 s against 0.74-0.82 s).
 
 :func:`choose_core`, which the ``pdeformer`` command calls before numpy loads, asks
 which core OpenBLAS takes here (a child process imports numpy and reads
