@@ -58,51 +58,37 @@ def report(comm, mode: str) -> None:
         print(f"least_communication ({mode}): added per rank: {added}", file=sys.stderr)
 
 
+def then(owner, name: str, action, kind: str) -> None:
+    """Patch ``owner.name`` to call ``action()`` after it, counted as ``kind``."""
+    method = getattr(owner, name)
+
+    def method_then_action(*args, **kwargs):
+        out = method(*args, **kwargs)
+        action()
+        ADDED[kind] += 1
+        return out
+
+    setattr(owner, name, method_then_action)
+
+
 def add_least_communication(comm, table_doubles: int) -> None:
     """Patch the velocity and the right-hand side to synchronise ``comm`` as above."""
     table = np.ones(table_doubles)
-    evaluate = velocity.AttentionVelocity.__call__
 
-    def evaluate_and_sum(*args, **kwargs):
-        out = evaluate(*args, **kwargs)
+    def table_sum():
         table[:] = 1.0
         allreduce_sum(comm, table)
-        ADDED["table sums"] += 1
-        return out
 
-    velocity.AttentionVelocity.__call__ = evaluate_and_sum
-    reverse = velocity.AttentionVelocity.vjp
-
-    def reverse_and_sum(*args, **kwargs):
-        out = reverse(*args, **kwargs)
-        table[:] = 1.0
-        allreduce_sum(comm, table)
-        ADDED["table cotangent sums"] += 1
-        return out
-
-    velocity.AttentionVelocity.vjp = reverse_and_sum
+    then(velocity.AttentionVelocity, "__call__", table_sum, "table sums")
+    then(velocity.AttentionVelocity, "vjp", table_sum, "table cotangent sums")
     barrier_after_rate(comm)
 
 
 def barrier_after_rate(comm) -> None:
     """Patch the transport's right-hand side and its reverse to end in a barrier of
     ``comm``."""
-    rate, rate_vjp = transport.DGTransport.rate, transport.DGTransport.rate_vjp
-
-    def rate_and_barrier(*args, **kwargs):
-        out = rate(*args, **kwargs)
-        comm.Barrier()
-        ADDED["barriers"] += 1
-        return out
-
-    def rate_vjp_and_barrier(*args, **kwargs):
-        out = rate_vjp(*args, **kwargs)
-        comm.Barrier()
-        ADDED["reverse barriers"] += 1
-        return out
-
-    transport.DGTransport.rate = rate_and_barrier
-    transport.DGTransport.rate_vjp = rate_vjp_and_barrier
+    then(transport.DGTransport, "rate", comm.Barrier, "barriers")
+    then(transport.DGTransport, "rate_vjp", comm.Barrier, "reverse barriers")
 
 
 def add_table_pipeline(comm) -> None:
