@@ -517,3 +517,26 @@ def test_least_communication_adds_collectives_and_changes_nothing(tmp_path):
     assert sorted(plain.files) == sorted(least.files)
     for key in plain.files:
         assert np.array_equal(plain[key], least[key]), key
+
+
+# ------------------------------------------------------------------ benchmarks/jitter.py
+
+@pytest.mark.mpi
+def test_jitter_measures_the_wait_a_late_rank_causes(tmp_path):
+    """benchmarks/jitter.py on 2 ranks with rank 0 made 2 ms late per segment (--skew 2):
+    rank 1 waits at the barrier for most of those 2 ms on average (its own products of
+    64^2 matrices take microseconds), rank 0 much less, and rank 0's segments hold the
+    sleep."""
+    import re
+    from pdeformer.tools.parallel import mpirun_command
+    cmd = mpirun_command(2) + [sys.executable, os.path.join(ROOT, "benchmarks", "jitter.py"),
+                               "--size", "64", "--products", "1", "--repeat", "60", "--skew", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {int(r): (float(seg), float(wait)) for r, seg, wait in
+            re.findall(r"rank (\d): segment\s+([\d.]+) ms.*wait\s+([\d.]+) ms", proc.stdout)}
+    assert sorted(rows) == [0, 1], proc.stdout
+    assert rows[0][0] >= 2.0, rows                  # the sleep is in rank 0's segment
+    assert rows[1][1] >= 1.0 and rows[0][1] < rows[1][1] / 2, rows
+    assert "the slowest rank's segment" in proc.stdout
