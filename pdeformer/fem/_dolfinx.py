@@ -105,13 +105,25 @@ def manifold_mesh(comm, cells: np.ndarray, x: np.ndarray, cell: str):
     except ImportError:
         domain = ufl.Mesh(ufl.VectorElement("Lagrange", ufl.Cell(cell, geometric_dimension=gdim), 1))
     cells, x = np.asarray(cells, dtype=np.int64), np.asarray(x, float)
-    # ghosts across shared facets, as the built-in boxes have: the DG fluxes on facets
-    # between ranks need both cells (0.9's create_mesh ghosts nothing unless told)
-    shared = dolfinx.mesh.GhostMode.shared_facet
-    if "ghost_mode" in inspect.signature(dolfinx.mesh.create_mesh).parameters:
-        return dolfinx.mesh.create_mesh(comm, cells, x, domain, ghost_mode=shared)
-    return dolfinx.mesh.create_mesh(comm, cells, x, domain,
-                                    partitioner=dolfinx.mesh.create_cell_partitioner(shared))
+    return dolfinx.mesh.create_mesh(comm, cells, x, domain, partitioner=balanced_partitioner())
+
+
+PARTITION_IMBALANCE = 0.001   # SCOTCH's tolerance (its default, 0.025, gave the two ranks of a
+                              # 128^2 box 16,526 and 16,242 cells; this 16,383 and 16,385)
+
+
+def balanced_partitioner():
+    """The cell partitioner of pdeformer's meshes: SCOTCH (dolfinx's default graph
+    partitioner) with an imbalance of PARTITION_IMBALANCE, every rank's share of the
+    cells, and so of the transport and the attention sources, equal to 0.1%; ghosts
+    across shared facets (the DG fluxes on facets between ranks need both cells). In
+    0.5 the ghost mode is the mesh constructor's (its default, shared_facet), in 0.9
+    the partitioner's (create_mesh ghosts nothing unless told)."""
+    part = dolfinx.cpp.graph.partitioner_scotch(PARTITION_IMBALANCE, 0)
+    try:
+        return dolfinx.mesh.create_cell_partitioner(part, dolfinx.mesh.GhostMode.shared_facet)
+    except TypeError:          # 0.5: create_cell_partitioner(part)
+        return dolfinx.mesh.create_cell_partitioner(part)
 
 
 def cell_type_name(mesh) -> str:

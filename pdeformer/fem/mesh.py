@@ -51,13 +51,14 @@ def box_mesh(comm, lower, upper, cells, cell: str):
     """The built-in mesh of [lower, upper] with ``cells`` cells per direction."""
     reproducible_partition()
     d = len(lower)
+    part = dfx.balanced_partitioner()
     if d == 1:
-        return dolfinx.mesh.create_interval(comm, cells[0], [lower[0], upper[0]])
+        return dolfinx.mesh.create_interval(comm, cells[0], [lower[0], upper[0]], partitioner=part)
     if d == 2:
         return dolfinx.mesh.create_rectangle(comm, [np.array(lower), np.array(upper)], cells,
-                                             cell_type=CELL_TYPES[cell])
+                                             cell_type=CELL_TYPES[cell], partitioner=part)
     return dolfinx.mesh.create_box(comm, [np.array(lower), np.array(upper)], cells,
-                                   cell_type=CELL_TYPES[cell])
+                                   cell_type=CELL_TYPES[cell], partitioner=part)
 
 
 def icosphere(refinements: int) -> tuple[np.ndarray, np.ndarray]:
