@@ -64,8 +64,9 @@ def output_session(command: str, outdir: str, comm, announce: str, on_error, on_
     try:
         handler = add_log_file(comm, os.path.join(outdir, "pdeformer.log"))
         log.info("%s", announce)
-        if describe_choice():
-            log.info("%s", describe_choice())
+        blas_line = describe_choice()
+        if blas_line:
+            log.info("%s", blas_line)
         if comm.rank == 0:
             folder.report()
             if dfx.untested_version_warning():
