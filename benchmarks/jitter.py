@@ -9,7 +9,10 @@ segment between two barriers. It prints, per rank and over all, the segment's ti
 standard deviation, 90th and 99th percentile) and the time a rank waits at the barrier
 after it. The work is identical, so the wait is the machine's jitter alone: what any
 division of a solve over ranks pays at each synchronisation, however evenly it divides
-the work. On one rank only the segment's spread is printed. ``--skew MS`` makes rank 0's
+the work. Rank 0's lead over rank 1 per segment is printed with its correlation a
+few segments later: where it stays high, each core has slow stretches longer than a
+segment, which no shorter or fewer segments would average away. On one rank only the
+segment's spread is printed. ``--skew MS`` makes rank 0's
 segment MS milliseconds longer (a sleep after its products): the others then wait about
 that much at each barrier, which checks what the wait measures.
 """
@@ -83,6 +86,21 @@ def main():
         mean = np.mean([w.mean() for w, _ in rows])
         print(f"  the slowest rank's segment: {slowest.mean() * 1e3:.3f} ms, "
               f"{slowest.mean() / mean - 1:.1%} above the mean segment")
+        lead = rows[0][0] - rows[1][0]
+        lags = persistence(lead, LAGS)
+        print(f"  rank 0's lead over rank 1: std {lead.std() / mean:.1%} of a segment; its "
+              f"correlation with the lead {', '.join(str(k) for k, _ in lags)} segment(s) later: "
+              f"{', '.join(f'{c:.2f}' for _, c in lags)}")
+
+
+LAGS = (1, 5, 20)
+
+
+def persistence(x: np.ndarray, lags=LAGS) -> list:
+    """(lag, correlation of x_i with x_{i+lag}) for each lag shorter than x: near 0 where
+    the ranks' differences are independent from one segment to the next; near 1 where a
+    core stays slow (or fast) for stretches of several segments."""
+    return [(k, float(np.corrcoef(x[:-k], x[k:])[0, 1])) for k in lags if len(x) > k + 2]
 
 
 if __name__ == "__main__":

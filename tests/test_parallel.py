@@ -540,3 +540,27 @@ def test_jitter_measures_the_wait_a_late_rank_causes(tmp_path):
     assert rows[0][0] >= 2.0, rows                  # the sleep is in rank 0's segment
     assert rows[1][1] >= 1.0 and rows[0][1] < rows[1][1] / 2, rows
     assert "the slowest rank's segment" in proc.stdout
+
+
+def test_persistence_is_the_correlation_of_a_lead_over_later_segments(monkeypatch):
+    """benchmarks/jitter.persistence: for an AR(1) series x_i = phi x_{i-1} + e_i the
+    correlation at lag k is phi^k, for independent draws 0. 20,000 draws: the largest
+    standard error is the lag-20 one of the AR(1) series, sqrt((1 + phi^2) / (1 - phi^2)
+    / 20000) = 0.015 (Bartlett's formula); the bounds are 0.05 (fixed seed)."""
+    import importlib.util
+    import pdeformer.tools.blas
+    monkeypatch.setattr(pdeformer.tools.blas, "choose_core", lambda: None)   # numpy is loaded
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", os.environ.get("OPENBLAS_NUM_THREADS", "1"))
+    spec = importlib.util.spec_from_file_location("jitter", os.path.join(ROOT, "benchmarks", "jitter.py"))
+    jitter = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(jitter)
+    rng = np.random.default_rng(3)
+    e = rng.standard_normal(20000)
+    x = np.empty_like(e)
+    x[0] = e[0]
+    for i in range(1, len(e)):
+        x[i] = 0.8 * x[i - 1] + e[i]
+    for lag, c in jitter.persistence(x, (1, 5, 20)):
+        assert abs(c - 0.8 ** lag) < 0.05, (lag, c)
+    assert all(abs(c) < 0.05 for _, c in jitter.persistence(e, (1, 5, 20)))
+    assert jitter.persistence(e[:10], (1, 5, 20)) and not jitter.persistence(e[:6], (5, 20))
