@@ -62,6 +62,16 @@ def describe(work: np.ndarray, wait: np.ndarray) -> str:
             f"   wait {wait.mean() * ms:6.3f} ms = {wait.mean() / work.mean():5.1%} of it")
 
 
+LAGS = (1, 5, 20)
+
+
+def persistence(x: np.ndarray, lags=LAGS) -> list:
+    """(lag, correlation of x_i with x_{i+lag}) for each lag shorter than x: near 0 where
+    the ranks' differences are independent from one segment to the next; near 1 where a
+    core stays slow (or fast) for stretches of several segments."""
+    return [(k, float(np.corrcoef(x[:-k], x[k:])[0, 1])) for k in lags if len(x) > k + 2]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", type=int, default=300)
@@ -91,16 +101,6 @@ def main():
         print(f"  rank 0's lead over rank 1: std {lead.std() / mean:.1%} of a segment; its "
               f"correlation with the lead {', '.join(str(k) for k, _ in lags)} segment(s) later: "
               f"{', '.join(f'{c:.2f}' for _, c in lags)}")
-
-
-LAGS = (1, 5, 20)
-
-
-def persistence(x: np.ndarray, lags=LAGS) -> list:
-    """(lag, correlation of x_i with x_{i+lag}) for each lag shorter than x: near 0 where
-    the ranks' differences are independent from one segment to the next; near 1 where a
-    core stays slow (or fast) for stretches of several segments."""
-    return [(k, float(np.corrcoef(x[:-k], x[k:])[0, 1])) for k in lags if len(x) > k + 2]
 
 
 if __name__ == "__main__":
