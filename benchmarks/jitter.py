@@ -97,7 +97,7 @@ def main():
         print(f"  the slowest rank's segment: {slowest.mean() * 1e3:.3f} ms, "
               f"{slowest.mean() / mean - 1:.1%} above the mean segment")
         lead = rows[0][0] - rows[1][0]
-        lags = persistence(lead, LAGS)
+        lags = persistence(lead)
         print(f"  rank 0's lead over rank 1: std {lead.std() / mean:.1%} of a segment; its "
               f"correlation with the lead {', '.join(str(k) for k, _ in lags)} segment(s) later: "
               f"{', '.join(f'{c:.2f}' for _, c in lags)}")

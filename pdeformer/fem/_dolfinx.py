@@ -26,6 +26,8 @@ VERSION = tuple(int(p) for p in VERSION_STRING.split(".")[:2])
 TESTED = ((0, 5), (0, 9))
 _HAS_FUNCTIONSPACE = hasattr(dolfinx.fem, "functionspace")
 _EVAL_TAKES_MESH = "mesh" in inspect.signature(dolfinx.fem.Expression.eval).parameters
+# 0.5: the mesh constructors take the ghost mode (default shared_facet); 0.9: the partitioner
+_MESH_TAKES_GHOST_MODE = "ghost_mode" in inspect.signature(dolfinx.mesh.create_mesh).parameters
 
 
 def untested_version_warning() -> str | None:
@@ -120,10 +122,9 @@ def balanced_partitioner():
     0.5 the ghost mode is the mesh constructor's (its default, shared_facet), in 0.9
     the partitioner's (create_mesh ghosts nothing unless told)."""
     part = dolfinx.cpp.graph.partitioner_scotch(PARTITION_IMBALANCE, 0)
-    try:
-        return dolfinx.mesh.create_cell_partitioner(part, dolfinx.mesh.GhostMode.shared_facet)
-    except TypeError:          # 0.5: create_cell_partitioner(part)
+    if _MESH_TAKES_GHOST_MODE:
         return dolfinx.mesh.create_cell_partitioner(part)
+    return dolfinx.mesh.create_cell_partitioner(part, dolfinx.mesh.GhostMode.shared_facet)
 
 
 def cell_type_name(mesh) -> str:
