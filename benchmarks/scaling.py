@@ -18,6 +18,8 @@ efficiency E(P) = C(1) / (P max_r C_r(P)) with C_r the compute CPU seconds of ra
 (``parallel.compute_cpu_s`` in summary.json: CPU time outside MPI communication), and
 the bytes communicated per rank (largest over ranks). On a machine with fewer cores than
 ranks the wall time says little; E(P) says how the run would scale with one core per rank.
+A second table gives the same ratio per phase (``parallel.phase_compute_cpu_s``): how the
+velocity, transport, limiter and their reverses each divide.
 With ``--repeat N`` every figure is the least over N interleaved rounds, and the wall-time
 speedup within each round (its 1-rank and P-rank runs minutes apart, so a slow stretch of
 a shared machine slows both) is given too, as median and range.
@@ -128,7 +130,7 @@ def run(case: str, ranks: int, folder: str) -> dict:
     par = summary["parallel"]
     phase = summary["timings"].get(command, summary["timings"]["total"])
     return {"wall": wall, "phase": phase, "compute": par["compute_cpu_s"], "bytes": par["comm_bytes"],
-            "comm": par["comm_s"]}
+            "comm": par["comm_s"], "phases": par["phase_compute_cpu_s"], "solve": command}
 
 
 def least(results: list[dict]) -> dict:
@@ -138,7 +140,22 @@ def least(results: list[dict]) -> dict:
     return {"wall": min(r["wall"] for r in results), "phase": min(r["phase"] for r in results),
             "csum": min(sum(r["compute"]) for r in results),
             "cmax": min(max(r["compute"]) for r in results),
-            "bytes": max(results[0]["bytes"]), "comm": min(max(r["comm"]) for r in results)}
+            "bytes": max(results[0]["bytes"]), "comm": min(max(r["comm"]) for r in results),
+            "phases": {k: min(max(r["phases"].get(k, [0.0])) for r in results)
+                       for k in results[0]["phases"]},
+            "solve": results[0]["solve"]}
+
+
+def phase_division(base: dict, r: dict, share: float = 0.05) -> str:
+    """How each phase's compute divides: C_phase(1) / max_r C_phase,r(P) (least over the
+    runs), for the phases of at least ``share`` of the solve's one-rank compute, the
+    solve first."""
+    solve = base["phases"].get(base["solve"], 0.0)
+    names = [base["solve"]] + sorted((k for k, c in base["phases"].items()
+                                      if k != base["solve"] and c >= share * solve),
+                                     key=lambda k: -base["phases"][k])
+    return "  ".join(f"{k} {base['phases'][k] / r['phases'][k]:.2f}x" for k in names
+                     if r["phases"].get(k, 0.0) > 0)
 
 
 def by_round(base: list[dict], runs: list[dict]) -> str:
@@ -184,6 +201,12 @@ def main():
                   f"{r['csum']:>10.2f} {E:>6.2f} {r['bytes'] / 1e6:>8.1f} {r['comm']:>9.2f}"
                   + (by_round(results[case, args.ranks[0]], results[case, P]) if args.repeat > 1 else ""))
 
+    print("\nhow each phase's compute divides, C_phase(1) / max_r C_phase,r(P) from "
+          "phase_compute_cpu_s (phases of 5% of the solve's or more):")
+    if args.ranks[0] == 1:
+        for case in args.cases:
+            for P in args.ranks[1:]:
+                print(f"{case:>11} {P:>3}  {phase_division(best[case, 1], best[case, P])}")
     if not ideal:
         return
     print("\nceiling: P copies of the first prompt, 1 rank against P groups of one rank")

@@ -194,6 +194,13 @@ def test_ranks_and_prompt_groups_give_the_same_results(tmp_path):
             assert min(par["compute_cpu_s"]) > 0, par
             if P > 1:
                 assert min(par["comm_bytes"]) > 0 and min(par["comm_s"]) > 0, par
+            # per phase and rank: inside the run's totals, nested phases inside theirs
+            cpu, comm = par["phase_compute_cpu_s"], par["phase_comm_s"]
+            assert set(cpu) == set(comm) >= {"forward", "velocity", "transport"}, (tag, cpu)
+            for r in range(P):
+                assert 0 < cpu["velocity"][r] <= cpu["forward"][r] <= par["compute_cpu_s"][r], (tag, r)
+                assert 0 <= comm["velocity"][r] <= comm["forward"][r] <= par["comm_s"][r], (tag, r)
+                assert (comm["forward"][r] > 0) == (P // G > 1), (tag, r, comm["forward"])
             # each prompt's field series: written by its group, one piece per rank of it
             from pdeformer.tools.output import read_pvd
             for p in PROMPTS:
@@ -244,6 +251,37 @@ def test_ranks_and_prompt_groups_give_the_same_results(tmp_path):
             for ra, rb in zip(lt1["history"], lt["history"]):
                 for k in ("risk", "grad_norm", "displacement"):
                     assert _close(ra[k], rb[k]), (tag, "laplace", k, ra, rb)
+
+
+def test_timer_counts_each_phases_compute_and_communication():
+    """A phase's compute CPU is its process time outside metered communication, its comm
+    time the wall time inside it: a busy loop counts as compute, a sleep as neither, a
+    busy loop inside a metered section as communication; an enclosing phase holds both."""
+    import time
+    from mpi4py import MPI
+    from pdeformer.tools.parallel import METER, Timer
+
+    def busy(seconds):
+        t = time.process_time()
+        while time.process_time() - t < seconds:
+            pass
+
+    timer = Timer()
+    with timer.phase("outer"):
+        with timer.phase("busy"):
+            busy(0.1)
+        with timer.phase("asleep"):
+            time.sleep(0.1)
+        with timer.phase("waiting"), METER:
+            busy(0.1)
+    rows = timer.by_rank(MPI.COMM_SELF)
+    cpu = {k: v[0] for k, v in rows["phase_compute_cpu_s"].items()}
+    comm = {k: v[0] for k, v in rows["phase_comm_s"].items()}
+    assert 0.1 <= cpu["busy"] < 0.15 and comm["busy"] == 0.0, (cpu, comm)
+    assert cpu["asleep"] < 0.02 and comm["asleep"] == 0.0, (cpu, comm)
+    assert cpu["waiting"] < 0.02 and comm["waiting"] >= 0.1, (cpu, comm)
+    assert cpu["outer"] == pytest.approx(cpu["busy"] + cpu["asleep"] + cpu["waiting"], abs=0.01)
+    assert comm["outer"] == pytest.approx(comm["waiting"], abs=1e-6)
 
 
 @pytest.mark.mpi

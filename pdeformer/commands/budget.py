@@ -240,7 +240,7 @@ def run_budget(b: dict, comm=None) -> dict:
         summary = {"command": "budget", "status": "completed", "budget": b, "provenance": info,
                    "ranks": world.size, **result, "timings": timer.report(world),
                    "files": ["budget.md", "budget.json", "budget.csv", "budget.png", "pdeformer.log"]}
-        summary["parallel"] = parallel_report(world, groups, METER.snapshot())
+        summary["parallel"] = parallel_report(world, groups, METER.snapshot(), timer)
         summary["files"] = on_root(world, _write_budget, outdir, b, studies, measured, summary)
         for c in result["checks"]:
             log.info("L, H, N = %s %-4s measured %.3e [%.3e, %.3e]  budget sum %.3e  rss %.3e",

@@ -468,7 +468,7 @@ def run_study(study: dict, comm=None, walltime: float | None = None) -> dict:
                    "rows": rows, "fits": fits, "timings": timer.report(world),
                    "files": ["convergence.csv", "convergence.md", "convergence.png", "pdeformer.log"]
                    + (["ensemble.csv"] if n > 1 else [])}
-        summary["parallel"] = parallel_report(world, groups, meter)
+        summary["parallel"] = parallel_report(world, groups, meter, timer)
         summary["files"] = on_root(world, _write_study, outdir, study, rows, fits, records, summary)
         for r in rows:
             log.info("%-8s %-10s %-12s error %.4e%s  order %s", r["quantity"], param, r["value"], r["error"],

@@ -206,7 +206,7 @@ class Run:
                                       **groups.sum_stats(sv.velocity_field.stats),
                                       # the costs its choices were made from
                                       "costs_s": costs_record(machine_costs())})
-        summary["parallel"] = parallel_report(self.comm, groups, meter)
+        summary["parallel"] = parallel_report(self.comm, groups, meter, self.timer)
         peak = self.comm.allreduce(peak_memory(), op=MPI.MAX)
         summary["memory"] = {"estimate_per_rank_gb": self.memory["total"] / 2**30,
                              "estimate_parts_gb": {k: v / 2**30 for k, v in self.memory.items() if k != "total"},

@@ -262,10 +262,15 @@ def remove_log_file(handler: logging.Handler | None) -> None:
 
 
 class Timer:
-    """Accumulates wall time per named phase (max over ranks when reported)."""
+    """Accumulates per named phase its wall time (max over ranks when reported) and, per
+    rank, its compute CPU seconds and metered communication seconds (:class:`Meter`:
+    ``compute_cpu_s`` and ``comm_s`` as the run's totals count them), each phase
+    inclusive of the phases nested in it."""
 
     def __init__(self):
         self.phases: dict[str, float] = {}
+        self.compute: dict[str, float] = {}
+        self.communicated: dict[str, float] = {}
         self.start = time.perf_counter()
 
     def phase(self, name: str):
@@ -274,11 +279,26 @@ class Timer:
         class _Phase:
             def __enter__(self):
                 self.t0 = time.perf_counter()
+                self.cpu0 = time.process_time() - METER.comm_cpu_s
+                self.comm0 = METER.comm_s
 
             def __exit__(self, *exc):
                 timer.phases[name] = timer.phases.get(name, 0.0) + time.perf_counter() - self.t0
+                cpu = time.process_time() - METER.comm_cpu_s - self.cpu0
+                timer.compute[name] = timer.compute.get(name, 0.0) + cpu
+                timer.communicated[name] = timer.communicated.get(name, 0.0) + METER.comm_s - self.comm0
 
         return _Phase()
+
+    def by_rank(self, comm) -> dict:
+        """Per phase (over all ranks' phases) and rank: ``phase_compute_cpu_s`` and
+        ``phase_comm_s``, lists in rank order on rank 0 (other ranks: their own, one
+        entry). Collective."""
+        names = sorted(set().union(*comm.allgather(set(self.phases))))
+        mine = [[self.compute.get(n, 0.0) for n in names], [self.communicated.get(n, 0.0) for n in names]]
+        rows = comm.gather(mine, root=0) or [mine]
+        return {key: {n: [r[j][i] for r in rows] for i, n in enumerate(names)}
+                for j, key in enumerate(("phase_compute_cpu_s", "phase_comm_s"))}
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -615,11 +635,12 @@ def ghost_update_add(*vectors) -> None:
     METER.add(8 * ghosts)
 
 
-def parallel_report(world, groups, snapshot: dict) -> dict:
+def parallel_report(world, groups, snapshot: dict, timer: Timer | None = None) -> dict:
     """The ``parallel`` section of summary.json: ranks, groups (None: one group, no
     prompts to list), the prompts of every group and per rank (lists in rank order)
-    compute_cpu_s, comm_s, comm_bytes, comm_calls (see :class:`Meter`), gathered on
-    rank 0 (other ranks get their own numbers only)."""
+    compute_cpu_s, comm_s, comm_bytes, comm_calls (see :class:`Meter`), with ``timer``
+    also per phase (:meth:`Timer.by_rank`), gathered on rank 0 (other ranks get their
+    own numbers only)."""
     keys = ("compute_cpu_s", "comm_s", "comm_bytes", "comm_calls")
     rows = world.gather([snapshot[k] for k in keys], root=0)
     count, size = (groups.count, groups.size) if groups is not None else (1, world.size)
@@ -632,6 +653,8 @@ def parallel_report(world, groups, snapshot: dict) -> dict:
         else [world.rank // size]
     for j, k in enumerate(keys):
         out[k] = [r[j] for r in rows]
+    if timer is not None:
+        out.update(timer.by_rank(world))
     return out
 
 
