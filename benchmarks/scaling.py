@@ -19,7 +19,8 @@ efficiency E(P) = C(1) / (P max_r C_r(P)) with C_r the compute CPU seconds of ra
 the bytes communicated per rank (largest over ranks). On a machine with fewer cores than
 ranks the wall time says little; E(P) says how the run would scale with one core per rank.
 A second table gives the same ratio per phase (``parallel.phase_compute_cpu_s``): how the
-velocity, transport, limiter and their reverses each divide.
+velocity, transport, limiter and their reverses each divide (with ``--ideal``, also for
+the ceiling's copies).
 With ``--repeat N`` every figure is the least over N interleaved rounds, and the wall-time
 speedup within each round (its 1-rank and P-rank runs minutes apart, so a slow stretch of
 a shared machine slows both) is given too, as median and range.
@@ -223,6 +224,10 @@ def main():
             print(f"{case:>11} {P:>3} {one['wall']:>10.1f} {many['wall']:>12.1f} {ceiling:>8.2f} "
                   f"{one['phase'] / many['phase']:>6.2f} {speedup:>6.2f} {speedup / ceiling:>8.2f} "
                   f"{one['csum'] / (P * many['cmax']):>6.2f}")
+    print("\nhow each phase's compute divides in the ceiling (the copies on 1 rank against P groups):")
+    for case in ideal:
+        for P in args.ranks[1:]:
+            print(f"{case:>11} {P:>3}  {phase_division(best[f'{case}@{P}', 1], best[f'{case}@{P}', P])}")
 
 
 if __name__ == "__main__":
