@@ -81,6 +81,22 @@ def test_sharp_attention_does_not_overflow():
     at_nodes = table.m.reshape(2, -1).T
     assert np.all(np.isfinite(at_nodes))
     np.testing.assert_allclose(at_nodes, direct, rtol=1e-12, atol=1e-12)
+    # what the table keeps for its reverse: one grid of partition sums per tile, which
+    # give log Z and the weights' cotangent across the tiles
+    assert table.nbytes == table.values.nbytes + len(table.layout.tiles) * 8 * 17**2
+    logs = nodes @ y.T + np.log(w)
+    top = logs.max(axis=1)
+    log_z = top + np.log(np.exp(logs - top[:, None]).sum(axis=1))
+    np.testing.assert_allclose(table.log_z.ravel(), log_z, rtol=1e-13)
+    mbar = np.random.default_rng(5).normal(size=table.values.shape)
+    wbar = table.weights_cotangent(mbar)
+    d = np.random.default_rng(6).normal(size=w.shape) * w
+
+    def pairing(e):
+        return np.sum(mbar * LaplaceTable(y, w + e * d, lo, hi, 17, COMM).values)
+
+    fd = (pairing(1e-6) - pairing(-1e-6)) / 2e-6
+    assert abs(fd - wbar @ d) < 1e-7 * max(1.0, abs(fd)), (fd, wbar @ d)
 
 
 def test_reverse_mode_is_the_derivative_of_the_table_map():

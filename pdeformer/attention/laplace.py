@@ -636,7 +636,7 @@ class LaplaceTable(HeadSums):
     @property
     def nbytes(self) -> int:
         """Bytes of its own arrays (the layout, shared between tables, not counted)."""
-        return self.values.nbytes + self._sums.nbytes
+        return self.values.nbytes + self._norms.nbytes
 
     @property
     def m(self) -> np.ndarray:
@@ -798,9 +798,10 @@ class LaplaceTable(HeadSums):
         """The tables: each tile's shifted sums over all ranks (:meth:`_tile_sums`), the
         tiles combined in the log domain, then m = S_y / Z (or mu, zeta for signed weights)."""
         d = self.d
-        local = self._sums = self._tile_sums()
+        local = self._tile_sums()
         # combine tiles by log-sum-exp per node on the positive column (Z, or N if signed)
         norm = self.ncols - 1 if self.signed else 0
+        self._norms = local[:, norm].copy()   # what the reverse sums need of them (tiles, grid)
         if len(local) == 1:                 # one tile: the shift cancels in every ratio
             S = local[0]
         else:
@@ -881,20 +882,19 @@ class LaplaceTable(HeadSums):
     def _tile_factors(self) -> list:
         """Per tile: e^{shift}/N on the grid, the factor of its shifted sums in the values
         (one tile: 1/N of its shifted sums, the shift cancels)."""
-        norm = self.ncols - 1 if self.signed else 0
-        if len(self._sums) == 1:
-            return [1.0 / self._sums[0][norm]]
-        scales, sums = self._scales(), self._sums
+        if len(self._norms) == 1:
+            return [1.0 / self._norms[0]]
+        scales = self._scales()
         with np.errstate(divide="ignore"):
-            logs = [ls + np.log(np.maximum(sm[norm], 0.0)) for ls, sm in zip(scales, sums)]
+            logs = [ls + np.log(np.maximum(nm, 0.0)) for ls, nm in zip(scales, self._norms)]
         total = np.logaddexp.reduce(logs, axis=0)                 # log N
         return [np.exp(ls - total) for ls in scales]
 
     @property
     def log_z(self) -> np.ndarray:
         """log N on the grid (Lambda(b) for nonnegative weights)."""
-        norm = self.ncols - 1 if self.signed else 0
-        logs = [ls + np.log(sm[norm]) for ls, sm in zip(self._scales(), self._sums)]
+        with np.errstate(divide="ignore"):     # a tile's sum may underflow at far nodes
+            logs = [ls + np.log(nm) for ls, nm in zip(self._scales(), self._norms)]
         return np.logaddexp.reduce(logs, axis=0)
 
     # ------------------------------------------------------------------ evaluation
