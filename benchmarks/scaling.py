@@ -202,9 +202,9 @@ def main():
                   f"{r['csum']:>10.2f} {E:>6.2f} {r['bytes'] / 1e6:>8.1f} {r['comm']:>9.2f}"
                   + (by_round(results[case, args.ranks[0]], results[case, P]) if args.repeat > 1 else ""))
 
-    print("\nhow each phase's compute divides, C_phase(1) / max_r C_phase,r(P) from "
-          "phase_compute_cpu_s (phases of 5% of the solve's or more):")
     if args.ranks[0] == 1:
+        print("\nhow each phase's compute divides, C_phase(1) / max_r C_phase,r(P) from "
+              "phase_compute_cpu_s (phases of 5% of the solve's or more):")
         for case in args.cases:
             for P in args.ranks[1:]:
                 print(f"{case:>11} {P:>3}  {phase_division(best[case, 1], best[case, P])}")

@@ -806,9 +806,7 @@ class LaplaceTable(HeadSums):
             S = local[0]
         else:
             scales = self._scales()
-            with np.errstate(divide="ignore"):
-                logs = [ls + np.log(np.maximum(sm[norm], 0.0)) for ls, sm in zip(scales, local)]
-            ref = np.max(logs, axis=0)
+            ref = np.max(self._tile_logs(scales), axis=0)
             ref = np.where(np.isfinite(ref), ref, 0.0)
             S = sum(np.exp(ls - ref) * sm for ls, sm in zip(scales, local))
         N = S[norm]
@@ -885,17 +883,19 @@ class LaplaceTable(HeadSums):
         if len(self._norms) == 1:
             return [1.0 / self._norms[0]]
         scales = self._scales()
-        with np.errstate(divide="ignore"):
-            logs = [ls + np.log(np.maximum(nm, 0.0)) for ls, nm in zip(scales, self._norms)]
-        total = np.logaddexp.reduce(logs, axis=0)                 # log N
+        total = np.logaddexp.reduce(self._tile_logs(scales), axis=0)     # log N
         return [np.exp(ls - total) for ls in scales]
+
+    def _tile_logs(self, scales: list) -> list:
+        """Per tile, log(e^{shift} N_t) on the grid from its ``scales`` (:meth:`_scales`):
+        -inf where its sum underflows, at nodes far from its sources."""
+        with np.errstate(divide="ignore"):
+            return [ls + np.log(np.maximum(nm, 0.0)) for ls, nm in zip(scales, self._norms)]
 
     @property
     def log_z(self) -> np.ndarray:
         """log N on the grid (Lambda(b) for nonnegative weights)."""
-        with np.errstate(divide="ignore"):     # a tile's sum may underflow at far nodes
-            logs = [ls + np.log(nm) for ls, nm in zip(self._scales(), self._norms)]
-        return np.logaddexp.reduce(logs, axis=0)
+        return np.logaddexp.reduce(self._tile_logs(self._scales()), axis=0)
 
     # ------------------------------------------------------------------ evaluation
     CHUNK = 2048  # points per block: the (chunk x n) weights stay in cache

@@ -294,11 +294,16 @@ class Timer:
         """Per phase (over all ranks' phases) and rank: ``phase_compute_cpu_s`` and
         ``phase_comm_s``, lists in rank order on rank 0 (other ranks: their own, one
         entry). Collective."""
-        names = sorted(set().union(*comm.allgather(set(self.phases))))
+        names = self._names(comm)
         mine = [[self.compute.get(n, 0.0) for n in names], [self.communicated.get(n, 0.0) for n in names]]
         rows = comm.gather(mine, root=0) or [mine]
         return {key: {n: [r[j][i] for r in rows] for i, n in enumerate(names)}
                 for j, key in enumerate(("phase_compute_cpu_s", "phase_comm_s"))}
+
+    def _names(self, comm) -> list:
+        """Every rank's phase names, sorted (one allgather): a phase one rank never
+        entered still gets an entry, 0 there."""
+        return sorted(set().union(*comm.allgather(set(self.phases))))
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -306,7 +311,7 @@ class Timer:
     def report(self, comm) -> dict:
         """Wall time per phase, the maximum over ranks (a phase one rank never entered
         counts 0 there), and the total."""
-        names = sorted(set().union(*comm.allgather(set(self.phases))))
+        names = self._names(comm)
         local = np.array([self.phases.get(n, 0.0) for n in names] + [self.elapsed()])
         worst = np.empty_like(local)
         comm.Allreduce(local, worst, op=MPI.MAX)
