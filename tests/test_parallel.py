@@ -602,3 +602,58 @@ def test_persistence_is_the_correlation_of_a_lead_over_later_segments(monkeypatc
         assert abs(c - 0.8 ** lag) < 0.05, (lag, c)
     assert all(abs(c) < 0.05 for _, c in jitter.persistence(e, (1, 5, 20)))
     assert jitter.persistence(e[:10], (1, 5, 20)) and not jitter.persistence(e[:6], (5, 20))
+
+
+# ------------------------------------------------------------------ benchmarks/instructions.py
+
+CALLGRIND_FILE = """version: 1
+creator: callgrind-3.19.0
+positions: line
+events: Ir
+summary: 1030
+
+ob=(1) /usr/bin/python3.11
+fl=(1) ???
+fn=(1) main
+0 100
+cob=(2) /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblasp-r0.3.21.so
+cfn=(2) dgemm_kernel
+calls=3 0
+0 700
++2 50
+
+ob=(2)
+fn=(2)
+0 700
+fn=(3) helper
+* 30
+"""
+
+
+def test_instruction_counts_are_exclusive_and_sorted_by_kind(tmp_path):
+    """benchmarks/instructions.py reads a callgrind file's exclusive costs: the cost line
+    after ``calls=`` is the callee's inclusive cost and is not the caller's (main: 100 +
+    50, not + 700); compressed names (``ob=(2)``) resolve to the name given first; an
+    object's functions stay with it until the next ``ob=``. Object files map to kinds of
+    code (MPI's own apart, and libc's locks with it, since a waiting rank spins there)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("instructions", os.path.join(ROOT, "benchmarks", "instructions.py"))
+    instructions = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(instructions)
+    path = tmp_path / "cg.0.1"
+    path.write_text(CALLGRIND_FILE)
+    costs = instructions.exclusive_costs(str(path))
+    blas = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblasp-r0.3.21.so"
+    assert costs == {("/usr/bin/python3.11", "main"): 150, (blas, "dgemm_kernel"): 700, (blas, "helper"): 30}
+    assert instructions.by_kind(costs) == {"interpreter": 150, "BLAS": 730}
+    assert instructions.dumps(str(tmp_path), 0) == [str(path)]
+    assert instructions.dumps(str(tmp_path), 1) == []
+    kinds = {"mca_btl_vader.so": "MPI", "libopen-pal.so.40.30.2": "MPI",
+             "MPI.cpython-311-x86_64-linux-gnu.so": "MPI", "fine_493963a14942ce02.so": "compiled loops",
+             "libffcx_forms_4ea90c236d6a.so": "forms", "cpp.cpython-311-x86_64-linux-gnu.so": "dolfinx",
+             "_multiarray_umath.cpython-311-x86_64-linux-gnu.so": "numpy", "libpetsc_real.so.3.18.5": "PETSc",
+             "libc.so.6": "libc", "libffi.so.8.1.2": "ctypes", "libcrypto.so.3": "other"}
+    assert {name: instructions.kind("/usr/lib/" + name) for name in kinds} == kinds
+    libc = "/usr/lib/x86_64-linux-gnu/libc.so.6"       # MPI's progress loop takes these locks
+    assert [instructions.kind(libc, fn) for fn in ("pthread_mutex_lock@@GLIBC_2.2.5",
+            "__pthread_mutex_unlock_usercnt", "__memset_avx2_unaligned_erms")] == ["MPI", "MPI", "libc"]
