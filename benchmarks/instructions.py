@@ -13,10 +13,12 @@ of work divides. Instruction counts are the same for the same inputs whatever el
 host is doing, so a ratio below P points at work every rank repeats, where wall and CPU
 times on a shared machine move by tens of per cent between runs. MPI's objects (and
 libc's locks, which its progress loop takes) are shown apart and left out of the total:
-a waiting rank spins there.
+a waiting rank spins there. pdeformer's compiled loops may be counted under ``ctypes``
+(libffi's frame): callgrind gives the code entered from libffi's call to libffi where it
+cannot tell the entry from a jump.
 
 Under callgrind a run is 100-300x slower than natively: the 32^2 gradient with 2 layers
-takes about 8 minutes on 2 cores; the default 64^2 one over half an hour. valgrind
+takes about 8 minutes per rank count; the default 64^2 one had not finished in 38. valgrind
 (3.19) does not decode AVX-512: the run uses a fresh cache folder (``PDEFORMER_CACHE``)
 in which pdeformer's compiled loops are built for ``-march=haswell`` (through a
 compiler wrapper, ``CC``), and OpenBLAS takes its Haswell kernels
