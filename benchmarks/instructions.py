@@ -22,7 +22,9 @@ takes about 8 minutes per rank count; the default 64^2 one had not finished in 3
 (3.19) does not decode AVX-512: the run uses a fresh cache folder (``PDEFORMER_CACHE``)
 in which pdeformer's compiled loops are built for ``-march=haswell`` (through a
 compiler wrapper, ``CC``), and OpenBLAS takes its Haswell kernels
-(``OPENBLAS_CORETYPE``). Needs valgrind and its header ``valgrind/callgrind.h``
+(``OPENBLAS_CORETYPE``). The machine's costs, which steer the laplace backend's choices,
+are read from ``tests/costs.json`` unless ``PDEFORMER_COSTS`` names another file: measured
+afresh they would differ from run to run, and so would the work. Needs valgrind and its header ``valgrind/callgrind.h``
 (Debian: ``apt-get install valgrind``).
 """
 
@@ -142,7 +144,8 @@ def run(ranks: int, args: list[str], phase: str, folder: str, env: dict) -> list
     summed over the phase's dumps."""
     from pdeformer.tools.parallel import mpirun_command
     out = os.path.join(folder, f"ranks{ranks}")
-    os.makedirs(out, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)          # no dumps of an earlier run (--keep)
+    os.makedirs(out)
     cmd = mpirun_command(ranks) + [
         "valgrind", "--tool=callgrind", "--dump-instr=no",
         f"--callgrind-out-file={out}/cg.%q{{OMPI_COMM_WORLD_RANK}}",
@@ -234,12 +237,13 @@ def child(phase: str, args: list[str]) -> int:
 
 def prepare(folder: str) -> dict:
     """The environment of the runs: a fresh cache with the callgrind client library and a
-    compiler wrapper for -march=haswell; OpenBLAS on its Haswell kernels, one thread."""
+    compiler wrapper for -march=haswell; OpenBLAS on its Haswell kernels, one thread; the
+    machine's costs from a file."""
     cc = shutil.which(os.environ.get("CC", "cc"))
     if shutil.which("valgrind") is None or cc is None:
         sys.exit("needs valgrind and a C compiler (Debian: apt-get install valgrind gcc)")
     cache = os.path.join(folder, "cache")
-    os.makedirs(cache)
+    os.makedirs(cache, exist_ok=True)               # --keep: the loops built before are reused
     source = os.path.join(folder, "client.c")
     with open(source, "w") as f:
         f.write(CLIENT)
@@ -252,7 +256,8 @@ def prepare(folder: str) -> dict:
         f.write(CC_WRAPPER.format(cc=cc))
     os.chmod(wrapper, 0o755)
     return dict(os.environ, PDEFORMER_CACHE=cache, CC=wrapper, OPENBLAS_CORETYPE="Haswell",
-                OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+                OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
+                PDEFORMER_COSTS=os.environ.get("PDEFORMER_COSTS", os.path.join(ROOT, "tests", "costs.json")))
 
 
 def main(argv=None) -> None:
