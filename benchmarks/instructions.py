@@ -73,13 +73,14 @@ KINDS = [
 
 # libc's locks, which MPI's progress loop takes over and over while a rank waits
 WAITING = r"^(__)?pthread_mutex_(un)?lock|^sched_yield"
+LIBC = dict(KINDS)["libc"]
 
 
 def kind(obj: str, fn: str | None = None) -> str:
     """The kind of code an object file (path or name) holds: one of KINDS, else 'other';
     libc's locks (``fn`` matching WAITING) count as MPI."""
     name = os.path.basename(obj or "")
-    if re.search(dict(KINDS)["libc"], name) and fn and re.search(WAITING, fn):
+    if re.search(LIBC, name) and fn and re.search(WAITING, fn):
         return "MPI"
     for label, pattern in KINDS:
         if re.search(pattern, name):
@@ -186,10 +187,10 @@ def report(reference: list[collections.Counter], runs: dict, top: int) -> None:
         row(k, max(c[k] for c in ref), [max(c[k] for c in counted[P]) for P in runs])
     total = lambda c: sum(v for k, v in c.items() if k != "MPI")   # noqa: E731
     row("total (no MPI)", max(total(c) for c in ref), [max(total(c) for c in counted[P]) for P in runs])
+    base = collections.Counter()          # the reference's ranks together
+    for c in reference:
+        base.update(c)
     for P, per_rank in runs.items():
-        base = collections.Counter()
-        for c in reference:
-            base.update(c)
         excess = []
         for key in set(base) | set().union(*per_rank):
             if kind(*key) == "MPI":

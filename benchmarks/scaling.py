@@ -210,13 +210,12 @@ def main():
                 print(f"{case:>11} {P:>3}  {phase_division(best[case, 1], best[case, P])}")
     if not ideal:
         return
+    several = [P for P in args.ranks if P > 1]     # the rank counts the ceiling was run at
     print("\nceiling: P copies of the first prompt, 1 rank against P groups of one rank")
     print(f"{'case':>11} {'P':>3} {'1 rank [s]':>10} {'P groups [s]':>12} {'ceiling':>8} "
           f"{'solve':>6} {'case':>6} {'reached':>8} {'E(P)':>6}")
     for case in ideal:
-        for P in args.ranks:
-            if P == 1:
-                continue
+        for P in several:
             one, many = best[f"{case}@{P}", 1], best[f"{case}@{P}", P]
             ceiling = one["wall"] / many["wall"]
             speedup = (best[case, 1]["wall"] / best[case, P]["wall"]
@@ -226,7 +225,7 @@ def main():
                   f"{one['csum'] / (P * many['cmax']):>6.2f}")
     print("\nhow each phase's compute divides in the ceiling (the copies on 1 rank against P groups):")
     for case in ideal:
-        for P in args.ranks[1:]:
+        for P in several:
             print(f"{case:>11} {P:>3}  {phase_division(best[f'{case}@{P}', 1], best[f'{case}@{P}', P])}")
 
 
