@@ -262,8 +262,9 @@ def fine_velocity(lib, flat, nf: int, lo, h, p: int, x, A, V, stats=None, zmin: 
 
 def fine_velocity_vjp(lib, flat, nf: int, lo, h, p: int, x, A, V, g, positions: bool = False,
                       zmin: float = 0.0, signed: bool | None = None):
-    """(mbar (NC, nf^d), dA (H, d, d), dV (H, d, d), xbar (N, d) or None) for the
-    cotangents g of v; mbar is the cotangent of the NC node values of ``flat``; xbar
+    """(mbar (nf^d, NC), dA (H, d, d), dV (H, d, d), xbar (N, d) or None) for the
+    cotangents g of v; mbar is the cotangent of the NC node values of ``flat`` (node by
+    node, as ``flat``); xbar
     (the targets' cotangent) with ``positions``. Signed (as in :func:`fine_velocity`):
     without the pairs |zeta| < zmin."""
     flat, lo, h, x, A, V, g = map(_c, (flat, lo, h, x, A, V, g))
@@ -276,11 +277,11 @@ def fine_velocity_vjp(lib, flat, nf: int, lo, h, p: int, x, A, V, g, positions: 
         lib.fine3_velocity_vjp(_ptr(flat), nf, nf, nf, _ptr(lo), _ptr(h), _ptr(x), len(x), _ptr(A),
                                _ptr(V), len(A), int(bool(signed)), _ptr(g), _ptr(mbar), _ptr(dA),
                                _ptr(dV), _ptr(xbar) if positions else None, zmin)
-        return mbar.T, dA, dV, xbar
+        return mbar, dA, dV, xbar
     getattr(lib, f"fine_velocity_vjp{flat.shape[1]}")(
         _ptr(flat), nf, nf, _ptr(lo), _ptr(h), p, _ptr(x), len(x), _ptr(A), _ptr(V), len(A),
         _ptr(g), _ptr(mbar), _ptr(dA), _ptr(dV), _ptr(xbar) if positions else None, zmin)
-    return mbar.T, dA, dV, xbar
+    return mbar, dA, dV, xbar
 
 
 def _iptr(a: np.ndarray):

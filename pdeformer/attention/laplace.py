@@ -645,8 +645,11 @@ class LaplaceTable(HeadSums):
         return self.values if not self.signed else self.values[:self.d] / self.values[self.d]
 
     def group_scales(self) -> list:
-        """The largest |value| of each group (the size errors are relative to)."""
-        return [max(float(np.abs(self.values[g]).max()), 1e-300) for g in self.groups]
+        """The largest |value| of each group (the size errors are relative to); found
+        once per table."""
+        if self._group_scales is None:
+            self._group_scales = [max(float(np.abs(self.values[g]).max()), 1e-300) for g in self.groups]
+        return self._group_scales
 
     @property
     def groups(self) -> list:
@@ -656,6 +659,7 @@ class LaplaceTable(HeadSums):
 
     # ------------------------------------------------------------------ tables
     assessment = None     # its errors, where assessed (:func:`assess`)
+    _group_scales = None  # group_scales, once found
     SOURCE_CHUNK = 4096  # sources per block: the (n x chunk) factors stay in cache
 
     def _panels(self, tile: Tile):
@@ -716,61 +720,69 @@ class LaplaceTable(HeadSums):
         W = W.reshape(P[0], P[1], P[2], nc, q, q, q).transpose(3, 0, 4, 1, 5, 2, 6)
         return np.ascontiguousarray(W).reshape((nc,) + tuple(p * q for p in P))
 
-    def _through(self, tile, E, E0, W) -> np.ndarray:
-        """This rank's part of the table from its spread W (ncols, window): W E_1^T in
-        1-D; in 2-D E_0 (W E_1^T) in two steps that divide over ranks however the mesh is
-        partitioned: Y = W E_1^T over the blocks of W that are not zero (rows of panel
-        nodes by columns its sources touch, ``tile.row_cols``), the Y of all ranks summed
-        onto each rank's share of the rows (one Reduce_scatter), then its rows' part
-        E_0[:, share] Y[share] of the table (axes named for ``lead`` = 0; for 1 the
-        same on the transposed W). Collective: every rank calls it for a tile
-        built through panels, with W None where it has no sources there. In 3-D
-        E_0 W E_1^T E_2^T on this rank's window only, three products (not collective)."""
+    def _through(self, tile, E, E0, W, out: np.ndarray) -> None:
+        """This rank's part of the table from its spread W (ncols, window), into ``out``
+        (ncols, n, ..): W E_1^T in 1-D; in 2-D E_0 (W E_1^T) in two steps that divide over
+        ranks however the mesh is partitioned: Y = W E_1^T over the blocks of W that are
+        not zero (rows of panel nodes by columns its sources touch, ``tile.row_cols``),
+        the Y of all ranks summed onto each rank's share of the rows (one
+        Reduce_scatter), then its rows' part E_0[:, share] Y[share] of the table (axes
+        named for ``lead`` = 0; for 1 the same on the transposed W, read in place).
+        Collective: every rank calls it for a tile built through panels, with W None where
+        it has no sources there. In 3-D E_0 W E_1^T E_2^T on this rank's window only,
+        three products (not collective)."""
         n, ncols = self.n, self.ncols
         if self.d == 1:
-            return np.zeros((ncols, n)) if W is None else W @ E[0].T
+            out[...] = 0.0 if W is None else W @ E[0].T
+            return
         if self.d == 3:         # this rank's window alone (the Allreduce of the tables sums them)
             if W is None:
-                return np.zeros((ncols, n, n, n))
+                out[...] = 0.0
+                return
             K0, K1, K2 = W.shape[1:]
             T = np.matmul(E[0], W.reshape(ncols, K0, K1 * K2)).reshape(ncols, n, K1, K2)
-            return np.matmul(np.matmul(E[1], T), E[2].T)                  # (ncols, n, n, n)
+            np.matmul(np.matmul(E[1], T), E[2].T, out=out)                # (ncols, n, n, n)
+            return
         q, lead = tile.panels[0].q, tile.lead
-        Y = np.zeros((len(tile.panels[lead].nodes), ncols, n))
+        Y = np.zeros((len(tile.panels[lead].nodes), ncols, n))      # (lead nodes, ncols, other grid)
         if W is not None:
-            if lead:
-                W = np.ascontiguousarray(W.transpose(0, 2, 1))
             r0, E1 = tile.first[lead] * q, tile.oriented(E)[1]
             for r, c0, c1 in tile.row_cols:
                 rows, cols = slice(r * q, (r + 1) * q), slice(c0 * q, (c1 + 1) * q)
-                Y[r0 + r * q:r0 + (r + 1) * q] = np.matmul(W[:, rows, cols], E1[:, cols].T).transpose(1, 0, 2)
+                block = W[:, rows, cols] if lead == 0 else W[:, cols, rows].transpose(0, 2, 1)
+                np.matmul(block, E1[:, cols].T, out=Y[r0 + r * q:r0 + (r + 1) * q].transpose(1, 0, 2))
         mine = reduce_shares(self.comm, Y)                          # (share rows, ncols, n)
-        T = (E0 @ mine.reshape(len(mine), -1)).reshape(n, ncols, n)   # (lead grid axis, ncols, other)
-        return T.transpose(1, 0, 2) if lead == 0 else T.transpose(1, 2, 0)
+        if lead == 0:         # out[c, i, j] = sum_k E_0[i, k] Y[k, c, j]
+            np.matmul(E0, mine.transpose(1, 0, 2), out=out)
+        else:                 # out[c, j, i] = sum_k Y[k, c, j] E_0[i, k]
+            np.matmul(mine.transpose(1, 2, 0), E0.T, out=out)
 
-    def _gathered(self, tile, E, E0, grids: list):
-        """G_i = E_1^T X_i E_2 on this rank's panel nodes (ngrids, window), the transpose
-        of :meth:`_through` and divided the same way (in the tile's ``lead`` orientation):
-        Z_i = E_1^T X_i on each rank's share of the lead axis's nodes, all of them gathered
-        (one Allgatherv), then Z E_2 on
-        the blocks this rank's sources touch (the rest of G stays zero: no source reads
-        it). Collective; None where this rank has no sources in the tile."""
+    def _gathered(self, tile, E, E0, grids: list, factor):
+        """G_i = E_1^T (X_i factor) E_2 on this rank's panel nodes (ngrids, window), the
+        transpose of :meth:`_through` and divided the same way (in the tile's ``lead``
+        orientation): Z_i = E_1^T X_i on each rank's share of the lead axis's nodes, all of
+        them gathered (one Allgatherv), then Z E_2 on the blocks this rank's sources touch
+        (the rest of G is left unset: no source reads it). Collective; None where this
+        rank has no sources in the tile."""
         n, ni, lead = self.n, len(grids), tile.lead
-        X = np.asarray(grids)
+        X = np.empty((ni, n, n))
+        for i, grid in enumerate(grids):
+            np.multiply(grid, factor, out=X[i])
         if lead:
             X = X.transpose(0, 2, 1)
-        mine = np.matmul(E0.T, X).transpose(1, 0, 2)                     # (share rows, ni, n)
-        Z = allgather_shares(self.comm, np.ascontiguousarray(mine), len(tile.panels[lead].nodes))
+        mine = np.empty((E0.shape[1], ni, n))                            # (share rows, ni, n)
+        np.matmul(E0.T, X, out=mine.transpose(1, 0, 2))
+        Z = allgather_shares(self.comm, mine, len(tile.panels[lead].nodes))
         if tile.local_panels is None:
             return None
         q = tile.panels[0].q
         r0, E1 = tile.first[lead] * q, tile.oriented(E)[1]
-        rows_, cols_ = tile.oriented(tile.local_panels)
-        G = np.zeros((ni, len(rows_.nodes), len(cols_.nodes)))
+        G = np.empty((ni,) + tuple(len(pa.nodes) for pa in tile.local_panels))
         for r, c0, c1 in tile.row_cols:
             rows, cols = slice(r * q, (r + 1) * q), slice(c0 * q, (c1 + 1) * q)
-            G[:, rows, cols] = np.matmul(Z[r0 + r * q:r0 + (r + 1) * q].transpose(1, 0, 2), E1[:, cols])
-        return G if lead == 0 else np.ascontiguousarray(G.transpose(0, 2, 1))
+            block = G[:, rows, cols] if lead == 0 else G[:, cols, rows].transpose(0, 2, 1)
+            np.matmul(Z[r0 + r * q:r0 + (r + 1) * q].transpose(1, 0, 2), E1[:, cols], out=block)
+        return G
 
     def _chunks(self, pts, shifts):
         """(slice, per-axis shifted factors e^{b_g y_j - shift_g} (n, chunk)) by source
@@ -828,7 +840,7 @@ class LaplaceTable(HeadSums):
         lay = self.layout
         cols = self._columns()
         factors = lay.factors(self.axes)
-        local = np.zeros((len(lay.tiles), self.ncols) + (n,) * d)
+        local = np.empty((len(lay.tiles), self.ncols) + (n,) * d)
         self.tile_data = []   # per tile: (shifts, panels or None), for the reverse sums
         for t, (tile, (shifts, E, E0)) in enumerate(zip(lay.tiles, factors)):
             panels = self._panels(tile)
@@ -836,8 +848,9 @@ class LaplaceTable(HeadSums):
             c = cols[tile.index]
             if panels is not None:          # E_1 W E_2^T through the panel nodes
                 W = self._spread(tile.local_panels, tile.pts, c) if len(c) else None
-                local[t] = self._through(tile, E, E0, W)
+                self._through(tile, E, E0, W, local[t])
                 continue
+            local[t] = 0.0
             self._dense_sums(tile.pts, shifts, c, local[t])
         allreduce_sum(self.comm, local)
         return local
@@ -977,7 +990,7 @@ class LaplaceTable(HeadSums):
                                                               lay.factors(self.axes), factors):
             pts = tile.pts
             if panels is not None and d == 2:      # collective: every rank takes part
-                G = self._gathered(tile, E, E0, [X * factor for X in grids])
+                G = self._gathered(tile, E, E0, grids, factor)
             if len(pts) == 0:
                 continue
             acc = np.empty((len(pts), len(grids)))
@@ -1208,7 +1221,7 @@ class FineGrid(HeadSums):
         """As LaplaceTable.transpose: scatter-add onto the fine grid, then the transposed
         sampling."""
         size = self.nf ** self.d
-        acc = np.zeros((self.width, size))
+        acc = np.zeros((size, self.width))
         for blk in self.table._blocks(b.shape[0]):
             idx, L, _ = self._locate(b[blk])
             w = L[0]
@@ -1216,7 +1229,7 @@ class FineGrid(HeadSums):
                 w = (w[..., None] * La.reshape((len(La),) + (1,) * (w.ndim - 1) + (-1,)))
             w = w.reshape(len(idx), -1)
             for k in range(self.table.ncomp):
-                acc[k] += np.bincount(idx.reshape(len(idx), -1).ravel(),
+                acc[:, k] += np.bincount(idx.reshape(len(idx), -1).ravel(),
                                       (w * cbar[blk, k:k + 1]).ravel(), minlength=size)
         return self._table_cotangent(acc)
 
@@ -1241,13 +1254,14 @@ class FineGrid(HeadSums):
         return self._table_cotangent(acc), dA, dV, xbar
 
     def _table_cotangent(self, acc: np.ndarray) -> np.ndarray:
-        """Fine-grid cotangents (width, nf^d) of this rank's targets to table cotangents
-        (ncomp, n, ..), summed over ranks: the fine-grid sums are reduced onto each rank's
-        share of rows (Reduce_scatter), which it samples back (S_0^T (X S_1), and S_2 in
-        3-D: both products on its rows only), then one Allreduce of the tables."""
+        """Fine-grid cotangents (nf^d, width) of this rank's targets, node by node, to table
+        cotangents (ncomp, n, ..), summed over ranks: the fine-grid sums are reduced onto
+        each rank's share of rows (Reduce_scatter; rows are contiguous, so where a node
+        holds ncomp values it is sent as it is), which it samples back (S_0^T (X S_1), and
+        S_2 in 3-D: both products on its rows only), then one Allreduce of the tables."""
         nf, nc, comm, S, d = self.nf, self.table.ncomp, self.table.comm, self.sample, self.d
-        X = reduce_shares(comm, np.moveaxis(acc[:nc].reshape((nc,) + (nf,) * d), 0, 1))  # (rows, nc, ..)
-        X = np.ascontiguousarray(np.moveaxis(X, 1, 0))                             # (nc, rows, ..)
+        X = reduce_shares(comm, acc.reshape(nf, nf ** (d - 1), -1)[..., :nc])      # (rows, nf^(d-1), nc)
+        X = np.ascontiguousarray(np.moveaxis(X, -1, 0)).reshape((nc, len(X)) + (nf,) * (d - 1))
         S0 = self.sample[0][share(nf, comm)]
         if d == 2:
             local = np.matmul(S0.T, np.matmul(X, S[1]))
