@@ -1,7 +1,9 @@
-"""How the work divides over ranks, in instructions: free of the machine's noise.
+"""How the work divides over ranks, by kind of code: in instructions (callgrind, free of
+the machine's noise) or in sampled CPU time (perf, at full speed).
 
     .venv/bin/python benchmarks/instructions.py --ranks 1 2 -- gradient runs/default.toml \\
         --set mesh.cells=[32,32] model.layers=2
+    .venv/bin/python benchmarks/instructions.py --sampler perf --ranks 1 2 -- gradient runs/default.toml -q
 
 Runs a pdeformer command under valgrind's callgrind on each rank count of ``--ranks``
 (the first is the reference, normally 1), counting the instructions executed inside one
@@ -16,6 +18,17 @@ libc's locks, which its progress loop takes) are shown apart and left out of the
 a waiting rank spins there. pdeformer's compiled loops may be counted under ``ctypes``
 (libffi's frame): callgrind gives the code entered from libffi's call to libffi where it
 cannot tell the entry from a jump.
+
+``--sampler perf`` counts CPU time instead, natively: Linux ``perf record`` samples each
+rank's CPU clock (4999 Hz, software event: no hardware counters needed) inside the phase
+only (started disabled, enabled at each entry and disabled at each exit through
+``--control`` fifos), and the report gives samples per kind of code and function. It
+runs at full speed (the default 64^2 gradient in seconds), so it measures the cases
+callgrind cannot finish; samples move with the host's noise as times do. The kernel's
+samples (page faults, the copies of MPI's shared-memory transport) are their own kind.
+Needs ``perf`` (Debian: ``apt-get install linux-perf``) and leave to sample one's own
+processes (``kernel.perf_event_paranoid`` at most 2; the kernel's samples need at most 1,
+or root).
 
 Under callgrind a run is 100-300x slower than natively: the 32^2 gradient with 2 layers
 takes about 8 minutes per rank count; the default 64^2 one had not finished in 38. valgrind
@@ -68,6 +81,7 @@ KINDS = [
     ("libc", r"^libc\.so"),
     ("libm", r"^libm\.so"),
     ("ctypes", r"^(libffi|_ctypes)"),
+    ("kernel", r"^\[kernel"),
 ]
 
 
@@ -167,9 +181,51 @@ def run(ranks: int, args: list[str], phase: str, folder: str, env: dict) -> list
     return per_rank
 
 
-def report(reference: list[collections.Counter], runs: dict, top: int) -> None:
-    """Per kind: instructions of the reference's busiest rank, of each run's busiest,
-    and the ratio; then the functions (outside MPI) whose instructions divide worst."""
+PERF_HZ = 4999
+
+
+def perf_samples(path: str) -> collections.Counter:
+    """CPU-clock samples per (object, function) of one ``perf record`` file."""
+    proc = subprocess.run(["perf", "script", "-i", path, "-F", "ip,sym,dso"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"perf script -i {path} failed:\n{proc.stderr[-2000:]}")
+    return parse_perf_script(proc.stdout)
+
+
+def parse_perf_script(text: str) -> collections.Counter:
+    """Samples per (object, function) from ``perf script -F ip,sym,dso`` lines
+    (``  7f12ab34 symbol (/path/object)``; ``[unknown]`` where the object has no symbols)."""
+    out = collections.Counter()
+    for line in text.splitlines():
+        m = re.match(r"\s*[0-9a-f]+\s+(.*?)\s+\((.*)\)\s*$", line)
+        if m:
+            out[(m.group(2), re.sub(r"\+0x[0-9a-f]+$", "", m.group(1)))] += 1
+    return out
+
+
+def run_perf(ranks: int, args: list[str], phase: str, folder: str, env: dict) -> list[collections.Counter]:
+    """The command on ``ranks`` ranks under ``perf record``, sampling only inside the
+    phase; per rank, its samples per (object, function)."""
+    from pdeformer.tools.parallel import mpirun_command
+    out = os.path.join(folder, f"ranks{ranks}")
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    for r in range(ranks):
+        os.mkfifo(os.path.join(out, f"ctl.{r}"))
+    record = (f'exec perf record -q -D -1 --control fifo:{out}/ctl.$OMPI_COMM_WORLD_RANK -e cpu-clock '
+              f'-F {PERF_HZ} -o {out}/perf.$OMPI_COMM_WORLD_RANK.data -- "$@"')
+    cmd = mpirun_command(ranks) + [
+        "sh", "-c", record, "perf", sys.executable, os.path.abspath(__file__), "--child-perf", phase,
+        out, "--", *args, "--set", f"output.dir={out}/run", "output.plots=false"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+    return [perf_samples(os.path.join(out, f"perf.{r}.data")) for r in range(ranks)]
+
+
+def report(reference: list[collections.Counter], runs: dict, top: int, unit: str = "instructions") -> None:
+    """Per kind: the counts (``unit``) of the reference's busiest rank, of each run's
+    busiest, and the ratio; then the functions (outside MPI) whose counts divide worst."""
     ref = [by_kind(c) for c in reference]
     kinds = sorted({k for c in ref for k in c}, key=lambda k: -max(c[k] for c in ref))
     P0 = len(reference)
@@ -198,10 +254,36 @@ def report(reference: list[collections.Counter], runs: dict, top: int) -> None:
             most = max(c.get(key, 0) for c in per_rank)
             excess.append((most - base[key] * P0 / P, key, base[key], most))
         excess.sort(reverse=True)
-        print(f"\n{P} ranks: functions whose instructions divide worst (busiest rank less "
+        print(f"\n{P} ranks: functions whose {unit} divide worst (busiest rank less "
               f"the reference's share)")
         for e, (obj, fn), b, most in excess[:top]:
             print(f"  {e:11.4e}  {b:11.4e} -> {most:11.4e}  {kind(obj, fn):14s} {(fn or '?')[:60]}")
+
+
+def hook_phase(phase: str, begin, end) -> None:
+    """Call ``begin()`` at each entry of the run's timer phase ``phase`` and ``end(phase)``
+    at each exit (the phase's own timing inside them)."""
+    from pdeformer.tools import parallel
+    phase_of = parallel.Timer.phase
+
+    def hooked(self, name):
+        inner = phase_of(self, name)
+        if name != phase:
+            return inner
+
+        class Hooked:
+            def __enter__(self):
+                begin()
+                return inner.__enter__()
+
+            def __exit__(self, *exc):
+                result = inner.__exit__(*exc)
+                end(name)
+                return result
+
+        return Hooked()
+
+    parallel.Timer.phase = hooked
 
 
 def child(phase: str, args: list[str]) -> int:
@@ -211,27 +293,24 @@ def child(phase: str, args: list[str]) -> int:
     from pdeformer.tools.blas import choose_core
     choose_core()
     lib = ctypes.CDLL(os.path.join(os.environ["PDEFORMER_CACHE"], "callgrind_client.so"))
-    from pdeformer.tools import parallel
-    phase_of = parallel.Timer.phase
+    hook_phase(phase, lib.phase_begin, lambda name: lib.phase_end(name.encode()))
+    from pdeformer.commands.cli import main
+    return main(args)
 
-    def counted(self, name):
-        inner = phase_of(self, name)
-        if name != phase:
-            return inner
 
-        class Counted:
-            def __enter__(self):
-                lib.phase_begin()
-                return inner.__enter__()
+def child_perf(phase: str, folder: str, args: list[str]) -> int:
+    """Under ``perf record -D -1``: sample only inside ``phase`` (enabled at each entry,
+    disabled at each exit, through this rank's control fifo), then run the command."""
+    from pdeformer.tools.blas import choose_core
+    choose_core()
+    from mpi4py import MPI
+    control = os.path.join(folder, f"ctl.{MPI.COMM_WORLD.rank}")
 
-            def __exit__(self, *exc):
-                result = inner.__exit__(*exc)
-                lib.phase_end(name.encode())
-                return result
+    def send(command: str) -> None:
+        with open(control, "w") as f:      # perf reads one command per open
+            f.write(command + "\n")
 
-        return Counted()
-
-    parallel.Timer.phase = counted
+    hook_phase(phase, lambda: send("enable"), lambda name: send("disable"))
     from pdeformer.commands.cli import main
     return main(args)
 
@@ -265,11 +344,15 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
         sys.exit(child(argv[1], argv[3:]))
+    if argv[:1] == ["--child-perf"]:
+        sys.exit(child_perf(argv[1], argv[2], argv[4:]))
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     p.add_argument("--phase", default=None, help="the timer phase counted (default: the command's solve)")
     p.add_argument("--top", type=int, default=12, help="functions listed per run")
-    p.add_argument("--keep", default=None, help="folder for the callgrind files (default: a temporary one)")
+    p.add_argument("--keep", default=None, help="folder for the callgrind or perf files (default: a temporary one)")
+    p.add_argument("--sampler", choices=("callgrind", "perf"), default="callgrind",
+                   help="count instructions under callgrind, or sample CPU time natively with perf")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- and the pdeformer command line")
     a = p.parse_args(argv)
     args = a.command[1:] if a.command[:1] == ["--"] else a.command
@@ -279,11 +362,19 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = a.keep or tmp
         os.makedirs(folder, exist_ok=True)
-        env = prepare(folder)
-        results = {P: run(P, args, phase, folder, env) for P in a.ranks}
+        if a.sampler == "perf":
+            if shutil.which("perf") is None:
+                sys.exit("--sampler perf needs perf (Debian: apt-get install linux-perf)")
+            env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
+                       PDEFORMER_COSTS=os.environ.get("PDEFORMER_COSTS", os.path.join(ROOT, "tests", "costs.json")))
+            results = {P: run_perf(P, args, phase, folder, env) for P in a.ranks}
+        else:
+            env = prepare(folder)
+            results = {P: run(P, args, phase, folder, env) for P in a.ranks}
     first = a.ranks[0]
-    print(f"instructions in phase {phase!r} of `pdeformer {' '.join(args)}`")
-    report(results[first], {P: results[P] for P in a.ranks[1:]}, a.top)
+    what = "CPU-clock samples" if a.sampler == "perf" else "instructions"
+    print(f"{what} in phase {phase!r} of `pdeformer {' '.join(args)}`")
+    report(results[first], {P: results[P] for P in a.ranks[1:]}, a.top, what)
 
 
 if __name__ == "__main__":

@@ -657,3 +657,30 @@ def test_instruction_counts_are_exclusive_and_sorted_by_kind(tmp_path):
     libc = "/usr/lib/x86_64-linux-gnu/libc.so.6"       # MPI's progress loop takes these locks
     assert [instructions.kind(libc, fn) for fn in ("pthread_mutex_lock@@GLIBC_2.2.5",
             "__pthread_mutex_unlock_usercnt", "__memset_avx2_unaligned_erms")] == ["MPI", "MPI", "libc"]
+
+
+PERF_SCRIPT = """     7f508379e230 [unknown] (/usr/lib/python3/dist-packages/numpy/core/_multiarray_umath.cpython-311-x86_64-linux-gnu.so)
+     7f50836cac1f [unknown] (/usr/lib/python3/dist-packages/numpy/core/_multiarray_umath.cpython-311-x86_64-linux-gnu.so)
+ ffffffff8160a987 handle_mm_fault ([kernel.kallsyms])
+     7f5083d1a0b0 _PyEval_EvalFrameDefault (/usr/bin/python3.11)
+     7f5083d1a0b0 __memset_avx2_unaligned_erms (/usr/lib/x86_64-linux-gnu/libc.so.6)
+
+     7f5083d1a0b0 pthread_mutex_lock@@GLIBC_2.2.5 (/usr/lib/x86_64-linux-gnu/libc.so.6)
+"""
+
+
+def test_perf_samples_are_counted_per_function_and_kind():
+    """benchmarks/instructions.py --sampler perf counts ``perf script -F ip,sym,dso``
+    lines per (object, function), blank lines skipped, and sorts them into the same
+    kinds as callgrind's counts, the kernel's samples (page faults, MPI's copies) apart."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("instructions", os.path.join(ROOT, "benchmarks", "instructions.py"))
+    instructions = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(instructions)
+    samples = instructions.parse_perf_script(PERF_SCRIPT)
+    numpy = "/usr/lib/python3/dist-packages/numpy/core/_multiarray_umath.cpython-311-x86_64-linux-gnu.so"
+    libc = "/usr/lib/x86_64-linux-gnu/libc.so.6"
+    assert samples == {(numpy, "[unknown]"): 2, ("[kernel.kallsyms]", "handle_mm_fault"): 1,
+                       ("/usr/bin/python3.11", "_PyEval_EvalFrameDefault"): 1,
+                       (libc, "__memset_avx2_unaligned_erms"): 1, (libc, "pthread_mutex_lock@@GLIBC_2.2.5"): 1}
+    assert instructions.by_kind(samples) == {"numpy": 2, "kernel": 1, "interpreter": 1, "libc": 1, "MPI": 1}
