@@ -22,10 +22,12 @@ cannot tell the entry from a jump.
 ``--sampler perf`` counts CPU time instead, natively: Linux ``perf record`` samples each
 rank's CPU clock (4999 Hz, software event: no hardware counters needed) inside the phase
 only (started disabled, enabled at each entry and disabled at each exit through
-``--control`` fifos), and the report gives samples per kind of code and function. It
+``--control`` fifos, each switch acknowledged before the phase goes on), and the report
+gives samples per kind of code and function. It
 runs at full speed (the default 64^2 gradient in seconds), so it measures the cases
 callgrind cannot finish; samples move with the host's noise as times do. The kernel's
-samples (page faults, the copies of MPI's shared-memory transport) are their own kind.
+samples (page faults, the copies of MPI's shared-memory transport) are their own kind,
+counted in the total.
 Needs ``perf`` (Debian: ``apt-get install linux-perf``) and leave to sample one's own
 processes (``kernel.perf_event_paranoid`` at most 2; the kernel's samples need at most 1,
 or root).
@@ -45,6 +47,7 @@ import argparse
 import collections
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -197,7 +200,7 @@ def parse_perf_script(text: str) -> collections.Counter:
     (``  7f12ab34 symbol (/path/object)``; ``[unknown]`` where the object has no symbols)."""
     out = collections.Counter()
     for line in text.splitlines():
-        m = re.match(r"\s*[0-9a-f]+\s+(.*?)\s+\((.*)\)\s*$", line)
+        m = re.match(r"\s*[0-9a-f]+\s+(.*)\s+\(([^()]*)\)\s*$", line)   # C++ names hold ' ('
         if m:
             out[(m.group(2), re.sub(r"\+0x[0-9a-f]+$", "", m.group(1)))] += 1
     return out
@@ -211,9 +214,12 @@ def run_perf(ranks: int, args: list[str], phase: str, folder: str, env: dict) ->
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     for r in range(ranks):
-        os.mkfifo(os.path.join(out, f"ctl.{r}"))
-    record = (f'exec perf record -q -D -1 --control fifo:{out}/ctl.$OMPI_COMM_WORLD_RANK -e cpu-clock '
-              f'-F {PERF_HZ} -o {out}/perf.$OMPI_COMM_WORLD_RANK.data -- "$@"')
+        for name in (f"ctl.{r}", f"ack.{r}"):
+            os.mkfifo(os.path.join(out, name))
+    rank = "${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}"       # Open MPI's, else MPICH's
+    where = shlex.quote(out)
+    record = (f'exec perf record -q -D -1 --control fifo:{where}/ctl.{rank},{where}/ack.{rank} '
+              f'-e cpu-clock -F {PERF_HZ} -o {where}/perf.{rank}.data -- "$@"')
     cmd = mpirun_command(ranks) + [
         "sh", "-c", record, "perf", sys.executable, os.path.abspath(__file__), "--child-perf", phase,
         out, "--", *args, "--set", f"output.dir={out}/run", "output.plots=false"]
@@ -300,15 +306,19 @@ def child(phase: str, args: list[str]) -> int:
 
 def child_perf(phase: str, folder: str, args: list[str]) -> int:
     """Under ``perf record -D -1``: sample only inside ``phase`` (enabled at each entry,
-    disabled at each exit, through this rank's control fifo), then run the command."""
+    disabled at each exit, through this rank's control fifo, each command waited for
+    until perf acknowledges it), then run the command."""
     from pdeformer.tools.blas import choose_core
     choose_core()
     from mpi4py import MPI
     control = os.path.join(folder, f"ctl.{MPI.COMM_WORLD.rank}")
+    ack = os.path.join(folder, f"ack.{MPI.COMM_WORLD.rank}")
 
     def send(command: str) -> None:
         with open(control, "w") as f:      # perf reads one command per open
             f.write(command + "\n")
+        with open(ack) as f:               # its answer: the switch has taken effect
+            f.readline()
 
     hook_phase(phase, lambda: send("enable"), lambda name: send("disable"))
     from pdeformer.commands.cli import main

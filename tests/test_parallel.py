@@ -666,13 +666,15 @@ PERF_SCRIPT = """     7f508379e230 [unknown] (/usr/lib/python3/dist-packages/num
      7f5083d1a0b0 __memset_avx2_unaligned_erms (/usr/lib/x86_64-linux-gnu/libc.so.6)
 
      7f5083d1a0b0 pthread_mutex_lock@@GLIBC_2.2.5 (/usr/lib/x86_64-linux-gnu/libc.so.6)
+     7f507b0ef4b4 std::function<int (std::span<double>)>::operator() (/usr/lib/libdolfinx.so.0.5)
 """
 
 
 def test_perf_samples_are_counted_per_function_and_kind():
     """benchmarks/instructions.py --sampler perf counts ``perf script -F ip,sym,dso``
-    lines per (object, function), blank lines skipped, and sorts them into the same
-    kinds as callgrind's counts, the kernel's samples (page faults, MPI's copies) apart."""
+    lines per (object, function), blank lines skipped, C++ names with parentheses kept
+    whole, and sorts them into the same kinds as callgrind's counts, the kernel's
+    samples (page faults, MPI's copies) apart."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("instructions", os.path.join(ROOT, "benchmarks", "instructions.py"))
     instructions = importlib.util.module_from_spec(spec)
@@ -682,5 +684,7 @@ def test_perf_samples_are_counted_per_function_and_kind():
     libc = "/usr/lib/x86_64-linux-gnu/libc.so.6"
     assert samples == {(numpy, "[unknown]"): 2, ("[kernel.kallsyms]", "handle_mm_fault"): 1,
                        ("/usr/bin/python3.11", "_PyEval_EvalFrameDefault"): 1,
-                       (libc, "__memset_avx2_unaligned_erms"): 1, (libc, "pthread_mutex_lock@@GLIBC_2.2.5"): 1}
-    assert instructions.by_kind(samples) == {"numpy": 2, "kernel": 1, "interpreter": 1, "libc": 1, "MPI": 1}
+                       (libc, "__memset_avx2_unaligned_erms"): 1, (libc, "pthread_mutex_lock@@GLIBC_2.2.5"): 1,
+                       ("/usr/lib/libdolfinx.so.0.5", "std::function<int (std::span<double>)>::operator()"): 1}
+    assert instructions.by_kind(samples) == {"numpy": 2, "kernel": 1, "interpreter": 1, "libc": 1, "MPI": 1,
+                                             "dolfinx": 1}
