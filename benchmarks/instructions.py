@@ -157,21 +157,38 @@ def dumps(folder: str, rank: int) -> list[str]:
                   if re.fullmatch(rf"cg\.{rank}\.\d+", f))
 
 
-def run(ranks: int, args: list[str], phase: str, folder: str, env: dict) -> list[collections.Counter]:
-    """The command on ``ranks`` ranks under callgrind; per rank, its exclusive costs
-    summed over the phase's dumps."""
-    from pdeformer.tools.parallel import mpirun_command
+def fresh_folder(folder: str, ranks: int) -> str:
+    """The folder of one rank count's run, emptied (no files of an earlier run: --keep)."""
     out = os.path.join(folder, f"ranks{ranks}")
-    shutil.rmtree(out, ignore_errors=True)          # no dumps of an earlier run (--keep)
+    shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
-    cmd = mpirun_command(ranks) + [
-        "valgrind", "--tool=callgrind", "--dump-instr=no",
-        f"--callgrind-out-file={out}/cg.%q{{OMPI_COMM_WORLD_RANK}}",
-        sys.executable, os.path.abspath(__file__), "--child", phase, "--", *args,
-        "--set", f"output.dir={out}/run", "output.plots=false"]
+    return out
+
+
+def launch(ranks: int, tool: list[str], child: list[str], args: list[str], out: str, env: dict) -> None:
+    """mpirun of ``tool`` running this script's ``child`` mode on the pdeformer command
+    ``args`` (output into ``out``); exits with its stderr where it fails."""
+    from pdeformer.tools.parallel import mpirun_command
+    cmd = mpirun_command(ranks) + tool + [sys.executable, os.path.abspath(__file__), *child, "--", *args,
+                                          "--set", f"output.dir={out}/run", "output.plots=false"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+
+
+def run_env(**extra) -> dict:
+    """The runs' environment: one BLAS thread, the machine's costs from a file
+    (``PDEFORMER_COSTS``, default tests/costs.json), and ``extra``."""
+    return dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
+                PDEFORMER_COSTS=os.environ.get("PDEFORMER_COSTS", os.path.join(ROOT, "tests", "costs.json")), **extra)
+
+
+def run(ranks: int, args: list[str], phase: str, folder: str, env: dict) -> list[collections.Counter]:
+    """The command on ``ranks`` ranks under callgrind; per rank, its exclusive costs
+    summed over the phase's dumps."""
+    out = fresh_folder(folder, ranks)
+    launch(ranks, ["valgrind", "--tool=callgrind", "--dump-instr=no",
+                   f"--callgrind-out-file={out}/cg.%q{{OMPI_COMM_WORLD_RANK}}"], ["--child", phase], args, out, env)
     per_rank = []
     for r in range(ranks):
         files = dumps(out, r)
@@ -202,17 +219,14 @@ def parse_perf_script(text: str) -> collections.Counter:
     for line in text.splitlines():
         m = re.match(r"\s*[0-9a-f]+\s+(.*)\s+\(([^()]*)\)\s*$", line)   # C++ names hold ' ('
         if m:
-            out[(m.group(2), re.sub(r"\+0x[0-9a-f]+$", "", m.group(1)))] += 1
+            out[(m.group(2), m.group(1))] += 1
     return out
 
 
 def run_perf(ranks: int, args: list[str], phase: str, folder: str, env: dict) -> list[collections.Counter]:
     """The command on ``ranks`` ranks under ``perf record``, sampling only inside the
     phase; per rank, its samples per (object, function)."""
-    from pdeformer.tools.parallel import mpirun_command
-    out = os.path.join(folder, f"ranks{ranks}")
-    shutil.rmtree(out, ignore_errors=True)
-    os.makedirs(out)
+    out = fresh_folder(folder, ranks)
     for r in range(ranks):
         for name in (f"ctl.{r}", f"ack.{r}"):
             os.mkfifo(os.path.join(out, name))
@@ -220,12 +234,7 @@ def run_perf(ranks: int, args: list[str], phase: str, folder: str, env: dict) ->
     where = shlex.quote(out)
     record = (f'exec perf record -q -D -1 --control fifo:{where}/ctl.{rank},{where}/ack.{rank} '
               f'-e cpu-clock -F {PERF_HZ} -o {where}/perf.{rank}.data -- "$@"')
-    cmd = mpirun_command(ranks) + [
-        "sh", "-c", record, "perf", sys.executable, os.path.abspath(__file__), "--child-perf", phase,
-        out, "--", *args, "--set", f"output.dir={out}/run", "output.plots=false"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+    launch(ranks, ["sh", "-c", record, "perf"], ["--child-perf", phase, out], args, out, env)
     return [perf_samples(os.path.join(out, f"perf.{r}.data")) for r in range(ranks)]
 
 
@@ -345,9 +354,7 @@ def prepare(folder: str) -> dict:
     with open(wrapper, "w") as f:
         f.write(CC_WRAPPER.format(cc=cc))
     os.chmod(wrapper, 0o755)
-    return dict(os.environ, PDEFORMER_CACHE=cache, CC=wrapper, OPENBLAS_CORETYPE="Haswell",
-                OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
-                PDEFORMER_COSTS=os.environ.get("PDEFORMER_COSTS", os.path.join(ROOT, "tests", "costs.json")))
+    return run_env(PDEFORMER_CACHE=cache, CC=wrapper, OPENBLAS_CORETYPE="Haswell")
 
 
 def main(argv=None) -> None:
@@ -375,9 +382,7 @@ def main(argv=None) -> None:
         if a.sampler == "perf":
             if shutil.which("perf") is None:
                 sys.exit("--sampler perf needs perf (Debian: apt-get install linux-perf)")
-            env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
-                       PDEFORMER_COSTS=os.environ.get("PDEFORMER_COSTS", os.path.join(ROOT, "tests", "costs.json")))
-            results = {P: run_perf(P, args, phase, folder, env) for P in a.ranks}
+            results = {P: run_perf(P, args, phase, folder, run_env()) for P in a.ranks}
         else:
             env = prepare(folder)
             results = {P: run(P, args, phase, folder, env) for P in a.ranks}

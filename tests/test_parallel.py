@@ -17,6 +17,16 @@ import pytest
 from conftest import requires_dolfinx, run_cli, write_config
 from conftest import ROOT, check_one_line_error
 
+
+def benchmark(name: str):
+    """The script benchmarks/NAME.py as a module (the benchmarks are not a package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 pytestmark = [requires_dolfinx]
 
 PROMPTS = ("a", "b", "c", "d")
@@ -506,11 +516,8 @@ def test_least_communication_adds_collectives_and_changes_nothing(tmp_path):
     the table pipeline a reduce-scatter, a table sum and a gather per evaluation (the
     laplace backend's own calls, which a one-rank group makes without messages); the
     solve itself is the same to the bit as with nothing added."""
-    import importlib.util
     from pdeformer.tools.parallel import mpirun_command
-    spec = importlib.util.spec_from_file_location("scaling", os.path.join(ROOT, "benchmarks", "scaling.py"))
-    scaling = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(scaling)
+    scaling = benchmark("scaling")
     copies = scaling.copies_config(str(tmp_path), 2)
     script = os.path.join(ROOT, "benchmarks", "least_communication.py")
     runs = {}
@@ -585,13 +592,10 @@ def test_persistence_is_the_correlation_of_a_lead_over_later_segments(monkeypatc
     correlation at lag k is phi^k, for independent draws 0. 20,000 draws: the largest
     standard error is the lag-20 one of the AR(1) series, sqrt((1 + phi^2) / (1 - phi^2)
     / 20000) = 0.015 (Bartlett's formula); the bounds are 0.05 (fixed seed)."""
-    import importlib.util
     import pdeformer.tools.blas
     monkeypatch.setattr(pdeformer.tools.blas, "choose_core", lambda: None)   # numpy is loaded
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", os.environ.get("OPENBLAS_NUM_THREADS", "1"))
-    spec = importlib.util.spec_from_file_location("jitter", os.path.join(ROOT, "benchmarks", "jitter.py"))
-    jitter = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(jitter)
+    jitter = benchmark("jitter")
     rng = np.random.default_rng(3)
     e = rng.standard_normal(20000)
     x = np.empty_like(e)
@@ -636,10 +640,7 @@ def test_instruction_counts_are_exclusive_and_sorted_by_kind(tmp_path):
     50, not + 700); compressed names (``ob=(2)``) resolve to the name given first; an
     object's functions stay with it until the next ``ob=``. Object files map to kinds of
     code (MPI's own apart, and libc's locks with it, since a waiting rank spins there)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("instructions", os.path.join(ROOT, "benchmarks", "instructions.py"))
-    instructions = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(instructions)
+    instructions = benchmark("instructions")
     path = tmp_path / "cg.0.1"
     path.write_text(CALLGRIND_FILE)
     costs = instructions.exclusive_costs(str(path))
@@ -675,10 +676,7 @@ def test_perf_samples_are_counted_per_function_and_kind():
     lines per (object, function), blank lines skipped, C++ names with parentheses kept
     whole, and sorts them into the same kinds as callgrind's counts, the kernel's
     samples (page faults, MPI's copies) apart."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("instructions", os.path.join(ROOT, "benchmarks", "instructions.py"))
-    instructions = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(instructions)
+    instructions = benchmark("instructions")
     samples = instructions.parse_perf_script(PERF_SCRIPT)
     numpy = "/usr/lib/python3/dist-packages/numpy/core/_multiarray_umath.cpython-311-x86_64-linux-gnu.so"
     libc = "/usr/lib/x86_64-linux-gnu/libc.so.6"
