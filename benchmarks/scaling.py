@@ -23,7 +23,11 @@ velocity, transport, limiter and their reverses each divide (with ``--ideal``, a
 the ceiling's copies).
 With ``--repeat N`` every figure is the least over N interleaved rounds, and the wall-time
 speedup within each round (its 1-rank and P-rank runs minutes apart, so a slow stretch of
-a shared machine slows both) is given too, as median and range.
+a shared machine slows both) is given too, as median and range, and a table per round
+sets each round's speedups beside how its phases without communication divided (the
+limiter: each rank's own cells, waiting for nothing). Those phases divide as well as the
+machine lets two busy cores work in that stretch; what the run loses beyond them is
+pdeformer's (communication, waiting, work every rank repeats).
 
 ``--ideal`` adds what the machine itself allows a case at P ranks: P copies of its first
 prompt, solved on one rank and then by P prompt groups of one rank each (the work divided
@@ -131,7 +135,8 @@ def run(case: str, ranks: int, folder: str) -> dict:
     par = summary["parallel"]
     phase = summary["timings"].get(command, summary["timings"]["total"])
     return {"wall": wall, "phase": phase, "compute": par["compute_cpu_s"], "bytes": par["comm_bytes"],
-            "comm": par["comm_s"], "phases": par["phase_compute_cpu_s"], "solve": command}
+            "comm": par["comm_s"], "phases": par["phase_compute_cpu_s"],
+            "phase_comm": par["phase_comm_s"], "solve": command}
 
 
 def least(results: list[dict]) -> dict:
@@ -164,6 +169,29 @@ def by_round(base: list[dict], runs: list[dict]) -> str:
     minutes apart, so a slow stretch of the machine slows both): median and range."""
     ratios = sorted(b["wall"] / r["wall"] for b, r in zip(base, runs))
     return f"  {statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+
+
+def quiet_phases(run: dict, share: float = 0.05) -> list[str]:
+    """The phases in which no rank communicated (the limiter: each rank's own cells) and
+    that take ``share`` of the solve's compute or more."""
+    solve = max(run["phases"].get(run["solve"], [0.0]))
+    return [k for k, comm in run["phase_comm"].items()
+            if k != run["solve"] and not any(comm) and max(run["phases"][k]) >= share * solve]
+
+
+def round_lines(case: str, P: int, base: list[dict], runs: list[dict]) -> list[str]:
+    """Per round: the wall-time and solve speedups, how the compute divided
+    (C(1) / max_r C_r(P)), and how the phases without communication divided. Those
+    phases' work is split by cells and waits for nothing, so their division is what the
+    machine gave the round's busy cores; the rest of the gap is pdeformer's."""
+    lines = []
+    for i, (b, r) in enumerate(zip(base, runs)):
+        quiet = [k for k in quiet_phases(r) if k in b["phases"]]
+        parts = "  ".join(f"{k} {b['phases'][k][0] / max(r['phases'][k]):.2f}x" for k in quiet)
+        lines.append(f"{case:>11} {P:>3} {i + 1:>5} {b['wall'] / r['wall']:>8.2f} "
+                     f"{b['phase'] / r['phase']:>8.2f} {sum(b['compute']) / max(r['compute']):>8.2f}"
+                     f"  {parts}")
+    return lines
 
 
 def main():
@@ -201,6 +229,15 @@ def main():
                   f"{r['phase']:>9.1f} {base['phase'] / r['phase']:>8.2f} {r['cmax']:>10.2f} "
                   f"{r['csum']:>10.2f} {E:>6.2f} {r['bytes'] / 1e6:>8.1f} {r['comm']:>9.2f}"
                   + (by_round(results[case, args.ranks[0]], results[case, P]) if args.repeat > 1 else ""))
+
+    if args.ranks[0] == 1 and args.repeat > 1:
+        print("\nper round: speedups of wall time, solve and compute (C(1) / max_r C_r(P)), and "
+              "how the phases without communication divided (what the machine gave the round)")
+        print(f"{'case':>11} {'P':>3} {'round':>5} {'wall':>8} {'solve':>8} {'compute':>8}  "
+              "phases without communication")
+        for case in args.cases:
+            for P in args.ranks[1:]:
+                print("\n".join(round_lines(case, P, results[case, 1], results[case, P])))
 
     if args.ranks[0] == 1:
         print("\nhow each phase's compute divides, C_phase(1) / max_r C_phase,r(P) from "
