@@ -25,9 +25,11 @@ With ``--repeat N`` every figure is the least over N interleaved rounds, and the
 speedup within each round (its 1-rank and P-rank runs minutes apart, so a slow stretch of
 a shared machine slows both) is given too, as median and range, and a table per round
 sets each round's speedups beside how its phases without communication divided (the
-limiter: each rank's own cells, waiting for nothing). Those phases divide as well as the
-machine lets two busy cores work in that stretch; what the run loses beyond them is
-pdeformer's (communication, waiting, work every rank repeats).
+limiter: each rank's own cells, waiting for nothing; not shown for one-rank groups, in
+which nothing is metered). Their division is a reference for what the machine gave two
+busy cores in that stretch (a ratio of CPU times, not an exact bound); what the run loses
+beyond it is the start-up that nothing divides and pdeformer's communication, waiting
+and repeated work.
 
 ``--ideal`` adds what the machine itself allows a case at P ranks: P copies of its first
 prompt, solved on one rank and then by P prompt groups of one rank each (the work divided
@@ -136,7 +138,8 @@ def run(case: str, ranks: int, folder: str) -> dict:
     phase = summary["timings"].get(command, summary["timings"]["total"])
     return {"wall": wall, "phase": phase, "compute": par["compute_cpu_s"], "bytes": par["comm_bytes"],
             "comm": par["comm_s"], "phases": par["phase_compute_cpu_s"],
-            "phase_comm": par["phase_comm_s"], "solve": command}
+            "phase_comm": par["phase_comm_s"], "solve": command,
+            "ranks_per_group": par["ranks_per_group"]}
 
 
 def least(results: list[dict]) -> dict:
@@ -173,17 +176,22 @@ def by_round(base: list[dict], runs: list[dict]) -> str:
 
 def quiet_phases(run: dict, share: float = 0.05) -> list[str]:
     """The phases in which no rank communicated (the limiter: each rank's own cells) and
-    that take ``share`` of the solve's compute or more."""
-    solve = max(run["phases"].get(run["solve"], [0.0]))
+    that take ``share`` of the solve's compute or more. None where the groups have one
+    rank each: nothing inside such a group is metered, so no phase tells."""
+    if run["ranks_per_group"] == 1:
+        return []
+    solve = max(run["phases"].get(run["solve"]) or [0.0])
     return [k for k, comm in run["phase_comm"].items()
-            if k != run["solve"] and not any(comm) and max(run["phases"][k]) >= share * solve]
+            if k != run["solve"] and not any(comm) and max(run["phases"][k]) > 0
+            and max(run["phases"][k]) >= share * solve]
 
 
 def round_lines(case: str, P: int, base: list[dict], runs: list[dict]) -> list[str]:
     """Per round: the wall-time and solve speedups, how the compute divided
     (C(1) / max_r C_r(P)), and how the phases without communication divided. Those
-    phases' work is split by cells and waits for nothing, so their division is what the
-    machine gave the round's busy cores; the rest of the gap is pdeformer's."""
+    phases' work is split by cells and waits for nothing: a reference for what the
+    machine gave two busy cores in that stretch (a ratio of CPU times, which the phase's
+    own working set can also move), not an exact bound."""
     lines = []
     for i, (b, r) in enumerate(zip(base, runs)):
         quiet = [k for k in quiet_phases(r) if k in b["phases"]]
@@ -232,7 +240,7 @@ def main():
 
     if args.ranks[0] == 1 and args.repeat > 1:
         print("\nper round: speedups of wall time, solve and compute (C(1) / max_r C_r(P)), and "
-              "how the phases without communication divided (what the machine gave the round)")
+              "how the phases without communication divided (a reference for what the machine gave the round)")
         print(f"{'case':>11} {'P':>3} {'round':>5} {'wall':>8} {'solve':>8} {'compute':>8}  "
               "phases without communication")
         for case in args.cases:

@@ -569,23 +569,28 @@ def test_least_communication_adds_collectives_and_changes_nothing(tmp_path):
 def test_scaling_rounds_set_speedups_beside_the_phases_without_communication():
     """benchmarks/scaling.py's table per round: the wall, solve and compute speedups of the
     round, and how each phase that no rank communicated in (and that takes 5% of the solve
-    or more) divided, C_phase(1) / max_r C_phase,r(P); phases with any communication, the
-    solve itself and small phases are left out."""
+    or more) divided, C_phase(1) / max_r C_phase,r(P). Left out: phases with any
+    communication, the solve itself (even where it communicated nothing), small phases, a
+    phase the one-rank run lacks, and every phase where the groups have one rank each
+    (nothing inside them is metered)."""
     scaling = benchmark("scaling")
-    one = {"wall": 12.0, "phase": 10.0, "compute": [10.0], "solve": "forward",
+    one = {"wall": 12.0, "phase": 10.0, "compute": [10.0], "solve": "forward", "ranks_per_group": 1,
            "phases": {"forward": [10.0], "limiter": [3.0], "velocity": [4.0], "output": [0.1]},
            "phase_comm": {"forward": [0.0], "limiter": [0.0], "velocity": [0.0], "output": [0.0]}}
-    two = {"wall": 7.5, "phase": 6.25, "compute": [5.0, 5.2], "solve": "forward",
+    two = {"wall": 7.5, "phase": 6.0, "compute": [5.0, 5.2], "solve": "forward", "ranks_per_group": 2,
            "phases": {"forward": [5.0, 5.2], "limiter": [1.5, 1.6], "velocity": [2.5, 2.0],
-                      "output": [0.04, 0.05]},
-           "phase_comm": {"forward": [0.5, 0.3], "limiter": [0.0, 0.0], "velocity": [0.4, 0.0],
-                          "output": [0.0, 0.0]}}
-    assert scaling.quiet_phases(two) == ["limiter"]
+                      "output": [0.04, 0.05], "checks": [0.6, 0.5]},
+           "phase_comm": {"forward": [0.0, 0.0], "limiter": [0.0, 0.0], "velocity": [0.4, 0.0],
+                          "output": [0.0, 0.0], "checks": [0.0, 0.0]}}
+    assert scaling.quiet_phases(two) == ["limiter", "checks"]
     (line,) = scaling.round_lines("forward128", 2, [one], [two])
     fields = line.split()
     assert fields[:3] == ["forward128", "2", "1"]
-    assert [float(f) for f in fields[3:6]] == [1.60, 1.60, round(10.0 / 5.2, 2)]
+    assert [float(f) for f in fields[3:6]] == [1.60, round(10.0 / 6.0, 2), round(10.0 / 5.2, 2)]
     assert fields[6:] == ["limiter", f"{3.0 / 1.6:.2f}x"]
+    groups = dict(two, ranks_per_group=1)
+    assert scaling.quiet_phases(groups) == []
+    assert scaling.round_lines("prompts16", 2, [one], [groups])[0].split()[6:] == []
 
 
 # ------------------------------------------------------------------ benchmarks/jitter.py
