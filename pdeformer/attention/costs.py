@@ -36,6 +36,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..tools.errors import InputError
+from ..tools.files import read_text
 from ..tools.blas import loaded_openblas
 from .compiled import cache_dir, cpu_identity, kernel_key, kernels
 
@@ -177,11 +178,13 @@ def machine_key() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _read(path: Path) -> Costs:
+def _read(path: Path, what: str) -> Costs:
+    """The costs in a JSON file (non-blocking, at most 64 kB: pdeformer.tools.files);
+    InputError naming ``what`` where it cannot be read, ValueError where it holds no costs."""
+    text = read_text(str(path), what, max_bytes=64 * 1024)
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
+        data = json.loads(text)
+    except ValueError as e:
         raise ValueError(f"{path}: not JSON ({e})") from None
     return Costs.from_dict(data, str(path))
 
@@ -194,15 +197,13 @@ def _load_or_measure() -> Costs:
     pinned = os.environ.get("PDEFORMER_COSTS")
     if pinned:
         try:
-            return _read(Path(pinned))
-        except OSError as e:
-            raise InputError(f"PDEFORMER_COSTS: {pinned}: cannot read it ({e.strerror})") from None
+            return _read(Path(pinned), "PDEFORMER_COSTS")
         except ValueError as e:
             raise InputError(f"PDEFORMER_COSTS: {e}") from None
     path = cache_dir() / f"costs-{machine_key()}.json"
     try:
-        return _read(path)
-    except (OSError, ValueError):
+        return _read(path, "the costs cache")
+    except (InputError, ValueError):   # missing or damaged: measured again
         pass
     costs = measure()
     try:

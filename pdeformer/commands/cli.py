@@ -209,11 +209,28 @@ def _config_and_overrides(args) -> tuple[str, list[str]]:
     return args.config, overrides
 
 
-def _run(args, comm) -> int:
+def _caches(comm) -> list[str]:
+    """pdeformer.tools.machine.prepare_caches on every rank, failing on all of them where
+    it fails on one (nodes may differ in their HOME); the warnings to log."""
+    from ..tools.machine import prepare_caches
+    try:
+        notes, error = prepare_caches(), None
+    except PdeformerError as e:
+        notes, error = [], e
+    failed = [e for e in comm.allgather(error) if e is not None]
+    if failed:
+        raise failed[0]
+    return notes
+
+
+def _run(args, comm, notes=()) -> int:
     import logging
     from ..tools.config import load_config
     from ..tools.parallel import setup_logging
     setup_logging(comm, logging.WARNING if args.quiet else logging.INFO)
+    if comm.rank == 0:
+        for note in notes:
+            logging.getLogger("pdeformer").warning(note)
     if args.command == "converge":
         from .converge import load_study, run_study
         study = load_study(*_config_and_overrides(args))
@@ -361,7 +378,8 @@ def main(argv=None) -> int:
         for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
             os.environ.setdefault(var, "1")
     try:
-        return _info(args, comm) if args.command == "info" else _run(args, comm)
+        notes = _caches(comm)     # before dolfinx is imported
+        return _info(args, comm) if args.command == "info" else _run(args, comm, notes)
     except PdeformerError as e:
         # raised on every rank at once (see pdeformer.tools.errors): rank 0 reports
         if comm.rank == 0:

@@ -27,6 +27,7 @@ import dolfinx.mesh
 from . import _dolfinx as dfx
 from ..model.sphere import common_radius
 from ..tools.errors import InputError
+from ..tools.files import XDMF_BYTES, open_regular, read_bytes
 from ..tools.parallel import on_root
 
 CELL_TYPES = {
@@ -117,8 +118,8 @@ HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 def _is_hdf5(path: str) -> bool:
     """Whether the file has an HDF5 superblock signature (at 0, 512, 1024, 2048, ...)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    with open_regular(path, "mesh.file") as f:
+        size = os.fstat(f.fileno()).st_size
         offset = 0
         while offset + len(HDF5_SIGNATURE) <= size:
             f.seek(offset)
@@ -192,12 +193,13 @@ def check_xdmf(filename: str, name: str) -> None:
     the file, the grid ``name``, its topology and geometry and their HDF5 file (the one
     dolfinx reads: the XDMF file's own name with .h5)."""
     key = "mesh.file"
-    if not os.path.isfile(filename):
+    if not os.path.lexists(filename):
         raise InputError(f"{key}: {filename}: no such mesh file")
     if not filename.endswith(".xdmf"):
         raise InputError(f"{key}: {filename}: not an XDMF file (convert it, e.g. with meshes/make_meshes.py or meshio)")
+    text = read_bytes(filename, key, XDMF_BYTES)    # not blocking, bounded
     try:
-        root = ET.parse(filename).getroot()
+        root = ET.fromstring(text)
     except ET.ParseError as e:
         raise InputError(f"{key}: {filename}: not valid XDMF ({e})") from None
     grids = root.findall(".//Grid")

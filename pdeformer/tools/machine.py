@@ -6,14 +6,73 @@ from __future__ import annotations
 
 import os
 import platform
+import stat
+import tempfile
 from pathlib import Path
+
+
+def cache_home() -> Path:
+    """``$XDG_CACHE_HOME``, else ``~/.cache``: where dolfinx keeps its JIT-compiled forms
+    (``fenics/``) and pdeformer what it builds and measures (``pdeformer/``)."""
+    home = os.environ.get("HOME") or "/"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path(home) / ".cache")
 
 
 def cache_dir() -> Path:
     """``$PDEFORMER_CACHE``, else ``$XDG_CACHE_HOME/pdeformer`` (``~/.cache/pdeformer``)."""
     if os.environ.get("PDEFORMER_CACHE"):
         return Path(os.environ["PDEFORMER_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdeformer"
+    return cache_home() / "pdeformer"
+
+
+def _writable(folder: Path) -> str | None:
+    """None where ``folder`` can be made and written, else why not."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return None
+
+
+def _private_folder(path: Path) -> str | None:
+    """None where ``path`` is (or is made) a folder of this user alone, not a link."""
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        info = os.lstat(path)
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        return "not a folder of this user"
+    return _writable(path)
+
+
+def prepare_caches() -> list[str]:
+    """Make sure the caches a run writes (dolfinx's JIT forms, pdeformer's compiled loops
+    and measured costs) can be written before dolfinx is imported (it fixes its cache
+    folder then). Where ``$XDG_CACHE_HOME`` (``~/.cache``) or ``$PDEFORMER_CACHE`` cannot
+    be written (a read-only or missing HOME on a cluster node), a private folder in the
+    temporary directory takes its place: the environment is set for this process and the
+    programs it starts. Returns the warnings to log; InputError where no writable
+    folder is found."""
+    from .errors import InputError
+    notes, fallback = [], Path(tempfile.gettempdir()) / f"pdeformer-cache-{os.getuid()}"
+    for var, folder, sub in (("XDG_CACHE_HOME", cache_home(), "fenics"),
+                             ("PDEFORMER_CACHE", cache_dir(), None)):
+        if var == "PDEFORMER_CACHE" and not os.environ.get(var):
+            folder = cache_dir()           # under XDG_CACHE_HOME, as chosen above
+        why = _writable(folder / sub if sub else folder)
+        if why is None:
+            continue
+        problem = _private_folder(fallback)
+        if problem is not None:
+            raise InputError(f"{var}: {folder} cannot be written ({why}), nor {fallback} ({problem}): "
+                             "set XDG_CACHE_HOME (and PDEFORMER_CACHE) to a writable folder")
+        os.environ[var] = str(fallback if sub else fallback / "pdeformer")
+        notes.append(f"warning: {var}: {folder} cannot be written ({why}); the caches go to "
+                     f"{os.environ[var]} instead (set {var} to a writable folder to keep them)")
+    return notes
 
 
 def cpu_fields() -> dict:
