@@ -4,12 +4,16 @@ bad input), the pictures' content, and paraview.py (run by pvbatch where install
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -390,7 +394,8 @@ def test_plot_bad_input_is_one_line(runs, tmp_path):
                          f"{copy / 'fields.npz'}: no such file (summary.json lists it)")
     with open(copy / "fields.npz", "wb") as f:
         f.write(b"not an npz")
-    check_one_line_error(run_cli(["plot", str(copy)], check=False), f"{copy / 'fields.npz'}: cannot read")
+    check_one_line_error(run_cli(["plot", str(copy)], check=False),
+                         f"{copy / 'fields.npz'}: not a readable .npz file")
     with open(copy / "diagnostics.csv", "w") as f:
         f.write("prompt,t,mass\nblob,zero,1\n")
     os.remove(copy / "fields.npz")
@@ -412,6 +417,221 @@ def test_plot_bad_input_is_one_line(runs, tmp_path):
                          f"{other / 'diagnostics.csv'}: not as pdeformer writes it (KeyError")
 
 
+@contextlib.contextmanager
+def no_hang(seconds: int = 60):
+    """TimeoutError inside (run_cli: a traceback, exit 1) where the code blocks, e.g. on a FIFO."""
+    def stop(*_):
+        raise TimeoutError(f"blocked for {seconds} s")
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+EMPTY = {".npz": "an empty file (0 bytes), not an .npz", ".csv": "cannot read (no rows)",
+         ".json": "cannot read (not JSON"}
+
+
+@pytest.mark.parametrize("damage", ["fifo", "folder", "empty"])
+@pytest.mark.parametrize("name", ["summary.json", "fields.npz", "diagnostics.csv", "history.csv",
+                                  "gradient.npz", "params_0001.npz"])
+def test_plot_unreadable_file_is_one_line(tmp_path, name, damage):
+    """A FIFO, a folder or an empty file where `pdeformer plot` reads a run's file: one
+    line naming it, exit 2, at once (a FIFO is not waited on)."""
+    path = tmp_path / name
+    if damage == "fifo":
+        os.mkfifo(path)
+    elif damage == "folder":
+        path.mkdir()
+    else:
+        path.touch()
+    with no_hang():
+        proc = run_cli(["plot", str(tmp_path)], check=False)
+    expected = {"fifo": "is a FIFO (named pipe), not a file", "folder": "is a folder, not a file",
+                "empty": EMPTY[os.path.splitext(name)[1]]}[damage]
+    check_one_line_error(proc, f"{path}: {expected}")
+
+
+def test_plot_non_finite_arrays_are_one_line(tmp_path, caplog):
+    """A NaN in the heads (their principal directions' SVD fails on it), an inf in the
+    gradient, a NaN in fields.npz's densities: one line naming file and array, exit 2; at
+    the end of a run the same check is one warning and no pictures."""
+    rng = np.random.default_rng(0)
+    theta = {n: rng.normal(size=(2, 3, 2, 2)) for n in ("Q", "K", "V")}
+    heads = tmp_path / "heads"
+    heads.mkdir()
+    np.savez(heads / "params_0000.npz", **theta)
+    bad = dict(theta, Q=theta["Q"].copy())
+    bad["Q"][1, 2, 0, 1] = np.nan
+    np.savez(heads / "params_0002.npz", **bad)
+    message = f"{heads / 'params_0002.npz'}: Q has non-finite entries"
+    check_one_line_error(run_cli(["plot", str(heads)], check=False), message)
+    from pdeformer.commands.run import _draw_quietly
+    with caplog.at_level(logging.WARNING, logger="pdeformer"):
+        assert _draw_quietly(str(heads), "png", ["a"]) == {}
+    assert [r.getMessage() for r in caplog.records if message in r.getMessage()] == \
+        [f"warning: the pictures were not drawn (InputError: {message}); "
+         f"`pdeformer plot {heads}` tries again"]
+    gradient = tmp_path / "gradient"
+    gradient.mkdir()
+    np.savez(gradient / "gradient.npz", dQ=theta["Q"], dK=np.where(theta["K"] > 1, np.inf, 0.0),
+             dV=theta["V"], risk=np.array(0.5))
+    check_one_line_error(run_cli(["plot", str(gradient)], check=False),
+                         f"{gradient / 'gradient.npz'}: dK has non-finite entries")
+    fields = tmp_path / "fields"
+    fields.mkdir()
+    np.savez(fields / "fields.npz", version=1, prompts=np.array(["a"]), dim=2, cell_type="triangle",
+             box=np.array([[0.0, 0.0], [1.0, 1.0]]), points=np.array([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0]]),
+             cells=np.array([[0, 1, 2]]), t_0=np.array([0.0, 1.0]), density_0=np.array([[2.0], [np.nan]]),
+             density_range_0=np.array([np.inf, -np.inf]))   # an empty range is allowed
+    check_one_line_error(run_cli(["plot", str(fields)], check=False),
+                         f"{fields / 'fields.npz'}: density_0 has non-finite entries")
+
+
+FAKE_PARAVIEW = '''
+"""paraview.simple for tests: accepts every call; the time steps, whether SaveScreenshot
+writes (an image, an empty file or none) and a record of its import come from
+FAKE_TIMES, FAKE_WRITES and FAKE_LOG."""
+import os
+
+
+class _Any:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        return _Any()
+
+    def __call__(self, *args, **kwargs):
+        return _Any()
+
+    def __getitem__(self, key):
+        return 0.0
+
+
+class _Version:
+    major, minor = 5, 11
+
+
+class _TimeKeeper:
+    TimestepValues = [float(t) for t in os.environ["FAKE_TIMES"].split()]
+
+
+def GetParaViewVersion():
+    return _Version()
+
+
+def GetTimeKeeper():
+    return _TimeKeeper()
+
+
+def SaveScreenshot(path, *args, **kwargs):
+    if os.environ["FAKE_WRITES"] != "none":
+        with open(path, "wb") as f:
+            f.write(b"fake image" if os.environ["FAKE_WRITES"] == "image" else b"")
+
+
+for _name in ("ADIOS2VTXReader", "PVDReader", "ColorBy", "GetColorTransferFunction",
+              "GetOpacityTransferFunction", "GetScalarBar", "Text", "Show", "AnnotateTimeFilter",
+              "WarpByScalar", "Slice", "Glyph", "Transform", "CreateLayout", "CreateView",
+              "AssignViewToLayout", "GetAnimationScene", "RenderAllViews"):
+    globals()[_name] = _Any()
+with open(os.environ["FAKE_LOG"], "a") as _f:
+    _f.write("imported\\n")
+'''
+
+
+def pvd(path, times):
+    """A .pvd collection of these times (the data files it names need not exist)."""
+    frames = "".join(f'<DataSet timestep="{t}" part="0" file="f{k}.vtu"/>' for k, t in enumerate(times))
+    path.write_text(f'<?xml version="1.0"?><VTKFile type="Collection"><Collection>{frames}'
+                    '</Collection></VTKFile>')
+
+
+@pytest.fixture
+def fake_session(tmp_path):
+    """run(folder, args, times, writes): paraview.py of ``folder`` run by this Python with
+    a fake paraview.simple (a CompletedProcess, and whether it imported ParaView)."""
+    fake = tmp_path / "fake" / "paraview"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "simple.py").write_text(textwrap.dedent(FAKE_PARAVIEW))
+    log = tmp_path / "imported.log"
+
+    def run(folder, args, times=(0.0, 0.5, 1.0), writes="image"):
+        from pdeformer.commands.paraview_session import write_session
+        assert write_session(str(folder)) == "paraview.py"
+        if log.exists():
+            log.unlink()
+        env = dict(os.environ, PYTHONPATH=str(tmp_path / "fake"), FAKE_LOG=str(log),
+                   FAKE_TIMES=" ".join(map(str, times)), FAKE_WRITES=writes)
+        proc = subprocess.run([sys.executable, str(folder / "paraview.py"), *args], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60, env=env)
+        return proc, log.exists()
+    return run
+
+
+def test_paraview_script_refuses_bad_arguments_before_paraview(tmp_path, fake_session):
+    """A bad --screenshot or --time: one line, exit 2, before ParaView is imported; a
+    --time outside the series' times (ParaView would clamp it) names them."""
+    run = tmp_path / "run"
+    run.mkdir()
+    pvd(run / "density_a.pvd", [0.0, 0.5, 1.0])
+    pvd(run / "heads.pvd", [0, 1, 2, 3])
+    (tmp_path / "shots").mkdir()
+    numbers = "--time: expected a number (a depth t or a training step), got "
+    outside = " is outside the run's times (depth t: 0 to 1, training step: 0 to 3)"
+    images = "--screenshot: expected an image file name (.png, .jpg, .jpeg, .tif, .tiff, .bmp), got "
+    cases = [
+        (["--screenshot", "nowhere/x.png"], "--screenshot: nowhere: no such folder"),
+        (["--screenshot", "/proc/x.png"], "--screenshot: /proc: cannot write into this folder ("),
+        (["--screenshot", "shots"], "--screenshot: shots: is a folder, not a file name"),
+        (["--screenshot", "shots/x.txt"], "--screenshot: shots/x.txt: not an image file name"),
+        (["--screenshot"], images + "nothing"),
+        (["--screenshot", ""], images + "''"),
+        (["--screenshot", "--time", "0.5"], images + "'--time'"),
+        (["--time", "abc"], numbers + "'abc'"),
+        (["--time=abc"], numbers + "'abc'"),
+        (["--time", "nan"], numbers + "'nan'"),
+        (["--time", "inf"], numbers + "'inf'"),
+        (["--time", "-inf"], numbers + "'-inf'"),
+        (["--time"], numbers + "nothing"),
+        (["--time", "7"], "--time: 7" + outside),
+        (["--time", "-0.5"], "--time: -0.5" + outside),
+    ]
+    for args, expected in cases:
+        proc, imported = fake_session(run, args)
+        check_one_line_error(proc, expected)
+        assert not imported, args
+    assert os.listdir(tmp_path / "shots") == []   # the folder was tried, and left as it was
+
+
+def test_paraview_script_screenshot_written_or_exit_3(tmp_path, fake_session):
+    """The screenshot is renamed into place; where ParaView wrote none (or an empty
+    file): one line `output: ...`, exit 3; a .bp series' times (not in the settings) are
+    checked once ParaView has read them. No temporary files are left."""
+    run = tmp_path / "run"
+    run.mkdir()
+    pvd(run / "density_a.pvd", [0.0, 0.5, 1.0])
+    png = tmp_path / "shot.png"
+    proc, imported = fake_session(run, ["--screenshot", str(png), "--time", "0.5"])
+    assert proc.returncode == 0 and imported, proc.stderr
+    assert png.read_bytes() == b"fake image"
+    png.unlink()
+    for writes in ("none", "empty"):
+        proc, _ = fake_session(run, ["--screenshot", str(png)], writes=writes)
+        check_one_line_error(proc, f"output: cannot write {png} (ParaView wrote no screenshot)", status=3)
+        assert not png.exists()
+    (run / "density_b.bp").mkdir()   # ADIOS2: times unknown to the settings
+    proc, imported = fake_session(run, ["--time", "2"], times=(0.0, 0.5, 1.0))
+    check_one_line_error(proc, "--time: 2 is outside the run's times (the series' times: 0 to 1)")
+    assert imported
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".pdeformer")]
+
+
 def test_no_pictures_with_plots_false(tmp_path):
     """[output] plots = false: no pictures, no fields.npz, no paraview.py."""
     cfg = write_config(tmp_path, TRAIN.replace("fields = false", "fields = true"))
@@ -421,10 +641,10 @@ def test_no_pictures_with_plots_false(tmp_path):
     assert not {"pictures", "snapshots", "paraview"} & set(summary(tmp_path / "out")["files"])
 
 
-def _pvbatch(script, png, cwd):
-    """pvbatch script --screenshot png under xvfb-run (where there is no display); an X
-    server that fails to start (xvfb-run -a races) is tried again."""
-    cmd = ["pvbatch", script, "--screenshot", png]
+def _pvbatch(script, png, cwd, *more):
+    """pvbatch script --screenshot png [more] under xvfb-run (where there is no display);
+    an X server that fails to start (xvfb-run -a races) is tried again."""
+    cmd = ["pvbatch", script, "--screenshot", png, *more]
     if not os.environ.get("DISPLAY"):
         cmd = ["xvfb-run", "-a", "-s", "-screen 0 1280x1024x24"] + cmd
     for _ in range(3):
@@ -452,3 +672,19 @@ def test_paraview_session_renders_without_a_display(runs, name, tmp_path):
     assert image.shape[1] == 460 * views
     colours = np.unique((image * 255).astype(np.uint8).reshape(-1, 3), axis=0)
     assert len(colours) > 50 and image.std() > 0.05, (len(colours), image.std())
+
+
+def test_pvbatch_passes_on_the_scripts_exit_status(tmp_path):
+    """Under pvbatch the bad --screenshot and --time are the same one line and exit 2."""
+    if shutil.which("pvbatch") is None:
+        pytest.skip("pvbatch (ParaView) is not installed (Debian: apt-get install paraview xvfb)")
+    if not os.environ.get("DISPLAY") and shutil.which("xvfb-run") is None:
+        pytest.skip("no display and no xvfb-run (Debian: apt-get install xvfb)")
+    from pdeformer.commands.paraview_session import write_session
+    pvd(tmp_path / "density_a.pvd", [0.0, 1.0])
+    write_session(str(tmp_path))
+    script = str(tmp_path / "paraview.py")
+    check_one_line_error(_pvbatch(script, "nowhere/x.png", str(tmp_path)),
+                         "--screenshot: nowhere: no such folder")
+    check_one_line_error(_pvbatch(script, "x.png", str(tmp_path), "--time", "abc"),
+                         "--time: expected a number (a depth t or a training step), got 'abc'")

@@ -21,11 +21,15 @@ data) and names the series relative to its own folder. It runs with ParaView 5.1
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import xml.etree.ElementTree as ET
 
 import numpy as np
 
+from ..tools.errors import InputError
+from ..tools.files import TEXT_FILE, read_bytes
 from ..tools.output import atomic_write
 
 SCRIPT_NAME = "paraview.py"
@@ -47,11 +51,12 @@ def field_series(folder: str) -> dict:
 
 
 def config_prompts(folder: str) -> list[str]:
-    """The prompt names in the config's order, as summary.json has them ([] without it)."""
+    """The prompt names in the config's order, as summary.json has them ([] without it,
+    or where it cannot be read)."""
+    from .plot import read_summary
     try:
-        with open(os.path.join(folder, "summary.json")) as f:
-            return [p["name"] for p in json.load(f)["config"]["prompts"]]
-    except (OSError, ValueError, KeyError, TypeError):
+        return [p["name"] for p in read_summary(os.path.join(folder, "summary.json"))["config"]["prompts"]]
+    except (InputError, KeyError, TypeError):
         return []
 
 
@@ -94,51 +99,77 @@ CHART_DIMENSION = {"circle": 2, "sphere": 3}   # the space a circle or sphere li
 
 def run_chart(folder: str) -> str:
     """fields.npz's ``chart``: "circle", "sphere", or "" (a flat mesh, or no such file)."""
+    from .plot import read_npz
     try:
-        with np.load(os.path.join(folder, "fields.npz"), allow_pickle=False) as f:
-            return str(f["chart"]) if "chart" in f.files else ""
-    except Exception:
+        return str(read_npz(os.path.join(folder, "fields.npz"), lambda n: n == "chart").get("chart", ""))
+    except InputError:
         return ""
 
 
 def run_dimension(folder: str) -> int:
     """d of the run: fields.npz's box (the space of its circle or sphere), else
     summary.json's mesh, else 2."""
+    from .plot import read_npz, read_summary
     try:
-        with np.load(os.path.join(folder, "fields.npz"), allow_pickle=False) as f:
-            chart = str(f["chart"]) if "chart" in f.files else ""
-            return CHART_DIMENSION[chart] if chart else int(f["box"].shape[1])
-    except Exception:
+        f = read_npz(os.path.join(folder, "fields.npz"), ("chart", "box").__contains__)
+        chart = str(f.get("chart", ""))
+        return CHART_DIMENSION[chart] if chart else int(f["box"].shape[1])
+    except (InputError, KeyError, IndexError, TypeError):
         pass
     try:
-        with open(os.path.join(folder, "summary.json")) as f:
-            return int(json.load(f)["mesh"]["dim"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return int(read_summary(os.path.join(folder, "summary.json"))["mesh"]["dim"])
+    except (InputError, KeyError, TypeError, ValueError):
         return 2
+
+
+def series_times(path: str) -> list[float] | None:
+    """[first, last] time of a .pvd series (depth t; the training step of heads.pvd);
+    None for a .bp series (ADIOS2, not read here) or an empty one. InputError naming a
+    .pvd that is not a regular file of at most TEXT_FILE bytes or not a collection."""
+    if not path.endswith(".pvd"):
+        return None
+    from .plot import _run_file
+    text = _run_file(read_bytes, path, TEXT_FILE)
+    try:
+        times = [float(ds.get("timestep")) for ds in ET.fromstring(text).iter("DataSet")]
+    except (ET.ParseError, TypeError, ValueError) as e:
+        raise InputError(f"{path}: not a ParaView collection (.pvd) ({type(e).__name__}: {e})") from None
+    if not all(map(math.isfinite, times)):
+        raise InputError(f"{path}: a timestep is not a finite number")
+    return [min(times), max(times)] if times else None
 
 
 def session(folder: str, data_dir: str = ".", names: list[str] | None = None) -> dict | None:
     """The settings of the script: views (one per prompt, in the order of ``names`` or
     of summary.json's config, one for the heads), each with its series (file relative to
-    the script, kind, array, fixed range or None), the token dimension; None where the
-    folder has no series."""
+    the script, kind, array, fixed range or None), the token dimension, and ``times``:
+    {"t": [first, last] depth, "step": [first, last] training step} over the series (None
+    where a series' times are unknown: the script's --time is checked against them);
+    None where the folder has no series."""
     series = field_series(folder)
     if not series:
         return None
     ranges = recorded_ranges(folder)
     views = []
+    times: dict | None = {}
     for prompt in prompt_order(folder, series, names):
         found = series[prompt]
         entries = []
+        time = "step" if prompt is None else "t"
         for kind in ("density", "velocity", "adjoint", "tokens", "heads"):
             if kind in found:
                 array = "norm_A" if kind == "heads" else ARRAYS[kind]
                 entries.append({"file": os.path.join(data_dir, found[kind]).replace(os.sep, "/"),
                                 "kind": kind, "array": array,
                                 "range": list(ranges[array]) if array in ranges else None})
-        views.append({"name": prompt if prompt is not None else "heads", "series": entries,
-                      "time": "step" if prompt is None else "t"})
-    return {"dim": run_dimension(folder), "chart": run_chart(folder), "views": views}
+                span = series_times(os.path.join(folder, found[kind]))
+                if span is None or times is None:
+                    times = None
+                else:
+                    old = times.get(time, span)
+                    times[time] = [min(old[0], span[0]), max(old[1], span[1])]
+        views.append({"name": prompt if prompt is not None else "heads", "series": entries, "time": time})
+    return {"dim": run_dimension(folder), "chart": run_chart(folder), "views": views, "times": times or None}
 
 
 def write_session(folder: str, out: str | None = None, names: list[str] | None = None) -> str | None:
@@ -163,10 +194,103 @@ SCRIPT = r'''"""The ParaView session of this pdeformer run (written by pdeformer
 
 One view per prompt (and one for the heads of a training run); every series coloured on
 its range over all frames (fixed when the run ended).
+
+A bad --screenshot or --time ends the script before ParaView loads, with one line
+"pdeformer: error: ..." and exit status 2; a screenshot ParaView did not write, with
+exit status 3.
 """
 import json
+import math
 import os
 import sys
+
+SETTINGS = json.loads(r"""
+@SETTINGS@
+""")
+EXTENSIONS = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp")   # what SaveScreenshot writes
+TIMES = {"t": "depth t", "step": "training step"}
+
+
+def fail(message, status=2):
+    """One line on stderr and exit ``status`` (2: a bad argument, 3: output not written),
+    by os._exit: once ParaView has rendered, pvbatch's shutdown after sys.exit crashes
+    (X errors, SIGSEGV) and replaces the status."""
+    sys.stdout.flush()
+    sys.stderr.write("pdeformer: error: " + message + "\n")
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def options(argv, names=("--screenshot", "--time")):
+    """{name: value} of the options ``names`` given (also as --name=value; the last one
+    counts; None where the value is missing); other arguments are left alone (ParaView's)."""
+    found = {}
+    i = 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        if name in names:
+            if not eq:
+                value = argv[i + 1] if i + 1 < len(argv) else None
+                i += 1
+            found[name] = value
+        i += 1
+    return found
+
+
+def check_range(value, times):
+    """Exit 2 where ``value`` lies outside the times ({name: [first, last]}): ParaView
+    would show the nearest frame without a word."""
+    low, high = min(r[0] for r in times.values()), max(r[1] for r in times.values())
+    slack = 1e-9 * max(1.0, abs(low), abs(high))
+    if not low - slack <= value <= high + slack:
+        fail("--time: %g is outside the run's times (%s)" % (value, ", ".join(
+            "%s: %g to %g" % (TIMES.get(k, k), r[0], r[1]) for k, r in times.items())))
+
+
+def time_value(text, times):
+    """--time as a finite number inside the run's times (``times``: SETTINGS' record of
+    the series, None where it has none)."""
+    expected = "--time: expected a number (a depth t or a training step), got "
+    if text is None:
+        fail(expected + "nothing")
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        fail(expected + repr(text))
+    if times:
+        check_range(value, times)
+    return value
+
+
+def screenshot_file(text):
+    """--screenshot as an absolute file name: an image type SaveScreenshot writes, in a
+    folder that exists and takes a new file (tried by creating one)."""
+    if text is None or not text.strip() or text.startswith("--"):   # "--...": the next option
+        fail("--screenshot: expected an image file name (%s), got %s"
+             % (", ".join(EXTENSIONS), "nothing" if text is None else repr(text)))
+    path = os.path.abspath(text)
+    folder = os.path.dirname(text) or os.curdir
+    if os.path.isdir(path):
+        fail("--screenshot: %s: is a folder, not a file name" % text)
+    if os.path.splitext(path)[1].lower() not in EXTENSIONS:
+        fail("--screenshot: %s: not an image file name (%s)" % (text, ", ".join(EXTENSIONS)))
+    if not os.path.isdir(folder):
+        fail("--screenshot: %s: %s" % (folder, "not a folder" if os.path.exists(folder) else
+                                       "no such folder"))
+    probe = os.path.join(os.path.dirname(path), ".pdeformer-probe.%d" % os.getpid())
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.remove(probe)
+    except OSError as e:
+        fail("--screenshot: %s: cannot write into this folder (%s)" % (folder, e.strerror or e))
+    return path
+
+
+ARGUMENTS = options(sys.argv[1:] if getattr(sys, "argv", None) else [])
+SCREENSHOT = screenshot_file(ARGUMENTS["--screenshot"]) if "--screenshot" in ARGUMENTS else None
+TIME = time_value(ARGUMENTS["--time"], SETTINGS.get("times")) if "--time" in ARGUMENTS else None
 
 # this file is named paraview.py: its own folder must not shadow ParaView's package
 _FOLDER = os.path.dirname(os.path.abspath(globals().get("__file__") or os.path.join(os.getcwd(), "x")))
@@ -175,21 +299,11 @@ if not hasattr(sys.modules.get("paraview"), "__path__"):
     sys.modules.pop("paraview", None)
 from paraview.simple import *  # noqa: E402,F401,F403
 
-SETTINGS = json.loads(r"""
-@SETTINGS@
-""")
-
 
 def here():
     """The folder of this script: the series are named relative to it."""
     path = globals().get("__file__") or (sys.argv[0] if sys.argv and sys.argv[0] else "")
     return os.path.dirname(os.path.abspath(path)) if path else os.getcwd()
-
-
-def option(name, default=None):
-    """The value after ``name`` on the command line (unknown arguments are left alone)."""
-    args = sys.argv[1:]
-    return args[args.index(name) + 1] if name in args[:-1] else default
 
 
 def paraview_version():
@@ -363,11 +477,14 @@ def build(settings):
 
 
 def show_time(views, value=None):
-    """Every view at depth (or step) ``value``; the last time step by default."""
+    """Every view at depth (or step) ``value``, checked against the series' times as
+    ParaView read them (SETTINGS has none for .bp series); the last time step by default."""
     scene = GetAnimationScene()
     scene.UpdateAnimationUsingDataTimeSteps()
-    steps = list(GetTimeKeeper().TimestepValues or [])
-    t = float(value) if value is not None else (steps[-1] if steps else 0.0)
+    steps = sorted(GetTimeKeeper().TimestepValues or [])
+    if value is not None and steps:
+        check_range(value, {"the series' times": [steps[0], steps[-1]]})
+    t = value if value is not None else (steps[-1] if steps else 0.0)
     set_first(scene, "AnimationTime", [t])
     for view in views:
         view.ViewTime = t
@@ -375,9 +492,31 @@ def show_time(views, value=None):
     return t
 
 
+def save_screenshot(path, layout, resolution):
+    """SaveScreenshot into a temporary file beside ``path``, renamed onto it: exit 3
+    where ParaView wrote nothing (it reports that only in its log) or the rename fails."""
+    extension = os.path.splitext(path)[1].lower()   # ParaView knows the lower-case names
+    partial = os.path.join(os.path.dirname(path), ".pdeformer-screenshot.%d%s" % (os.getpid(), extension))
+    problem = "ParaView wrote no screenshot"
+    try:
+        SaveScreenshot(partial, layout, ImageResolution=resolution)
+        if os.path.isfile(partial) and os.path.getsize(partial) > 0:
+            os.replace(partial, path)
+            problem = None
+    except OSError as e:
+        problem = e.strerror or str(e)
+    if os.path.lexists(partial):   # empty, or not renamed
+        try:
+            os.remove(partial)
+        except OSError:
+            pass
+    if problem:
+        fail("output: cannot write %s (%s)" % (path, problem), 3)
+
+
 layout, views = build(SETTINGS)
-show_time(views, option("--time"))
+show_time(views, TIME)
 RenderAllViews()
-if option("--screenshot"):
-    SaveScreenshot(option("--screenshot"), layout, ImageResolution=[460 * len(views), 420])
+if SCREENSHOT:
+    save_screenshot(SCREENSHOT, layout, [460 * len(views), 420])
 '''

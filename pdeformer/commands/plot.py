@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import csv
 import glob
+import io
 import json
 import os
 import re
@@ -41,7 +42,8 @@ import numpy as np
 
 from ..tools.charts import chart
 from ..tools.errors import InputError, OutputError
-from ..tools.output import read_diagnostics, save_figure
+from ..tools.files import TEXT_FILE, load_npz, npz_names, read_text
+from ..tools.output import PICTURE_PROMPTS, save_figure
 
 FORMATS = ("png", "svg")
 PICTURES = ("densities", "diagnostics", "training", "heads", "gradient")   # <name>.<format>
@@ -73,48 +75,79 @@ def axis_names(snap: dict) -> list[str]:
 
 # ------------------------------------------------------------------ reading a run
 
+def _run_file(read, path: str, *args):
+    """``read`` (pdeformer.tools.files: never blocks, size-checked) applied to a file of
+    the run folder; its one-line InputError names the file alone (no config key or
+    option names a run's files)."""
+    try:
+        return read(path, "", *args)
+    except InputError as e:
+        raise InputError(str(e).removeprefix(": ")) from None
+
+
 def read_npz(path: str, wanted=None) -> dict:
     """The arrays of an .npz file (those whose names ``wanted`` accepts: each is read
-    only if asked for); InputError naming it if it cannot be read."""
-    try:
-        with np.load(path, allow_pickle=False) as f:
-            return {k: f[k] for k in f.files if wanted is None or wanted(k)}
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file") from None
-    except Exception as e:   # damaged, truncated, not an npz
-        raise InputError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
+    only if asked for); InputError naming it if it is not a regular file, cannot be
+    read or unpacks to more than the memory available."""
+    names = None if wanted is None else tuple(n for n in _run_file(npz_names, path) if wanted(n))
+    return _run_file(load_npz, path, names)
+
+
+def check_finite(path: str, data: dict, names) -> None:
+    """InputError naming the file where an array of ``names`` is not numbers or has a
+    NaN or infinite entry (scales and principal directions need finite numbers)."""
+    for name in names:
+        a = np.asarray(data[name])
+        if a.dtype.kind not in "biufc":
+            raise InputError(f"{path}: {name} is not an array of numbers ({a.dtype})")
+        if not np.all(np.isfinite(a)):
+            raise InputError(f"{path}: {name} has non-finite entries")
+
+
+UNRECORDED = re.compile(r"(density|velocity)_range_\d+")   # (inf, -inf) where nothing was recorded
 
 
 def read_snapshots(path: str) -> dict:
-    """fields.npz (see pdeformer.solvers.snapshots) as a dict of arrays, checked."""
+    """fields.npz (see pdeformer.solvers.snapshots) as a dict of arrays, checked: its
+    arrays of floats finite (the recorded ranges may be empty)."""
     data = read_npz(path)
     missing = [k for k in ("version", "prompts", "box") if k not in data]
     if missing:
         raise InputError(f"{path}: not a pdeformer field file (no {', '.join(missing)})")
+    check_finite(path, data, [k for k, a in data.items()
+                              if a.dtype.kind in "fc" and not UNRECORDED.fullmatch(k)])
     return data
+
+
+def _csv_rows(path: str) -> list[dict]:
+    """The rows of a CSV file of the run (a regular text file of at most TEXT_FILE
+    bytes); InputError naming the file. NaN and inf are numbers here: the pictures
+    show them as gaps (history.csv's test risks between evaluations, a blown-up frame)."""
+    text = _run_file(read_text, path, TEXT_FILE)
+    try:
+        rows = list(csv.DictReader(io.StringIO(text, newline="")))
+    except csv.Error as e:
+        raise InputError(f"{path}: cannot read ({e})") from None
+    if not rows:
+        raise InputError(f"{path}: cannot read (no rows)")
+    return rows
 
 
 def read_table(path: str) -> dict:
     """A CSV of numbers (history.csv) as {column: array}; InputError naming the file."""
+    rows = _csv_rows(path)
     try:
-        with open(path, newline="") as f:
-            rows = list(csv.DictReader(f))
-        if not rows:
-            raise ValueError("no rows")
         return {k: np.array([float(r[k]) for r in rows]) for k in rows[0]}
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file") from None
-    except (OSError, ValueError, TypeError, csv.Error) as e:
+    except (ValueError, TypeError) as e:
         raise InputError(f"{path}: cannot read ({e})") from None
 
 
 def read_diagnostics_table(path: str) -> list[dict]:
-    """diagnostics.csv rows; InputError naming the file."""
+    """diagnostics.csv rows (numbers as floats, as pdeformer.tools.output.read_diagnostics
+    has them); InputError naming the file."""
     try:
-        rows = read_diagnostics(path)
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file") from None
-    except (OSError, ValueError, TypeError, csv.Error) as e:
+        rows = [{k: (v if k == "prompt" else float(v)) for k, v in row.items()} for row in _csv_rows(path)]
+    except (ValueError, TypeError) as e:
         raise InputError(f"{path}: cannot read ({e})") from None
     if not rows or "t" not in rows[0] or "mass" not in rows[0]:
         raise InputError(f"{path}: not a diagnostics table (no rows, or no t and mass columns)")
@@ -122,7 +155,8 @@ def read_diagnostics_table(path: str) -> list[dict]:
 
 
 def read_params(folder: str) -> list[tuple[int, dict]]:
-    """(step, {Q, K, V}) of every params_XXXX.npz of a training run, by step."""
+    """(step, {Q, K, V}) of every params_XXXX.npz of a training run, by step;
+    InputError naming a file that is not one, or whose Q, K or V is not finite."""
     out = []
     for path in glob.glob(os.path.join(folder, "params_*.npz")):
         m = re.fullmatch(r"params_(\d+)\.npz", os.path.basename(path))
@@ -130,19 +164,28 @@ def read_params(folder: str) -> list[tuple[int, dict]]:
             data = read_npz(path)
             if not {"Q", "K", "V"} <= set(data):
                 raise InputError(f"{path}: not a parameter file (no Q, K, V)")
+            check_finite(path, data, ("Q", "K", "V"))
             out.append((int(m[1]), data))
     return sorted(out, key=lambda p: p[0])
+
+
+def read_gradient(path: str) -> dict:
+    """gradient.npz, its dR/dtheta (and risk) finite; InputError naming the file."""
+    data = read_npz(path)
+    check_finite(path, data, [n for n in ("dQ", "dK", "dV", "risk") if n in data])
+    return data
 
 
 def run_inputs(folder: str) -> dict:
     """What the folder holds to draw from: {"summary", "fields", "diagnostics",
     "history", "gradient": path} and "params": [paths]. InputError where it is not a
-    run folder, or summary.json lists a file that is gone."""
+    run folder, or summary.json lists a file that is gone. Whatever has a file's name is
+    found (a folder or FIFO of that name too: reading it then names it)."""
     if not os.path.isdir(folder):
-        raise InputError(f"{folder}: no such folder")
+        raise InputError(f"{folder}: " + ("not a folder" if os.path.exists(folder) else "no such folder"))
     names = {"summary": "summary.json", "fields": "fields.npz", "diagnostics": "diagnostics.csv",
              "history": "history.csv", "gradient": "gradient.npz"}
-    found = {k: os.path.join(folder, n) for k, n in names.items() if os.path.isfile(os.path.join(folder, n))}
+    found = {k: os.path.join(folder, n) for k, n in names.items() if os.path.lexists(os.path.join(folder, n))}
     params = sorted(glob.glob(os.path.join(folder, "params_*.npz")))
     if not found and not params:
         raise InputError(f"{os.path.join(folder, 'summary.json')}: no such file "
@@ -159,11 +202,10 @@ def run_inputs(folder: str) -> dict:
 
 def _listed_files(path: str) -> set:
     """The file names summary.json's ``files`` lists (strings, or lists of them)."""
-    try:
-        with open(path) as f:
-            files = json.load(f).get("files") or {}
-    except (OSError, ValueError, AttributeError) as e:
-        raise InputError(f"{path}: cannot read ({e})") from None
+    summary = read_summary(path)
+    if not isinstance(summary, dict):
+        raise InputError(f"{path}: not a pdeformer summary (not a JSON object)")
+    files = summary.get("files") or {}
     names = set()
     for v in files.values() if isinstance(files, dict) else ():
         names.update([v] if isinstance(v, str) else [x for x in v if isinstance(x, str)]
@@ -171,13 +213,23 @@ def _listed_files(path: str) -> set:
     return names
 
 
-def summary_format(folder: str) -> str:
-    """The run's [output] plot_format (png where summary.json does not say)."""
+def read_summary(path: str):
+    """summary.json as JSON (a regular text file of at most TEXT_FILE bytes);
+    InputError naming the file."""
+    text = _run_file(read_text, path, TEXT_FILE)
     try:
-        with open(os.path.join(folder, "summary.json")) as f:
-            fmt = json.load(f)["config"]["output"]["plot_format"]
+        return json.loads(text)
+    except ValueError as e:
+        raise InputError(f"{path}: cannot read (not JSON: {e})") from None
+
+
+def summary_format(folder: str) -> str:
+    """The run's [output] plot_format (png where summary.json does not say, or cannot
+    be read: run_inputs names it then)."""
+    try:
+        fmt = read_summary(os.path.join(folder, "summary.json"))["config"]["output"]["plot_format"]
         return fmt if fmt in FORMATS else "png"
-    except (OSError, ValueError, KeyError, TypeError):
+    except (InputError, KeyError, TypeError):
         return "png"
 
 
@@ -202,12 +254,13 @@ def draw_run(folder: str, fmt: str = "png", out: str | None = None, prompts: lis
     if "params" in inputs:
         figures["heads"] = (inputs["params"][-1], lambda: heads_figure(read_params(folder)))
     if "gradient" in inputs:
-        figures["gradient"] = (inputs["gradient"], lambda: gradient_figure(read_npz(inputs["gradient"])))
+        figures["gradient"] = (inputs["gradient"], lambda: gradient_figure(read_gradient(inputs["gradient"])))
     drawn = []
     for name, (source, make) in figures.items():
         try:
             fig = make()
-        except (KeyError, IndexError, ValueError, TypeError) as e:   # a file that loads, but not ours
+        except (KeyError, IndexError, ValueError, TypeError,
+                np.linalg.LinAlgError) as e:   # a file that loads, but not ours
             raise InputError(f"{source}: not as pdeformer writes it ({type(e).__name__}: {e})") from None
         if fig is not None:
             filename = f"{name}.{fmt}"
@@ -246,7 +299,7 @@ def density_figure(snap: dict):
     histogram); the target (a density: one more panel; moments: mean and 1-sigma
     ellipse; points) on the last snapshot. None when the file holds no frames."""
     names = [str(n) for n in snap["prompts"]]
-    rows = [i for i in range(len(names)) if f"t_{i}" in snap]
+    rows = [i for i in range(len(names)) if f"t_{i}" in snap][:PICTURE_PROMPTS]
     if not rows:
         return None
     frames = {i: snapshot_frames(len(snap[f"t_{i}"])) for i in rows}
@@ -255,7 +308,9 @@ def density_figure(snap: dict):
     fig, axes = _figure(columns, len(rows))
     for r, i in enumerate(rows):
         _prompt_row(fig, axes[r], snap, i, names[i], frames[i], bottom=r == len(rows) - 1)
-    caption = str(snap.get("caption", ""))
+    caption = str(snap.get("caption", "")) + (f"{', ' if snap.get('caption', '') else ''}the first "
+                                               f"{len(rows)} of {len(names)} prompts"
+                                               if len(names) > len(rows) else "")
     fig.suptitle("densities over depth t" + (f" ({caption})" if caption else ""), fontsize=10)
     return fig
 
@@ -497,8 +552,13 @@ def diagnostics_figure(rows: list[dict]):
     """Mean, covariance, mass and outflow of every prompt against depth t (one colour
     per prompt; components: solid, dashed, dotted)."""
     dim = sum(1 for k in rows[0] if k.startswith("mean_"))
-    prompts = list(dict.fromkeys(r["prompt"] for r in rows))
+    every = list(dict.fromkeys(r["prompt"] for r in rows))
+    prompts = every[:PICTURE_PROMPTS]
+    drawn = set(prompts)
+    rows = [r for r in rows if r["prompt"] in drawn]
     fig, axes = _figure(4, 1, width=2.4, height=2.1)
+    if len(every) > len(prompts):
+        fig.suptitle(f"the first {len(prompts)} of {len(every)} prompts", fontsize=9)
     axes = axes[0]
     styles = ["-", "--", ":", "-."]
     for p, name in enumerate(prompts):

@@ -5,7 +5,8 @@ order that does not depend on the partition (cells sorted by their centroid), so
 runs on 1 and P ranks write the same numbers up to rounding. It is read without dolfinx
 (:func:`pdeformer.commands.plot.read_snapshots`).
 
-Contents (``i`` the prompt's index in the config):
+Contents (``i`` the prompt's index in the config; the frames of the first PICTURE_PROMPTS
+prompts alone, those the pictures show):
 
 * ``version``, ``caption`` (what the frames are, e.g. "trained heads, step 20"), ``dim``, ``cell_type``, ``prompts`` (names), ``box`` (2, d): the mesh's
   bounding box, ``points`` (n, d) and ``cells`` (cells, vertices per cell): the mesh's
@@ -37,7 +38,7 @@ from mpi4py import MPI
 from ..fem import _dolfinx as dfx
 from ..integrator.frames import Tracker
 from ..tools.charts import CHART_BOX, chart
-from ..tools.output import write_npz
+from ..tools.output import PICTURE_PROMPTS, write_npz
 from ..tools.parallel import on_root
 from .trackers import frame_diagnostics
 
@@ -126,6 +127,8 @@ class Snapshots(Tracker):
             self.mesh_cells = MeshCells(solver.problem.mesh, solver.comm)
 
     def frame(self, solver, frame):
+        if frame.prompt_index >= PICTURE_PROMPTS:   # not drawn (the same on every rank of the group)
+            return
         mean = frame_diagnostics(solver, frame)["mean"]   # every rank of the group takes part
         arrays = self.frame_arrays(solver, frame)
         if solver.comm.rank != 0:

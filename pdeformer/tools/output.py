@@ -109,6 +109,11 @@ def write_npz(filename: str, sync: bool = False, **arrays) -> None:
         np.savez(f, **arrays)
 
 
+# the prompts a run's pictures show (the first ones): rows of the density picture, curves
+# of the diagnostics; fields.npz keeps the frames of these alone
+PICTURE_PROMPTS = 12
+
+
 def save_figure(filename: str, fig, **kwargs) -> None:
     """A matplotlib figure, atomically, in the format its extension names (.png, .svg)."""
     fmt = os.path.splitext(filename)[1][1:].lower() or "png"
