@@ -420,10 +420,12 @@ def test_bad_input_ends_the_mpi_job(tmp_path):
 
 @pytest.mark.mpi
 def test_overflow_stops_the_run_naming_prompt_layer_and_t(tmp_path):
-    """Absurd heads make the velocity overflow: exit status 3, one line naming where."""
+    """Absurd heads make the velocity overflow: exit status 3, one line naming where.
+    (Heads whose scores cannot be finite on the mesh, e.g. init_scale = 1e160, are
+    refused before the run: tests/test_bad_messages.py.)"""
     cfg = write_config(tmp_path, CONFIG_2D)
     for n in (1, 2):
-        proc = run_cli(["forward", cfg, "--set", "model.init_scale=1e160"], nprocs=n,
+        proc = run_cli(["forward", cfg, "--set", "model.init_scale=1e140"], nprocs=n,
                        check=False, timeout=120)
         check_one_line_error(proc, "prompt 'blob', layer 0, t = 0: ", status=3)
         assert "NaN or overflows" in proc.stderr or "too large" in proc.stderr, proc.stderr

@@ -314,13 +314,12 @@ def analyse(names: list, measures: list, problem) -> dict:
     x = query_points(ntk, problem.dim, len(measures))
     Q, K, V, head_info = ntk_heads(problem)
     b = sample_points(ntk.b_range, ntk.b_count, problem.dim, ntk.seed)
-    lse = lse_test(measures, b)
-    gram = ntk_gram(measures, x, Q, K, V, ntk.params, ntk.pairing == "matched")
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):   # checked below
+        lse = lse_test(measures, b)
+        gram = ntk_gram(measures, x, Q, K, V, ntk.params, ntk.pairing == "matched")
     for what, values in (("Lambda", lse["singular_values"]), ("NTK Gram", gram["eigenvalues"])):
         if not np.all(np.isfinite(values)):
-            raise SolverBreakdown(f"ntk: {what} is not finite (a density with negative values "
-                                  "has no log-Laplace transform at some b: turn on "
-                                  "discretisation.limiter, or lower ntk.b_range)")
+            raise not_finite(what, measures, problem, x, Q, K, V)
     tol = ntk.tol
     return {
         "tol": tol,
@@ -333,6 +332,39 @@ def analyse(names: list, measures: list, problem) -> dict:
                 "eigenvalues": gram["eigenvalues"], "ratio": gram["ratio"],
                 "injective": bool(gram["ratio"] > tol * tol)},
     }
+
+
+def not_finite(what: str, measures: list, problem, x, Q, K, V) -> Exception:
+    """The error for a test whose values came out NaN or infinite, naming its cause: a
+    density with negative values (a breakdown: it has no log-Laplace transform), else
+    the input that took Lambda's argument b past what doubles hold -- for the LSE test
+    ntk.b_range; for the Gram matrix whichever of ntk.queries, the heads' scale and
+    attention.beta contributes most to the scores b = beta A x (bad input)."""
+    if any(isinstance(m, tuple) and np.any(np.asarray(m[1]) < 0) for m in measures):
+        return SolverBreakdown(f"ntk: {what} is not finite: a density with negative values has no "
+                               "log-Laplace transform at some b; set discretisation.limiter = true")
+    ntk = problem.opts.ntk
+    if what == "Lambda":
+        return ConfigError("ntk.b_range", f"{ntk.b_range:g}: the prompts' log-Laplace transforms "
+                           "overflow at such b (Lambda(b) grows like |b| x their extent, or "
+                           "|b|^2 x their covariances); lower ntk.b_range")
+    beta = problem.opts.attention.beta
+    sampled = ntk.heads == "sampled"
+    head = ntk.head_scale if sampled else max(float(np.abs(a).max()) for a in (Q / beta, K, V))
+    params = problem.opts.model.params
+    head_key = "ntk.head_scale" if sampled else ("model.params" if params is not None else "model.init_scale")
+    # each input's share of log10 |b| = log10 |beta A x| (A = K^T Q: the heads' scale squared)
+    shares = {"ntk.queries": math.log10(max(float(np.abs(x).max()), 1.0)),
+              head_key: 2 * math.log10(max(head, 1.0)), "attention.beta": math.log10(max(beta, 1.0))}
+    key = max(shares, key=shares.get)
+    todo = {"ntk.queries": "use query points of the prompts' scale",
+            "ntk.head_scale": "lower ntk.head_scale",
+            "model.params": "the run's heads are too large for this test; use ntk.heads = 'sampled'",
+            "model.init_scale": "the run's heads are too large for this test; use ntk.heads = 'sampled'",
+            "attention.beta": "lower attention.beta"}[key]
+    return ConfigError(key, f"the NTK Gram matrix overflows: its scores b = beta A x reach "
+                       f"~1e{sum(shares.values()):.0f} (queries up to |x| = {float(np.abs(x).max()):.3g}, "
+                       f"head entries ~{head:.3g}, beta = {beta:g}); {todo}")
 
 
 def plot_spectra(filename: str, result: dict) -> bool:

@@ -215,11 +215,13 @@ class DGTransport:
         self.solution = self.load_vector.duplicate()
 
     def _build_mass_solver(self, user_options: dict):
+        self.petsc_options = dict(user_options)   # the user's ([petsc]), named when a solve fails
         M = dolfinx.fem.petsc.assemble_matrix(self.mass_form)
         M.assemble()
         self.mass_matrix = M
         opts = PETSc.Options()
-        for k, val in {**MASS_DEFAULTS, **user_options}.items():
+        options = {**MASS_DEFAULTS, **self._pivot_tolerance(M), **user_options}
+        for k, val in options.items():
             opts[MASS_PREFIX + k] = val
         ksp = PETSc.KSP().create(self.mesh.comm)
         ksp.setOptionsPrefix(MASS_PREFIX)
@@ -232,9 +234,21 @@ class DGTransport:
             raise ConfigError("petsc", f"PETSc rejected the mass solver options ({opts_text}): "
                                        f"error code {e.ierr}") from None
         finally:
-            for k in {**MASS_DEFAULTS, **user_options}:
+            for k in options:
                 opts.delValue(MASS_PREFIX + k)
         self.ksp = ksp
+
+    @staticmethod
+    def _pivot_tolerance(M) -> dict:
+        """PETSc's zero-pivot tolerance of the cell blocks' LU (default 100 eps, absolute:
+        meant for entries of order 1) scaled by the mass matrix's largest entry, which is
+        of the cells' volume: so that a mesh of cells of any size (a sphere of radius
+        1e-9, cells of 1e-20 area) factors, and a singular block is still refused."""
+        diag = M.getDiagonal()
+        scale = diag.norm(PETSc.NormType.INFINITY)
+        diag.destroy()
+        tol = f"{100 * np.finfo(float).eps * scale:.17g}"
+        return {"pc_factor_zeropivot": tol, "sub_pc_factor_zeropivot": tol}
 
     def _build_cell_data(self):
         """Per owned cell: volume, CFL length l_K = 2 d |K| / |dK|, dof lists."""
@@ -354,10 +368,20 @@ class DGTransport:
 
     def project(self, rho0, quadrature_degree: int) -> tuple[np.ndarray, float]:
         """L2 projection of a UFL density (of x = SpatialCoordinate) onto DG-k:
-        owned coefficients and the projected mass int_Omega rho0."""
+        owned coefficients and the projected mass int_Omega rho0. ``rho0`` may also be a
+        sum of parts (:class:`pdeformer.model.prompts.DensityParts`: its ``expression``,
+        ``count`` and ``load(i)``), whose load vectors one form assembles in turn."""
         w = ufl.TestFunction(self.V)
         dx = ufl.dx(metadata={"quadrature_degree": quadrature_degree})
-        b = dolfinx.fem.petsc.assemble_vector(dolfinx.fem.form(rho0 * w * dx))
+        parts = rho0 if hasattr(rho0, "load") else None
+        form = dolfinx.fem.form((rho0.expression if parts else rho0) * w * dx)
+        b = dolfinx.fem.petsc.create_vector(form)
+        with b.localForm() as local:
+            local.set(0.0)
+        for i in range(parts.count if parts else 1):
+            if parts:
+                parts.load(i)
+            dolfinx.fem.petsc.assemble_vector(b, form)    # adds to b
         ghost_update_add(b)
         x = b.duplicate()
         self._solve_mass(b, x)
@@ -371,8 +395,9 @@ class DGTransport:
         self.ksp.solve(b, x)
         reason = self.ksp.getConvergedReason()
         if reason < 0:
-            raise SolverBreakdown(f"the DG mass solve failed (PETSc KSP reason {reason}); "
-                                  "check the [petsc] options")
+            cause = "check the [petsc] options" if self.petsc_options else \
+                "its cell blocks are singular (degenerate cells in the mesh?)"
+            raise SolverBreakdown(f"the DG mass solve failed (PETSc KSP reason {reason}); {cause}")
 
     def constant(self, value):
         """A dolfinx Constant on the mesh (a form using it compiles once for all values)."""

@@ -15,6 +15,11 @@ import numpy as np
 
 from ..attention.softmax import attention_matrices
 from ..tools.errors import InputError
+from ..tools.files import load_npz, npz_names
+
+ARRAYS = ("Q", "K", "V")    # what a parameter file (model.params, data.teacher) holds
+# why arrays a user may expect to work are refused
+UNSUPPORTED = {"weights": " (heads are averaged with weight 1/H)"}
 
 
 @dataclass
@@ -68,6 +73,13 @@ class HeadMeasure:
         sd = np.array([qs, scale, scale]) / math.sqrt(dim)
         shapes = [(key_dim, dim), (key_dim, dim), (dim, dim)]
         out = [np.empty((layers, heads) + sh) for sh in shapes]
+        with np.errstate(over="ignore", invalid="ignore"):   # too large a scale: inf, refused on the mesh
+            cls._draw(out, sd, shapes, layers, heads, seed, depth)
+        return cls(*out)
+
+    @staticmethod
+    def _draw(out, sd, shapes, layers, heads, seed, depth) -> None:
+        """Fill ``out`` (Q, K, V) with the draws :meth:`random` describes."""
         for h in range(heads):
             if depth == "smooth":
                 rng = np.random.default_rng([seed, 1 << 20, h])
@@ -82,30 +94,21 @@ class HeadMeasure:
                     rng = np.random.default_rng([seed, l, h])
                     for arr, s, sh in zip(out, sd, shapes):
                         arr[l, h] = s * rng.standard_normal(sh)
-        return cls(*out)
 
     @classmethod
     def load(cls, filename: str, dim: int, layers: int | None = None, heads: int | None = None,
              key_dim: int | None = None, key: str = "model.params") -> "HeadMeasure":
         """Read Q, K, V from an .npz file and check their shapes against the model
         (errors name ``key`` and the file)."""
+        arrays = read_arrays(filename, key)
         try:
-            return cls._load(filename, dim, layers, heads, key_dim)
+            return cls._checked(arrays, filename, dim, layers, heads, key_dim)
         except InputError as e:
             raise InputError(f"{key}: {e}") from None
 
     @classmethod
-    def _load(cls, filename, dim, layers, heads, key_dim) -> "HeadMeasure":
-        if not os.path.isfile(filename):
-            raise InputError(f"{filename}: no such parameter file")
-        try:
-            with np.load(filename, allow_pickle=False) as f:
-                arrays = {n: np.array(f[n], dtype=float) for n in ("Q", "K", "V") if n in f.files}
-        except Exception as e:  # a damaged file can fail in zipfile, zlib, numpy, ...
-            raise InputError(f"{filename}: not a readable .npz file ({type(e).__name__}: {e})") from None
-        for n in ("Q", "K", "V"):
-            if n not in arrays:
-                raise InputError(f"{filename}: array {n!r} missing (need Q, K, V)")
+    def _checked(cls, arrays, filename, dim, layers, heads, key_dim) -> "HeadMeasure":
+        """The heads of Q, K, V read from ``filename``, their shapes checked against the model."""
         Q, K, V = arrays["Q"], arrays["K"], arrays["V"]
         if Q.ndim != 4:
             raise InputError(f"{filename}: Q has shape {Q.shape}, expected (L,H,k,d)")
@@ -133,6 +136,26 @@ class HeadMeasure:
     def save(self, filename: str) -> None:
         from ..tools.output import write_npz
         write_npz(filename, Q=self.Q, K=self.K, V=self.V)
+
+
+def read_arrays(filename: str, key: str) -> dict:
+    """Q, K, V (as floats) of a parameter file; InputError naming ``key`` and the file
+    where it is not a readable .npz, lacks one of them or holds any other array (which
+    would otherwise be ignored without a word)."""
+    if not os.path.lexists(filename):
+        raise InputError(f"{key}: {filename}: no such parameter file")
+    names = npz_names(filename, key)
+    for n in names:
+        if n not in ARRAYS:
+            raise InputError(f"{key}: {filename}: array {n!r} is not supported{UNSUPPORTED.get(n, '')}: "
+                             "a parameter file holds Q, K and V only; remove it")
+    for n in ARRAYS:
+        if n not in names:
+            raise InputError(f"{key}: {filename}: array {n!r} missing (need Q, K, V)")
+    try:
+        return {n: np.asarray(a, dtype=float) for n, a in load_npz(filename, key, ARRAYS).items()}
+    except (TypeError, ValueError) as e:   # not numbers (strings, structured arrays)
+        raise InputError(f"{key}: {filename}: an array is not numeric ({e})") from None
 
 
 @dataclass

@@ -39,7 +39,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..tools.config import PARTICLE_STEPS_PER_LAYER
-from ..tools.datasets import chosen_prompts
+from ..tools.datasets import chosen_prompts, readdressed
 from ..tools.errors import ConfigError, InputError, SolverBreakdown
 from ..integrator.frames import Frame, Tracker, located
 from .heads import Gradient
@@ -111,10 +111,12 @@ class ParticleSolver:
         if prompt.kind == "points":
             x, w = prompt.points, prompt.weights
         else:
+            name, data = self.problem.prompts[index][0], self.problem.opts.data
             try:
                 x = prompt.sample(self.tokens, np.random.default_rng([self.seed, TOKEN_STREAM, index]))
             except InputError as e:
-                raise InputError(f"prompts[{index}]: {e}") from None
+                raise readdressed(InputError(f"prompts[{index}]: {e}"), data, self.problem.opts.prompts,
+                                  name) from None
             w = np.full(self.tokens, 1.0 / self.tokens)
         if self.radius is not None:     # on the sphere exactly (point clouds too)
             x = on_sphere(x, self.radius)

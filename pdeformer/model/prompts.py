@@ -9,15 +9,18 @@ Three kinds, each a small object with ``density(x)`` for points ``x`` of shape (
   (n,), or ``.csv`` with a header ``x0,...,x{d-1},density`` and one row per point.
 
 The closed-form kinds also give a UFL expression (``ufl_density``) so the projection
-onto the mesh integrates the exact function. Shapes are checked against the token
-dimension d here, with errors naming the config key (``prompts[1].covs[0]``).
+onto the mesh integrates the exact function; mixtures also give it in parts of a bounded
+number of components (``ufl_parts``), so that any number of them projects with one small
+form. Shapes are checked against the token dimension d here, with errors naming the
+config key (``prompts[1].covs[0]``).
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import math
-import os
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -40,6 +43,51 @@ def normalised(weights) -> np.ndarray:
 MIN_SIGMA_CELLS = 1.0 / 8
 
 
+def balanced_sum(terms: list):
+    """The sum of ``terms`` (numbers, numpy arrays or UFL expressions), added in pairs
+    level by level: an expression tree of depth log2(n) rather than a chain of depth n,
+    which UFL walks recursively (a chain of 1000 terms exceeds Python's recursion limit)."""
+    terms = list(terms)
+    while len(terms) > 1:
+        pairs = [terms[i] + terms[i + 1] for i in range(0, len(terms) - 1, 2)]
+        terms = pairs + terms[len(pairs) * 2:]
+    return terms[0]
+
+
+# Components of a mixture in one UFL expression: a mixture of more is projected onto the
+# mesh in parts of this many (DensityParts), so that its form, compiled once, stays small
+# whatever the number of components (one expression of n terms took 41 s to compile at
+# n = 1000, and minutes at 3000).
+UFL_CHUNK = 32
+
+
+class DensityParts(NamedTuple):
+    """A density as a sum of parts with one UFL ``expression``: ``load(i)`` sets the
+    expression's parameters (dolfinx Constants) to those of part i, i < ``count``."""
+    expression: object
+    count: int
+    load: Callable[[int], None]
+
+
+def mixture_parts(term: Callable, params: list, const) -> DensityParts:
+    """sum_c term(*params_c) over the components c (the leading axis of every array of
+    ``params``) as :class:`DensityParts` of up to UFL_CHUNK components. ``const`` makes a
+    terminal of a value (a dolfinx Constant, whose value ``load`` sets; with literals
+    the sum must fit one part). The last part is padded with components whose parameters
+    are all 0, so ``term`` must vanish there (its first parameter a weight)."""
+    n = len(params[0])
+    size = min(n, UFL_CHUNK)
+    count = -(-n // size)
+    padded = [np.concatenate([p, np.zeros((count * size - n,) + p.shape[1:])]) for p in params]
+    terminals = [[const(p[c]) for p in padded] for c in range(size)]
+
+    def load(i: int) -> None:
+        for c, row in enumerate(terminals):
+            for t, p in zip(row, padded):
+                t.value = p[i * size + c]
+    return DensityParts(balanced_sum([term(*row) for row in terminals]), count, load)
+
+
 def narrowest(widths: np.ndarray, cell: float) -> int | None:
     """The narrowest component if its width is below MIN_SIGMA_CELLS x ``cell``, else None."""
     c = int(np.argmin(widths))
@@ -55,7 +103,11 @@ class GaussianMixture:
         self.covs = np.asarray(covs, float)
         self.precisions = np.linalg.inv(self.covs)
         d = self.means.shape[1]
-        self.norms = self.weights / np.sqrt((2 * math.pi) ** d * np.linalg.det(self.covs))
+        # through log det: a determinant beyond the doubles' range gives norms 0 or inf
+        # quietly (such a component is refused where it meets the mesh: unresolved)
+        log_det = np.linalg.slogdet(self.covs)[1]
+        with np.errstate(over="ignore"):
+            self.norms = self.weights * np.exp(-0.5 * (d * math.log(2 * math.pi) + log_det))
 
     @property
     def dim(self) -> int:
@@ -79,7 +131,17 @@ class GaussianMixture:
         for c, P, m in zip(self.norms, self.precisions, self.means):
             r = x - const(m)
             terms.append(const(c) * ufl.exp(-0.5 * ufl.dot(r, const(P) * r)))
-        return sum(terms[1:], terms[0])
+        return balanced_sum(terms)
+
+    def ufl_parts(self, x, const) -> DensityParts:
+        """The density as :class:`DensityParts` of x (``const``: dolfinx Constants), for
+        projecting a mixture of any number of components with one small form."""
+        import ufl
+
+        def term(c, m, P):
+            r = x - m
+            return c * ufl.exp(-0.5 * ufl.dot(r, P * r))
+        return mixture_parts(term, [self.norms, self.means, self.precisions], const)
 
     def total_mass(self) -> float:
         return 1.0
@@ -225,6 +287,14 @@ class UniformSphere(SpherePrompt):
     def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
         return self.radius * _uniform_directions(n, self.d, rng)
 
+
+# Past this concentration the circle's normalisation comes from the asymptotic series
+# of I_0(k) e^-k (its next term, 0.227 / k^5, is below 1e-20 there) instead of a
+# trapezoid rule on 16 sqrt(k) points (which would grow without bound).
+LARGE_KAPPA = 1e4
+I0_SERIES = (1.0, 1 / 8, 9 / 128, 225 / 3072, 11025 / 98304)
+
+
 class VonMisesFisher(SpherePrompt):
     """sum_c pi_c C(kappa_c) e^{kappa_c <mu_c, u>} / radius^{d-1}: on S^2
     C = kappa / (4 pi sinh kappa), on S^1 C = 1 / (2 pi I_0(kappa)); evaluated as
@@ -243,6 +313,9 @@ class VonMisesFisher(SpherePrompt):
         """C(kappa) e^kappa."""
         if self.d == 3:
             return 1 / (4 * math.pi) if kappa == 0 else kappa / (2 * math.pi * -math.expm1(-2 * kappa))
+        if kappa > LARGE_KAPPA:   # I_0(k) e^-k = (1 + 1/8k + 9/128k^2 + ...) / sqrt(2 pi k)
+            series = sum(c * (1 / kappa) ** n for n, c in enumerate(I0_SERIES))
+            return math.sqrt(kappa / (2 * math.pi)) / series
         n = 64 + 16 * math.ceil(math.sqrt(kappa))     # trapezoid rule: geometric convergence
         theta = 2 * math.pi * np.arange(n) / n
         return 1 / (2 * math.pi * float(np.mean(np.exp(kappa * (np.cos(theta) - 1)))))
@@ -291,7 +364,17 @@ class VonMisesFisher(SpherePrompt):
     def _profile(self, u, ops):
         terms = [w * c * ops.exp(k * (sum(m[a] * u[a] for a in range(self.d)) - 1))
                  for w, c, k, m in zip(self.weights, self.scale, self.kappa, self.means)]
-        return sum(terms[1:], terms[0])
+        return balanced_sum(terms)
+
+    def ufl_parts(self, x, const) -> DensityParts:
+        """The density as :class:`DensityParts` of x (``const``: dolfinx Constants): one
+        small form for any number of components, and for every prompt of the kind."""
+        import ufl
+        u = x / ufl.sqrt(ufl.dot(x, x))
+
+        def term(wc, k, m):
+            return wc * ufl.exp(k * (ufl.dot(m, u) - 1))
+        return mixture_parts(term, [self.weights * self.scale, self.kappa, self.means], const)
 
     def mean(self) -> np.ndarray:
         """The mean in R^d: sum_c pi_c A(kappa_c) radius mu_c, A = coth k - 1/k on S^2,
@@ -329,10 +412,9 @@ class SphereHarmonics(SpherePrompt):
         return (1.0 + top) / self.area
 
     def _profile(self, u, ops):
-        total = 1.0 + 0.0 * u[0]
-        for l, m, c in self.coefficients:
-            total = total + c * (real_harmonic(l, m, u) if self.d == 3 else fourier_mode(l, m, u))
-        return total / self.area
+        terms = [1.0 + 0.0 * u[0]] + [c * (real_harmonic(l, m, u) if self.d == 3 else fourier_mode(l, m, u))
+                                      for l, m, c in self.coefficients]
+        return balanced_sum(terms) / self.area
 
 
 class SphereFile(SpherePrompt):
@@ -507,33 +589,37 @@ class PointCloud:
         return cls(points, weights)
 
 
+FILE_ERROR = "prompt file"    # the 'what' of pdeformer.tools.files errors, replaced by the caller's key
+
+
 def _read_point_data(filename, dim, npz_name, csv_name, required=True):
-    """points (n, d) and values (n,) (or None when optional and absent) from .npz/.csv."""
-    if not os.path.isfile(filename):
-        raise InputError(f"{filename}: no such file")
+    """points (n, d) and values (n,) (or None when optional and absent) from .npz/.csv,
+    read through pdeformer.tools.files (a regular file, size-checked; its errors name
+    the file, the caller adds the key)."""
+    from ..tools.files import TEXT_FILE, load_npz, read_text
     try:
         if filename.endswith(".npz"):
-            with np.load(filename, allow_pickle=False) as f:
-                if "points" not in f.files or (required and npz_name not in f.files):
-                    raise InputError(f"{filename}: needs arrays 'points' (n,d)"
-                                     + (f" and '{npz_name}' (n,)" if required else ""))
-                points = np.array(f["points"], float)
-                values = np.array(f[npz_name], float) if npz_name in f.files else None
+            f = load_npz(filename, FILE_ERROR, (npz_name, "points"))
+            if "points" not in f or (required and npz_name not in f):
+                raise InputError(f"{filename}: needs arrays 'points' (n,d)"
+                                 + (f" and '{npz_name}' (n,)" if required else ""))
+            points = np.array(f["points"], float)
+            values = np.array(f[npz_name], float) if npz_name in f else None
         elif filename.endswith(".csv"):
-            with open(filename, newline="") as f:
-                rows = list(csv.reader(f))
+            rows = list(csv.reader(io.StringIO(read_text(filename, FILE_ERROR, TEXT_FILE), newline="")))
             header = [h.strip() for h in rows[0]] if rows else []
             coords = [f"x{a}" for a in range(dim)]
             if header not in (coords + [csv_name],) + (() if required else (coords,)):
                 want = ",".join(coords + [csv_name])
-                raise InputError(f"{filename}: header must be {want}, got {','.join(header)}")
+                got = f"got {','.join(header)}" if header else "the file is empty"
+                raise InputError(f"{filename}: header must be {want}, {got}")
             data = np.array([[float(v) for v in r] for r in rows[1:] if r], float).reshape(-1, len(header))
             points = data[:, :dim]
             values = data[:, dim] if len(header) > dim else None
         else:
             raise InputError(f"{filename}: unknown file type (use .npz or .csv)")
-    except InputError:
-        raise
+    except InputError as e:
+        raise InputError(str(e).removeprefix(f"{FILE_ERROR}: ")) from None
     except Exception as e:  # a damaged file can fail in zipfile, zlib, numpy, csv, ...
         raise InputError(f"{filename}: cannot read ({type(e).__name__}: {e})") from None
     if points.ndim == 1 and dim == 1:
@@ -542,7 +628,7 @@ def _read_point_data(filename, dim, npz_name, csv_name, required=True):
         raise InputError(f"{filename}: points {points.shape} do not match d = {dim} "
                          f"(need points (n,{dim}){'' if values is None else ' and values (n,)'})")
     if points.shape[0] == 0:
-        raise InputError(f"{filename}: no points")
+        raise InputError(f"{filename}: no points (a header and no rows, or empty arrays)")
     if not (np.all(np.isfinite(points)) and (values is None or np.all(np.isfinite(values)))):
         raise InputError(f"{filename}: non-finite values")
     return points, values

@@ -23,6 +23,7 @@ Either way the result depends on the partition only through summation order.
 from __future__ import annotations
 
 import logging
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -40,6 +41,47 @@ from ..tools.parallel import allgather_rows, any_rank
 from .sphere import on_sphere, tangential
 
 log = logging.getLogger("pdeformer")
+
+
+# The largest attention score |beta <A x, y>| (and velocity |V| |y|) a run may reach:
+# scores are shifted by their maximum and exponentiated, so their differences, up to
+# twice this, must be finite doubles with room for sums.
+SCORE_LIMIT = 1e300
+
+
+def _log10(a: float) -> float:
+    return math.log10(a) if 0 < a < math.inf else (-math.inf if a == 0 else math.inf)
+
+
+def _magnitude(log10: float) -> str:
+    return f"~1e{log10:.0f}" if log10 < 308.3 else "past 1e308"
+
+
+def check_scores(heads: HeadMeasure, beta: float, reach: float, keys: dict) -> None:
+    """ConfigError where heads of this size cannot give finite attention on tokens within
+    ``reach`` of the origin (the mesh's extent): the scores beta <A_h x, y>, bounded by
+    beta d max|A_h| reach^2, or the velocities |V_h y| <= d max|V_h| reach, past
+    SCORE_LIMIT. It names whichever of ``keys`` (``{"beta": ..., "heads": ..., "mesh":
+    ...}``: the keys that set beta, the heads and the extent) contributes most (in orders
+    of magnitude above 1)."""
+    d = heads.dim
+    with np.errstate(over="ignore", invalid="ignore"):
+        A = np.concatenate([heads.attention_matrices(l) for l in range(heads.layers)])
+        size_a = float(np.nan_to_num(np.abs(A).max(), nan=np.inf))
+        size_v = float(np.nan_to_num(np.abs(heads.V).max(), nan=np.inf))
+    shares = {keys["beta"]: _log10(max(beta, 1.0)), keys["heads"]: _log10(max(size_a, size_v, 1.0)),
+              keys["mesh"]: 2 * _log10(max(reach, 1.0))}
+    score = _log10(beta) + _log10(d * size_a) + 2 * _log10(reach)
+    velocity = _log10(d * size_v) + _log10(reach)
+    if max(score, velocity) <= math.log10(SCORE_LIMIT):
+        return
+    key = max(shares, key=shares.get)
+    todo = "use smaller heads in that file" if key in ("model.params", "data.teacher") else \
+        "use a smaller mesh (or scale the problem down)" if key.startswith("mesh.") else f"lower {key}"
+    raise ConfigError(key, f"the attention scores beta <A x, y> reach {_magnitude(score)} and the "
+                      f"velocities |V y| {_magnitude(velocity)} on this mesh (beta = {beta:g}, head "
+                      f"entries |A| up to {size_a:.3g} and |V| up to {size_v:.3g}, tokens up to |x| = "
+                      f"{reach:.3g}): past {SCORE_LIMIT:g} they overflow; {todo}")
 
 
 class TableSum(NamedTuple):
@@ -272,6 +314,12 @@ class AttentionVelocity:
         names whose table plan to reuse (default: the layer); with :attr:`freeze`,
         ``step`` names the evaluation whose plan is kept and replayed. ``signed``: whether
         any rank has a negative weight, where the caller knows (else found out here)."""
+        # overflow (heads grown past what the mesh's scores hold) is reported by the
+        # callers' finiteness checks, as one line, not as numpy warnings
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            return self._velocity(points, weights, layer, targets, key, step, signed)
+
+    def _velocity(self, points, weights, layer, targets, key, step, signed) -> np.ndarray:
         x = self.targets if targets is None else targets
         A, V = self.matrices(layer)
         replayed = self.freeze and step is not None and step in self.frozen
@@ -335,7 +383,8 @@ class AttentionVelocity:
         A, V = self.matrices(layer)
         if self.radius is not None:     # P_x is symmetric (the caller adds d/dx through P_x)
             g = tangential(x, g)
-        ct = self._vjp(points, weights, x, A, V, g, plan, positions)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):   # checked by the adjoint
+            ct = self._vjp(points, weights, x, A, V, g, plan, positions)
         if self.beta != 1:              # d/dA of <g, v(beta A)>
             ct.A = self.beta * ct.A
         return ct

@@ -23,12 +23,14 @@ file, or ``data.teacher_seed``, random heads of the model's sizes): see
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+from contextlib import contextmanager
 
 import numpy as np
 
-from .errors import ConfigError
+from .errors import ConfigError, InputError
 
 FAMILIES = ("gaussian_mixture", "von_mises_fisher")
 FLAT_FAMILY, SPHERE_FAMILY = FAMILIES
@@ -43,12 +45,46 @@ def data_dimension(mesh: dict) -> int:
     return {"circle": 2, "sphere": 3}.get(mesh["shape"]) or len(mesh["lower"])
 
 
+# Standard deviations s whose covariances s^2 are positive finite doubles (and the same
+# for 1/s^2), whatever the mesh; a mesh resolves a narrower range (prompts.unresolved).
+STD_LIMITS = (1e-150, 1e150)
+# Components drawn in all (count x the most per prompt): every drawn table is kept in the
+# checked configuration (summary.json), 1e6 components being some 100 MB of it.
+MAX_DRAWN_COMPONENTS = 10**6
+
+
 def _range(data: dict, key: str, positive: bool = False) -> tuple[float, float]:
     v = data[key]
     if len(v) != 2 or not v[0] <= v[1] or (positive and not v[0] > 0):
         what = "0 < lo <= hi" if positive else "lo <= hi"
         raise ConfigError(f"data.{key}", f"expected [lo, hi] with {what}, got {v}")
     return float(v[0]), float(v[1])
+
+
+def component_range(key: str, v) -> list[int]:
+    """``data.components``: [min, max], integers with 1 <= min <= max."""
+    if not (isinstance(v, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in v)):
+        raise ConfigError(key, f"expected positive integers [min, max], got {v!r}")
+    if len(v) != 2 or v[0] > v[1]:
+        raise ConfigError(key, f"expected [min, max] with 1 <= min <= max, got {v}")
+    return list(v)
+
+
+def _check_flat_ranges(data: dict, mesh: dict) -> None:
+    """std_range within STD_LIMITS; mean_range meeting a built-in box in every coordinate
+    (else every drawn mean lies off the mesh)."""
+    lo, hi = _range(data, "std_range")
+    if lo < STD_LIMITS[0] or hi > STD_LIMITS[1]:
+        raise ConfigError("data.std_range", f"{data['std_range']} is not within [{STD_LIMITS[0]:g}, "
+                          f"{STD_LIMITS[1]:g}]: the covariances s^2 must be positive finite doubles")
+    lo, hi = _range(data, "mean_range")
+    if mesh["shape"] != "box":
+        return
+    for a, (low, up) in enumerate(zip(mesh["lower"], mesh["upper"])):
+        if hi < low or lo > up:
+            raise ConfigError("data.mean_range", f"{data['mean_range']} lies off the mesh in coordinate {a} "
+                              f"(mesh.lower[{a}] = {low:g}, mesh.upper[{a}] = {up:g}): every drawn mean "
+                              f"would be off the mesh; use a range within [{low:g}, {up:g}]")
 
 
 def check_data(data: dict, mesh: dict) -> None:
@@ -61,16 +97,34 @@ def check_data(data: dict, mesh: dict) -> None:
     if data["count"] == 0:
         return
     data_dimension(mesh)
+    _check_count(data["count"])
     sphere = mesh["shape"] in ("circle", "sphere")
     if data["family"] != (SPHERE_FAMILY if sphere else FLAT_FAMILY):
         raise ConfigError("data.family", f"{data['family']!r} does not fit a {mesh['shape']} mesh: use "
                           f"{SPHERE_FAMILY if sphere else FLAT_FAMILY!r}")
-    lo, hi = data["components"] if len(data["components"]) == 2 else (0, 0)
-    if not 1 <= lo <= hi:
-        raise ConfigError("data.components", f"expected [min, max] with 1 <= min <= max, got {data['components']}")
+    component_range("data.components", data["components"])
+    most = data["count"] * data["components"][1]
+    if most > MAX_DRAWN_COMPONENTS:
+        raise ConfigError("data.components", f"{data['count']} prompts (data.count) of up to "
+                          f"{data['components'][1]} components draw {most:.3g} components, more than "
+                          f"{MAX_DRAWN_COMPONENTS:g} (the run's record keeps every drawn table): "
+                          "draw fewer prompts or components")
     _range(data, "mean_range")
     _range(data, "std_range", positive=True)
     _range(data, "concentration_range", positive=True)
+    if not sphere:
+        _check_flat_ranges(data, mesh)
+
+
+def _check_count(count: int) -> None:
+    """A data set whose prompts' records alone would not fit this node is refused before
+    they are drawn (the run's full estimate, pdeformer.tools.budget, follows)."""
+    from .budget import PER_PROMPT, available_memory
+    have = available_memory()
+    if have is not None and count * PER_PROMPT > have:
+        raise ConfigError("data.count", f"{count} prompts need at least {count * PER_PROMPT / 2**30:.3g} GB "
+                          f"per rank for their records alone, more than the {have / 2**30:.3g} GB "
+                          "available on this node: draw fewer")
 
 
 def draw_prompts(data: dict, mesh: dict) -> list[dict]:
@@ -97,25 +151,32 @@ def draw_prompts(data: dict, mesh: dict) -> list[dict]:
 
 
 PROMPT_FILES = (".npz", ".csv")
+MAX_HEADER = 64 * 1024     # bytes of a csv line read to tell a density from a point cloud
 TARGETS = "targets"   # the folder's subfolder of target files
 
 
 def _file_kind(filename: str) -> str:
     """'file' (a density: arrays points and density, or a csv column density) or
-    'points' (a point cloud) -- what the file holds, read from its array names or header."""
+    'points' (a point cloud) -- what the file holds, read from its array names or header
+    (an .npz's zip directory, a csv's first lines). InputError naming data.folder and the
+    file where it is not a regular file, is empty, not an .npz, or a csv without a row."""
+    from .files import npz_names, open_regular
     if filename.endswith(".npz"):
+        return "file" if "density" in npz_names(filename, "data.folder") else "points"
+    with open_regular(filename, "data.folder") as f:
         try:
-            with np.load(filename, allow_pickle=False) as f:
-                names = f.files
-        except Exception as e:   # a damaged file
-            raise ConfigError("data.folder", f"{filename}: not a readable .npz ({type(e).__name__}: {e})") from None
-        return "file" if "density" in names else "points"
-    try:
-        with open(filename, newline="") as f:
-            header = f.readline()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError("data.folder", f"{filename}: not a readable .csv ({type(e).__name__})") from None
-    return "file" if "density" in [h.strip() for h in header.split(",")] else "points"
+            head = f.read(MAX_HEADER)
+            more = bool(f.read(1))
+            # (a chunk that stops short of the end may cut a character in two)
+            lines = head.decode("utf-8", errors="strict" if not more else "ignore").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"data.folder: {filename}: not a readable .csv ({type(e).__name__})") from None
+    if not head:
+        raise InputError(f"data.folder: {filename}: an empty file (0 bytes), not a .csv with a header")
+    if not more and not any(line.strip() for line in lines[1:]):
+        raise InputError(f"data.folder: {filename}: a header and no rows: a prompt file needs one "
+                         "row per point")
+    return "file" if "density" in [h.strip() for h in lines[0].split(",")] else "points"
 
 
 def read_folder(data: dict, base_dir: str, name_pattern: str) -> list[dict]:
@@ -127,8 +188,9 @@ def read_folder(data: dict, base_dir: str, name_pattern: str) -> list[dict]:
     where = os.path.join(base_dir, folder)
     if not os.path.isdir(where):
         raise ConfigError("data.folder", f"{where}: no such folder")
-    files = sorted(f for f in os.listdir(where) if f.endswith(PROMPT_FILES)
-                   and os.path.isfile(os.path.join(where, f)))
+    # every name a prompt file would have: one that is not a regular file (a FIFO, a
+    # folder) is refused by name rather than skipped without a word
+    files = sorted(f for f in os.listdir(where) if f.endswith(PROMPT_FILES))
     if not files:
         raise ConfigError("data.folder", f"{where}: no prompt files (.npz or .csv)")
     prompts, stems = [], set()
@@ -141,10 +203,81 @@ def read_folder(data: dict, base_dir: str, name_pattern: str) -> list[dict]:
         stems.add(stem)
         table = {"name": stem, "kind": _file_kind(os.path.join(where, f)), "path": os.path.join(folder, f)}
         target = os.path.join(where, TARGETS, f)
-        if os.path.isfile(target):
+        if os.path.lexists(target):     # (not a regular file: refused by _file_kind)
             table["target"] = {"kind": _file_kind(target), "path": os.path.join(folder, TARGETS, f)}
         prompts.append(table)
     return prompts
+
+
+# ------------------------------------------------------------------ errors about its prompts
+
+# the [data] key that draws each part of a drawn prompt
+DRAWN_KEYS = {"means": "mean_range", "covs": "std_range", "concentrations": "concentration_range",
+              "weights": "components", "kind": "family"}
+PROMPT_ERROR = re.compile(r"prompts\[(\d+)\](?:\.(\w+))?")
+
+
+def _table(data):
+    """The ``[data]`` options as a dict (solvers hold them as a frozen dataclass)."""
+    return dataclasses.asdict(data) if dataclasses.is_dataclass(data) else data
+
+
+@contextmanager
+def data_errors(data, tables: list, name: str | None = None, part: str | None = None):
+    """Bad-input errors raised inside about a prompt (their message starting
+    ``prompts[i]``) re-raised, where ``[data]`` made that prompt, naming what the user
+    can change: the data.* key that drew it (``data.std_range: ... (drawn prompt
+    data0003: covs[1]: ...)``) or data.folder and its file. ``tables``: the prompt
+    tables; ``name``: the prompt's (else the index in the message picks its table);
+    ``part``: the prompt's part at fault where the message names none (``means``)."""
+    try:
+        yield
+    except (ConfigError, InputError) as e:
+        raise readdressed(e, data, tables, name, part) from None
+
+
+def readdressed(error, data, tables: list, name: str | None = None, part: str | None = None):
+    """``error`` naming the [data] key that made its prompt (see :func:`data_errors`),
+    or ``error`` itself (not about a prompt of a data set)."""
+    text = str(error)
+    m = PROMPT_ERROR.match(text)
+    data = _table(data)
+    if data is None or not data_set_given(data) or m is None:
+        return error
+    index = int(m.group(1))
+    table = next((t for t in tables if t["name"] == name), None) if name is not None else \
+        tables[index] if index < len(tables) else None
+    if table is None:
+        return error
+    detail = re.sub(r"^ \('[^']*'\)", "", text[len(f"prompts[{index}]"):]).lstrip(".:").strip()
+    if data["folder"] is not None:
+        # a table's part (kind, path, target.path) means nothing to a folder's user; a
+        # reader's error names the file itself (the prompt's or its target's)
+        part_key = re.match(r"[\w.\[\]]+: ", detail) if m.group(2) else None
+        named = part_key is not None and part_key.group(0).endswith("path: ")
+        detail = detail[part_key.end():] if part_key else detail
+        source = table["target"]["path"] if m.group(2) == "target" and table.get("target") else table["path"]
+        key, message = "data.folder", detail if named else f"{source}: {detail}"
+    else:
+        flat = data["family"] == FLAT_FAMILY
+        key = DRAWN_KEYS.get(m.group(2) or part, "mean_range" if flat else "concentration_range")
+        message = (f"{data[key]} draws prompts this run cannot take; change it "
+                   f"(drawn prompt {table['name']}: {detail})")
+        key = f"data.{key}"
+    return ConfigError(key, message)    # (a ConfigError leads with its key in any pass)
+
+
+def prompt_label(data, tables: list, name: str, index: int) -> str:
+    """How a warning names prompt ``name`` (index ``index``): ``prompts[i] ('a')``, or by
+    the [data] keys or the file that made it."""
+    table = next((t for t in tables if t["name"] == name), None)
+    data = _table(data)
+    if data is None or table is None or not data_set_given(data):
+        return f"prompts[{index}] ({name!r})"
+    if data["folder"] is not None:
+        return f"data.folder: {table['path']}"
+    keys = ("mean_range", "std_range") if data["family"] == FLAT_FAMILY else ("concentration_range",)
+    return f"{', '.join(f'data.{k}' for k in keys)}: drawn prompt {name}"
 
 
 def data_set_given(data: dict) -> bool:
