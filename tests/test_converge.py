@@ -201,9 +201,9 @@ def test_ensembles_are_the_same_on_1_and_2_ranks_and_in_groups(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("study.groups=3", "study.groups: 3 groups for 2 seed(s)"),
-    ("study.seed_keys=[\"model.scale\"]", "study.seed_keys: 'model.scale' is not an integer seed"),
+    ("study.seed_keys=[\"model.scale\"]", "study.seed_keys: 'model.scale' is not a seed"),
     ("study.quantities=[\"risk\"]", "study.quantities: 'risk' needs a reference run (reference = 'expectation'"),
-    ("study.seed_keys=[\"model.heads\"]", "study.seed_keys: 'model.heads' is the swept parameter"),
+    ("study.seed_keys=[\"model.heads\"]", "study.seed_keys: 'model.heads' is not a seed"),
 ])
 def test_ensemble_errors(tmp_path, override, message):
     check_study_error(tmp_path, "heads.toml", ["study.seeds=2", override], message)

@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT, check_one_line_error, run_cli, write_config
 from test_train import CONFIG
 
-from pdeformer.tools.errors import InputError, OutputError
+from pdeformer.tools.errors import ConfigError, InputError, OutputError
 from pdeformer.tools.outdir import LOCK, PREVIOUS, STALE_AFTER, OutputFolder
 from pdeformer.tools.output import atomic_write, read_diagnostics
 
@@ -433,16 +433,20 @@ def test_walltime_stop_with_a_slow_rank_0(tmp_path):
 
 # ------------------------------------------------------------------ summaries of failed runs
 
-def test_bad_input_found_after_the_folder_exists_is_in_the_summary(tmp_path):
-    """A checkpoint of another problem is found only once the run's folder is open: the
-    summary says bad_input, with the error, and the checkpoint stays for a right restart."""
+def test_a_refused_restart_changes_nothing(tmp_path):
+    """A checkpoint of another problem refuses a restart (exit 2) before anything ran:
+    twice, and the completed run's files (summary, log, fields.npz, pictures) stay where
+    they were, with nothing moved to previous/ and no summary of the refusal."""
     cfg = write_config(tmp_path, CONFIG)
-    run_cli(["train", cfg, "--set", "train.steps=1"], cwd=str(tmp_path))
-    proc = run_cli(["train", cfg, "--restart", "--set", "model.seed=4"], cwd=str(tmp_path), check=False)
-    check_one_line_error(proc, "was made for another problem (different model)")
-    summary = summary_of(tmp_path / "out")
-    assert summary["status"] == "bad_input" and "another problem" in summary["error"]
-    assert (tmp_path / "out" / "checkpoint.npz").exists()
+    run_cli(["train", cfg, "--set", "train.steps=1"], cwd=str(tmp_path), plots=True)
+    out = tmp_path / "out"
+    before = {n: (out / n).read_bytes() for n in os.listdir(out)}
+    assert {"summary.json", "fields.npz", "densities.png"} <= set(before)
+    for _ in range(2):
+        proc = run_cli(["train", cfg, "--restart", "--set", "model.seed=4"], cwd=str(tmp_path), check=False)
+        check_one_line_error(proc, "was made for another problem (different model)")
+        assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before
+    assert summary_of(out)["status"] == "completed"
 
 
 def test_a_bug_still_leaves_a_summary(tmp_path, monkeypatch):
@@ -566,3 +570,378 @@ def test_usage_errors_are_one_line():
         proc = run_cli(args, check=False)
         check_one_line_error(proc, "(see 'pdeformer")
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+# ------------------------------------------------------------------ issue 42: nothing lost
+
+def tree(folder) -> dict:
+    """{relative path: bytes} of every file below ``folder``."""
+    out = {}
+    for dp, _, fn in os.walk(folder):
+        for f in fn:
+            path = os.path.join(dp, f)
+            out[os.path.relpath(path, folder)] = open(path, "rb").read()
+    return out
+
+
+def trained(tmp_path):
+    """A config and its training's output folder out/ (2 steps), then a forward run into
+    it: out/ holds the forward's files, out/previous/ the training's."""
+    cfg = write_config(tmp_path, CONFIG)
+    run_cli(["train", cfg, "--set", "train.steps=2"], cwd=str(tmp_path))
+    return cfg, tmp_path / "out"
+
+
+@pytest.mark.parametrize("where", ["out/params_0002.npz", "out/previous/params_0002.npz"])
+def test_a_run_never_moves_or_deletes_what_it_reads(tmp_path, where):
+    """Heads read from the folder a run writes into (a file it would move to previous/)
+    or from its previous/ (which it would replace): refused before anything moves, and
+    the training's files are all still there."""
+    cfg, out = trained(tmp_path)
+    if where.startswith("out/previous"):
+        run_cli(["forward", cfg], cwd=str(tmp_path))   # the training now in previous/
+    before = tree(out)
+    proc = run_cli(["forward", cfg, "--set", f"model.params={tmp_path / where}"], cwd=str(tmp_path),
+                   check=False)
+    check_one_line_error(proc, f"model.params: {tmp_path / where} ")
+    assert ("which this run replaces" if "previous" in where else "which this run moves to previous/") \
+        in proc.stderr
+    assert tree(out) == before
+
+
+def test_the_previous_folder_of_a_run_is_not_an_output_folder(tmp_path):
+    """Run B into out/previous/ while run A holds out/ (or after it): refused; and A does
+    not replace a previous/ that a run holds."""
+    cfg, out = trained(tmp_path)
+    run_cli(["forward", cfg], cwd=str(tmp_path))
+    write_lock(out, os.getpid(), socket.gethostname())         # A holds out/
+    before = tree(out)
+    proc = run_cli(["forward", cfg, "--set", f"output.dir={out / PREVIOUS}"], cwd=str(tmp_path), check=False)
+    check_one_line_error(proc, f"output.dir: {out / PREVIOUS} is where the run in {out} keeps the files")
+    assert tree(out) == before
+    os.remove(out / LOCK)
+    write_lock(out / PREVIOUS, os.getpid(), socket.gethostname())   # B holds out/previous/
+    before = tree(out)
+    proc = run_cli(["forward", cfg], cwd=str(tmp_path), check=False)
+    check_one_line_error(proc, f"output.dir: {out / PREVIOUS} is in use by pdeformer train")
+    assert tree(out) == before
+
+
+def test_a_refused_run_puts_the_folder_back(tmp_path):
+    """Bad input found after the folder was opened (here raised in the session): the
+    earlier files, previous/ and all, are as they were, and no summary is written."""
+    folder = tmp_path / "out"
+    (folder / PREVIOUS).mkdir(parents=True)
+    (folder / PREVIOUS / "summary.json").write_text("older")
+    for name, text in (("summary.json", "earlier"), ("params_0001.npz", "p"), ("notes.txt", "mine")):
+        (folder / name).write_text(text)
+    before = tree(folder)
+    f = OutputFolder(str(folder), "forward")
+    f.open()
+    assert f.moved == ["params_0001.npz", "summary.json"]
+    (folder / "pdeformer.log").write_text("this run's")
+    (folder / "summary.json").write_text("this run's")
+    f.close(restore=True)
+    assert tree(folder) == before and not (folder / LOCK).exists()
+    f = OutputFolder(str(folder), "forward")    # not refused: the older previous/ goes
+    f.open()
+    f.close()
+    assert tree(folder) == {"notes.txt": b"mine", "previous/summary.json": b"earlier",
+                            "previous/params_0001.npz": b"p"}
+    fresh = tmp_path / "fresh"                 # a folder the refused run made is removed
+    f = OutputFolder(str(fresh), "forward")
+    f.open()
+    f.close(restore=True)
+    assert not fresh.exists()
+
+
+@pytest.mark.parametrize("owner, takes_over", [
+    ({"pid": float("inf")}, False), ({"pid": 10**30}, False), ({"pid": 0}, False), ({"pid": -1}, False),
+    ({"pid": "12"}, False), ({"host": None}, False)])
+def test_a_lock_that_names_no_possible_owner(tmp_path, owner, takes_over):
+    """A lock whose pid no process can have (inf, huge, 0, negative, a string) or with a
+    field missing is not pdeformer's: fresh, it holds the folder like any lock (one line,
+    exit 2, no OverflowError); untouched for STALE_AFTER it is taken over."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "command": "train", "started": "x", **owner}
+    (folder / LOCK).write_text(json.dumps(info))
+    with pytest.raises(InputError, match="in use by another run .its lock .* cannot be read as pdeformer's"):
+        OutputFolder(str(folder), "forward").open()
+    old = time.time() - STALE_AFTER - 60
+    os.utime(folder / LOCK, (old, old))
+    f = OutputFolder(str(folder), "forward")
+    f.open()
+    assert "not touched for" in f.stale
+    f.close()
+
+
+def test_a_stale_lock_of_a_reused_pid_is_taken_over(tmp_path):
+    """The same host, a pid that is alive again (pid 1) but a lock untouched for days:
+    its owner would have touched it every minute, so it is stale (the 15-minute rule)."""
+    folder = str(tmp_path / "out")
+    write_lock(folder, 1, socket.gethostname(), age=3 * 86400)
+    f = OutputFolder(folder, "forward")
+    f.open()
+    assert "pid 1" in f.stale and "not touched for" in f.stale
+    f.close()
+    write_lock(folder, 1, socket.gethostname(), age=10)     # touched lately: in use
+    with pytest.raises(InputError, match="in use by pdeformer train .pid 1 on"):
+        OutputFolder(folder, "forward").open()
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo"])
+def test_a_lock_that_is_not_a_file(tmp_path, kind):
+    """A folder or a FIFO where the lock should be: one line naming it (not "cannot write
+    the folder"; a FIFO is not waited on)."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / LOCK).mkdir() if kind == "folder" else os.mkfifo(folder / LOCK)
+    what = "a folder" if kind == "folder" else "a FIFO"
+    with pytest.raises(InputError, match=f"output.dir: {folder / LOCK}: is {what}.*not pdeformer's lock file"):
+        OutputFolder(str(folder), "forward").open()
+
+
+# ------------------------------------------------------------------ issue 42: files read safely
+
+@pytest.mark.parametrize("what", ["fifo", "device", "folder"])
+def test_files_are_opened_without_blocking(tmp_path, what, monkeypatch):
+    """PDEFORMER_COSTS, the config and a mesh file naming a FIFO, /dev/zero or a folder:
+    one line at once (a FIFO used to block forever, /dev/zero to read until memory ran
+    out)."""
+    from pdeformer.attention import costs
+    path = {"fifo": str(tmp_path / "pipe"), "device": "/dev/zero", "folder": str(tmp_path)}[what]
+    if what == "fifo":
+        os.mkfifo(path)
+    kind = {"fifo": "a FIFO (named pipe)", "device": "a device", "folder": "a folder"}[what]
+    cfg = write_config(tmp_path, CONFIG)
+    monkeypatch.setenv("PDEFORMER_COSTS", path)
+    costs.reset()
+    try:
+        proc = run_cli(["forward", cfg], cwd=str(tmp_path), check=False, timeout=60)
+    finally:
+        monkeypatch.undo()
+        costs.reset()
+    check_one_line_error(proc, f"PDEFORMER_COSTS: {path}: is {kind}, not a file")
+    proc = run_cli(["forward", path], check=False)
+    check_one_line_error(proc, f"{path}: is {kind}, not a config file")
+    mesh = write_config(tmp_path, CONFIG.replace("lower = [-3.0, -3.0]\nupper = [3.0, 3.0]\ncells = [10, 10]",
+                                                 f'file = "{path}"'), "mesh.toml")
+    proc = run_cli(["forward", mesh], check=False)
+    check_one_line_error(proc, "mesh.file: ")
+
+
+@pytest.mark.mpi
+def test_a_cache_folder_that_cannot_be_written(tmp_path):
+    """HOME and XDG_CACHE_HOME that cannot be written (a read-only home on a node): the
+    JIT forms and pdeformer's builds go to a private temporary folder, with one warning,
+    on 1 and on 2 ranks (the second run finds what the first compiled there); the runs
+    complete (this was a traceback)."""
+    from pdeformer.tools.parallel import mpirun_command
+    cfg = write_config(tmp_path, CONFIG)
+    env = {"HOME": str(tmp_path / "no" / "home"), "XDG_CACHE_HOME": "/proc/none", "TMPDIR": str(tmp_path)}
+    os.makedirs(tmp_path / "no")
+    os.chmod(tmp_path / "no", 0o500)
+    for launcher in ([], mpirun_command(2)):
+        proc = subprocess.run(launcher + [sys.executable, "-m", "pdeformer", "forward", cfg], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, OMP_NUM_THREADS="1", **env))
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr.count("warning: XDG_CACHE_HOME: /proc/none cannot be written") == 1, proc.stderr
+    assert (tmp_path / f"pdeformer-cache-{os.getuid()}" / "fenics").is_dir()
+
+
+# ------------------------------------------------------------------ issue 42: studies answer a question
+
+STUDY = """
+[study]
+run = "run.toml"
+parameter = "mesh.cells"
+values = [[6, 6], [8, 8]]
+reference = "finest"
+quantities = ["mean"]
+seeds = 2
+"""
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["study.set=[\"model.params=\\\"heads.npz\\\"\"]"],
+     "study.seed_keys: no seed of ['model.seed', 'particles.seed'] changes the run (model.seed: "
+     "model.params is given"),
+    (["study.set=[\"model.params=\\\"heads.npz\\\"\"]", "study.seed_keys=[\"model.seed\"]"],
+     "study.seed_keys: model.seed changes nothing in these runs (model.params is given"),
+    (["study.seed_keys=[\"model.layers\"]"], "study.seed_keys: 'model.layers' is not a seed"),
+    (["study.seed_keys=[\"particles.seed\"]"], "study.seed_keys: particles.seed changes nothing in these "
+                                               "runs (command forward draws no tokens)"),
+    (["study.values=[[8,8],[6,6]]"], "study.values: the last value [6, 6] is the reference"),
+    (["study.reference=\"run\"", "study.reference_run=\"run.toml\"",
+      "study.reference_set=[\"mesh.cells=[12,12]\",\"prompts[0].name=\\\"c\\\"\"]"],
+     "study.reference_run: the reference's prompts are not the study's: prompt 0 ('a' in the study, 'c' "
+     "in the reference) differs in name"),
+    (["study.reference=\"run\"", "study.reference_run=\"run.toml\"",
+      "study.reference_set=[\"mesh.cells=[12,12]\",\"prompts[1].means=[[0.0,0.0]]\"]"],
+     "prompt 1 ('b' in the study, 'b' in the reference) differs in means"),
+    (["study.reference=\"run\"", "study.reference_run=\"one.toml\"", "study.reference_set=[\"mesh.cells=[12,12]\"]"],
+     "study.reference_run: the reference's prompts are not the study's: 1 prompt(s) against the study's 2"),
+    (["study.reference=\"run\"", "study.reference_run=\"run.toml\"", "study.reference_set=[\"mesh.cells=[7,7]\"]"],
+     "study.reference_run: the reference's mesh.cells = [7, 7] is not beyond the sweep [[6, 6], [8, 8]]"),
+    (["study.reference=\"run\"", "study.reference_run=\"run.toml\"",
+      "study.reference_set=[\"mesh.cells=[12,12]\",\"model.init_scale=0.5\"]"],
+     "study.reference_run: the reference's model.init_scale = 0.5 is not the study's (0.8)"),
+    (["study.parameter=\"model.heads\"", "study.values=[2,4]", "study.reference=\"draw\"",
+      "study.reference_set=[\"model.heads=4\"]"],
+     "study.reference_set: the reference's model.heads = 4 is not beyond the sweep [2, 4]"),
+    (["study.quantities=[\"l2\"]", "study.reference=\"run\"", "study.reference_run=\"run.toml\"",
+      "study.reference_command=\"particles\"", "study.reference_set=[\"mesh.cells=[12,12]\"]"],
+     "study.reference_command: density errors (l2, l1) need a forward reference"),
+])
+def test_studies_that_answer_no_question_are_refused(tmp_path, sets, message):
+    """Ensembles whose seeds change nothing (members that would repeat one run, with
+    intervals of zero width), keys that are not seeds, references that are other
+    problems (other prompts, another model) or not beyond the sweep: refused before
+    anything runs, one line naming the study key."""
+    write_config(tmp_path, CONFIG)
+    write_config(tmp_path, CONFIG[:CONFIG.index("[[prompts]]\nname = \"b\"")], "one.toml")
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "heads.npz", **{n: rng.normal(size=(2, 2, 2, 2)) for n in "QKV"})
+    study = write_config(tmp_path, STUDY, "study.toml")
+    proc = run_cli(["converge", study, "--set", *sets], check=False)
+    check_one_line_error(proc, message)
+    assert not (tmp_path / "output").exists()
+
+
+def test_identical_members_are_an_error():
+    """Members whose errors agree to the last bit in every case were not redrawn."""
+    from pdeformer.commands.converge import check_members_differ
+    study = {"seed_keys": ["model.seed"]}
+    records = [{"case": i, "member": j, "quantity": "mean", "error": 0.1 * (i + 1) + 0.01 * j}
+               for i in range(2) for j in range(3)]
+    check_members_differ(study, records)
+    records[2]["error"], records[5]["error"] = records[1]["error"], records[4]["error"]   # member 2 = member 1
+    with pytest.raises(ConfigError, match="study.seed_keys: members 1 and 2 gave the same errors in every case"):
+        check_members_differ(study, records)
+
+
+def test_a_budget_width_reference_below_its_sweep(tmp_path):
+    """A 1-head draw as the H -> infinity reference of a [2, 4] sweep is refused (as a
+    layers reference below its sweep was)."""
+    from pdeformer.commands.budget import load_budget
+    budget = write_config(tmp_path, f"""
+        [budget]
+        run = "{ROOT}/runs/default.toml"
+        set = ["model.depth=\\"smooth\\""]
+        transformer = [2, 2, 100]
+        layers = [1, 2]
+        layers_reference = 4
+        heads = [2, 4]
+        width_reference = "draw"
+        width_reference_heads = 1
+        tokens = [50, 100]
+        cells = [[4, 4], [8, 8]]
+        cells_reference = [16, 16]
+        seeds = 2
+        """, "budget.toml")
+    with pytest.raises(ConfigError, match="budget.width_reference_heads: 1 heads is not above the width sweep's 4"):
+        load_budget(budget)
+
+
+# ------------------------------------------------------------------ issue 42: passes that break down
+
+TEACHER = (CONFIG.split("[[prompts]]")[0].replace("steps_per_layer = 8", "steps_per_layer = 2")
+           + '[data]\ncount = 2\nteacher = "teacher.npz"\n')   # CONFIG's run, its prompts drawn
+
+
+@pytest.mark.parametrize("nprocs, groups", [(1, 1), pytest.param(2, 2, marks=pytest.mark.mpi)])
+def test_a_teacher_pass_that_breaks_down_is_recorded(tmp_path, nprocs, groups):
+    """A teacher whose forward pass blows up: exit 3, the message says it was the
+    teacher's target pass, and summary.json says "breakdown" (it used to keep the earlier
+    run's "completed", and under prompt groups there was none)."""
+    cfg = write_config(tmp_path, TEACHER)
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "teacher.npz", **{n: 5 * rng.normal(size=(2, 2, 2, 2)) for n in "QKV"})
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "summary.json").write_text(json.dumps({"status": "completed"}))
+    proc = run_cli(["train", cfg, "--prompt-groups", str(groups)], nprocs=nprocs, cwd=str(tmp_path), check=False)
+    check_one_line_error(proc, f"the teacher's target pass (data.teacher = {tmp_path / 'teacher.npz'}): prompt "
+                               "'data0000'", status=3)
+    summary = summary_of(tmp_path / "out")
+    assert summary["status"] == "breakdown" and summary["error"].startswith("the teacher's target pass")
+
+
+def test_a_study_says_which_run_broke_down(tmp_path):
+    """A case of a study that blows up: the message and the summary name the case."""
+    write_config(tmp_path, CONFIG)
+    study = write_config(tmp_path, STUDY.replace("seeds = 2", "seeds = 1"), "study.toml")
+    proc = run_cli(["converge", study, "--set", "study.set=[\"discretisation.steps_per_layer=1\","
+                    "\"model.init_scale=5\"]"], check=False)
+    check_one_line_error(proc, "case mesh.cells = [8, 8]: prompt 'a', layer 0", status=3)
+    assert summary_of(tmp_path / "output" / "study")["status"] == "breakdown"
+
+
+@pytest.mark.parametrize("command", ["forward", "train"])
+def test_a_run_whose_mass_has_left_the_mesh_breaks_down(tmp_path, command):
+    """Uniform attention (Q = 0) with V = 10 I carries the prompt out of the box: once more
+    than discretisation.max_outflow (0.5) of the mass has left, exit 3 naming the prompt
+    and how much is left (it ended "completed" with moments of 1e-164 of mass, and a
+    training fitted them)."""
+    cfg = write_config(tmp_path, CONFIG.replace("steps_per_layer = 8\n", ""))
+    np.savez(tmp_path / "flee.npz", Q=np.zeros((2, 2, 2, 2)), K=np.ones((2, 2, 2, 2)),
+             V=np.tile(10 * np.eye(2), (2, 2, 1, 1)))
+    proc = run_cli([command, cfg, "--set", f"model.params={tmp_path / 'flee.npz'}", "discretisation.limiter=true",
+                    "train.steps=1"], cwd=str(tmp_path), check=False)
+    check_one_line_error(proc, "prompt 'a', layer 0, t = 0.5: ", status=3)
+    assert "of the mass has left the mesh (more than discretisation.max_outflow = 0.5)" in proc.stderr
+    assert summary_of(tmp_path / "out")["status"] == "breakdown"
+
+
+# ------------------------------------------------------------------ issue 42: hangs
+
+def test_prompt_checks_scale_and_huge_data_sets_fail_fast(monkeypatch):
+    """Duplicate names are found with a set (the check was quadratic: minutes at 10^5
+    prompts); a data set whose prompts cannot fit the node is refused before a prompt is
+    drawn; the memory estimate counts the prompts."""
+    from pdeformer.tools import budget, config, datasets
+    prompts = [{"name": f"p{i}", "kind": "gaussian_mixture", "means": [[0.0]], "covs": [1.0]} for i in range(3)]
+    with pytest.raises(ConfigError, match=r"prompts\[2\].name: 'p0' is used twice"):
+        config._check_prompts(prompts[:2] + [dict(prompts[2], name="p0")])
+    monkeypatch.setattr(budget, "available_memory", lambda: 2.0**30)
+    monkeypatch.setattr(datasets, "draw_prompts", lambda *a: pytest.fail("drawn"))
+    with pytest.raises(ConfigError, match="data.count: 1000000 prompts need at least 7.63 GB per rank"):
+        config.load_config(os.path.join(ROOT, "runs", "teacher.toml"), ["data.count=1000000", "data.components=[1,1]"])
+    monkeypatch.undo()
+    one, many = (budget.estimate(config.load_config(os.path.join(ROOT, "runs", "teacher.toml"),
+                                                    [f"data.count={n}", "data.test_fraction=0", "train.batch_size=1"]),
+                                 "forward", 1)["prompts"] for n in (1, 1000))
+    assert many == 1000 * one and one >= budget.PER_PROMPT
+
+
+def test_an_update_that_blows_the_heads_up_stops_there(tmp_path):
+    """Langevin noise far above the heads' size: the first update makes a velocity whose
+    forward pass would crawl (it ran for 10 minutes and 5 GB before): exit 3 at that
+    step, naming train.temperature. An unstable weight decay is refused at once."""
+    cfg = write_config(tmp_path, CONFIG.replace("steps_per_layer = 8\n", ""))
+    proc = run_cli(["train", cfg, "--set", "train.temperature=1e6", "train.steps=2"], cwd=str(tmp_path),
+                   check=False)
+    check_one_line_error(proc, "train step 0: the update blew the heads up: their velocity may now need", 3)
+    assert "mostly the Langevin noise" in proc.stderr and "lower train.temperature (now 1e+06)" in proc.stderr
+    proc = run_cli(["train", cfg, "--set", "train.weight_decay=1e6"], cwd=str(tmp_path), check=False)
+    check_one_line_error(proc, "train.weight_decay: lr x weight_decay = 5e+04 is 2 or more")
+
+
+def test_a_tape_past_the_memory_limit_breaks_down(tmp_path):
+    """A gradient whose steps would take its tape past the room the memory limit leaves
+    it stops before taking them (with fast heads it used to crawl while memory grew)."""
+    from pdeformer.solvers.adjoint import AdjointSolver
+    from pdeformer.solvers.forward import ForwardSolver, build_problem
+    from pdeformer.tools.config import load_config
+    from pdeformer.tools.errors import SolverBreakdown
+    from mpi4py import MPI
+    cfg = load_config(write_config(tmp_path, CONFIG.replace("steps_per_layer = 8\n", "")))
+    problem = build_problem(cfg, MPI.COMM_WORLD, differentiable=True)
+    solver = ForwardSolver(problem)
+    adjoint = AdjointSolver(solver, problem.objective, problem.targets)
+    adjoint.gradient()          # fits
+    solver.tape_room = 20_000   # bytes: a few steps' worth
+    with pytest.raises(SolverBreakdown, match=r"prompt 'a', layer 0, t = [\d.]+: the velocity \|v\| = .* needs "
+                       r"\d+ more steps in this frame, and the tape the gradient keeps"):
+        adjoint.gradient()

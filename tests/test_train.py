@@ -162,6 +162,12 @@ def _altered_checkpoint(src: str, dst: str, arrays: dict | None = None, meta: di
     return dst
 
 
+def rows(n: int) -> list[dict]:
+    """A history of n steps as a training writes it (plain full-batch gd)."""
+    return [{"step": k, "risk": 0.5 / (k + 1), "grad_norm": 1.0, "step_size": 0.2, "displacement": 0.01,
+             "wall_time": 0.1 * k} for k in range(n)]
+
+
 def test_restart_refuses_checkpoints_of_another_shape_or_without_metadata(tmp_path):
     """Wrong shapes (Q of one layer, Adam moments of another size), wrong kinds (a float
     step count, integer heads), non-finite heads, no fingerprint, a step that is not a count, a missing array: each an InputError naming
@@ -176,7 +182,7 @@ def test_restart_refuses_checkpoints_of_another_shape_or_without_metadata(tmp_pa
     opt = train.make_optimizer(options(cfg).train, heads)
     like = {n: getattr(heads, n) for n in "QKV"} | opt.state()
     good = str(tmp_path / "checkpoint.npz")
-    train.write_checkpoint(good, heads, opt, 4, [{"step": 0}], np.random.default_rng(0), cfg)
+    train.write_checkpoint(good, heads, opt, 4, rows(4), np.random.default_rng(0), cfg)
     assert train.read_checkpoint(good, cfg, like)["meta"]["step"] == 4
     bad = str(tmp_path / "bad.npz")
     cases = [
@@ -189,6 +195,14 @@ def test_restart_refuses_checkpoints_of_another_shape_or_without_metadata(tmp_pa
         (dict(meta={"step": "4"}), "not a pdeformer checkpoint (its metadata has no int 'step')"),
         (dict(meta={"step": -1}), "not a pdeformer checkpoint (step -1)"),
         (dict(drop=("adam_t",)), "no array 'adam_t'"),
+        # damaged behind an intact fingerprint: the RNG state, the history's rows
+        (dict(meta={"rng": {"bit_generator": "PCG64", "state": {"state": "x", "inc": 1}, "has_uint32": 0,
+                            "uinteger": 0}}), "its RNG state is damaged"),
+        (dict(meta={"rng": {"bit_generator": "MT19937", "state": {}}}), "its RNG state is damaged"),
+        (dict(meta={"history": rows(3)}), "its history has 3 row(s) for 4 step(s)"),
+        (dict(meta={"history": rows(2) + [{**rows(3)[2], "risk": "x"}] + rows(4)[3:]}), "history row 2 is damaged"),
+        (dict(meta={"history": rows(2) + [{**rows(3)[2], "step": 7}] + rows(4)[3:]}), "history row 2 is damaged"),
+        (dict(meta={"history": rows(3) + [{"step": 3}]}), "history row 3 is damaged"),
     ]
     for change, message in cases:
         _altered_checkpoint(good, bad, **change)
@@ -220,7 +234,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     opt = train.make_optimizer(options(cfg).train, heads)
     rng = np.random.default_rng(0)
     path = str(tmp_path / "checkpoint.npz")
-    train.write_checkpoint(path, heads, opt, 4, [{"step": 0}], rng, cfg)
+    train.write_checkpoint(path, heads, opt, 4, rows(4), rng, cfg)
 
     def killed(fd):
         raise KeyboardInterrupt
@@ -229,7 +243,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     saved = heads.V.copy()
     heads.V += 1.0
     with pytest.raises(KeyboardInterrupt):
-        train.write_checkpoint(path, heads, opt, 6, [{"step": 0}], rng, cfg)
+        train.write_checkpoint(path, heads, opt, 6, rows(6), rng, cfg)
     data = train.read_checkpoint(path, cfg)
     assert data["meta"]["step"] == 4
     assert np.array_equal(data["V"], saved)

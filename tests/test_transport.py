@@ -143,7 +143,7 @@ def test_mass_plus_outflow_is_conserved(tmp_path):
     heads = uniform_attention_heads(2, layers=3)
     heads.V[:] = 2.0 * np.eye(2)
     solver = make_solver(tmp_path, lower=[-2.0, -2.0], upper=[2.0, 2.0], cells=[12, 12],
-                         degree=2, heads=heads,
+                         degree=2, heads=heads, disc={"max_outflow": 1.0},   # (it is the point)
                          prompt={"kind": "gaussian_mixture", "means": [[0.5, 0.2]], "covs": [0.1]})
 
     class Record(Tracker):
@@ -157,9 +157,22 @@ def test_mass_plus_outflow_is_conserved(tmp_path):
     solver.run([record])
     rows = record.rows
     assert len(rows) == 4
-    assert rows[-1]["outflow"] > 0.3
+    assert rows[-1]["outflow"] > 0.5
     for r in rows:
         assert abs(r["mass"] + r["outflow"] - 1.0) < 1e-12, r
+
+
+def test_a_run_whose_mass_has_left_is_a_breakdown(tmp_path):
+    """The same expansion with discretisation.max_outflow at its default (0.5): the frame
+    where more than half the mass has left stops the run, saying how much is left."""
+    from pdeformer.tools.errors import SolverBreakdown
+    heads = uniform_attention_heads(2, layers=3)
+    heads.V[:] = 2.0 * np.eye(2)
+    solver = make_solver(tmp_path, lower=[-2.0, -2.0], upper=[2.0, 2.0], cells=[12, 12], degree=2,
+                         heads=heads, prompt={"kind": "gaussian_mixture", "means": [[0.5, 0.2]], "covs": [0.1]})
+    with pytest.raises(SolverBreakdown, match=r"t = [\d.]+: (0.\d+|all but [\d.e-]+) of the mass has left the mesh \(more than "
+                       r"discretisation.max_outflow = 0.5\); the moments of the [\d.e-]+ left say little"):
+        solver.run([])
 
 
 def test_limiter_keeps_means_and_positivity(tmp_path):

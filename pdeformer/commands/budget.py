@@ -66,9 +66,9 @@ import os
 import numpy as np
 
 from ..tools.config import Key, integer, load_config, path, positive_int_list, string
-from .converge import (COLUMNS, describe_reference, ensemble_matrix, error_rows, override_strings,
-                       prepare, read_study_file, run_ensemble, size_of)
-from ..tools.errors import ConfigError, status_of
+from .converge import (COLUMNS, check_members_differ, describe_reference, ensemble_matrix, error_rows,
+                       override_strings, prepare, read_study_file, run_ensemble, size_of, study_inputs)
+from ..tools.errors import ConfigError, PdeformerError, status_of, within
 from ..tools.output import atomic_write, provenance, save_figure, write_csv, write_json
 from ..tools.parallel import (METER, PromptGroups, Timer, describe_parallel, metered, on_root,
                               parallel_report)
@@ -140,6 +140,10 @@ def load_budget(filename: str, overrides=()) -> dict:
     if b["cells_reference"][0] <= max(c[0] for c in b["cells"]):
         raise ConfigError("budget.cells_reference", f"{b['cells_reference']} is not finer than the "
                           "mesh sweep")
+    if b["width_reference"] == "draw" and b["width_reference_heads"] <= max(b["heads"]):
+        raise ConfigError("budget.width_reference_heads", f"{b['width_reference_heads']} heads is not "
+                          f"above the width sweep's {max(b['heads'])}: the H -> infinity reference "
+                          "must have more heads than every case")
     if b["groups"] > b["seeds"]:
         raise ConfigError("budget.groups", f"{b['groups']} groups for {b['seeds']} seeds: at most "
                           "one group per member of the ensembles")
@@ -228,12 +232,19 @@ def run_budget(b: dict, comm=None) -> dict:
 
     announce = (f"pdeformer budget {b['budget_file']}: L, H, N = {b['transformer']}, {b['seeds']} seeds "
                 f"per case, on {world.size} rank(s) in {groups.count} group(s), output in {outdir}")
-    with output_session("budget", outdir, world, announce, on_error):
+    prepared = {name: prepare(study) for name, study in
+                list(studies.items()) + [(f"check {i}", s) for i, s in enumerate(checks)]}
+    reads = sorted({kp for cfgs, refs, _ in prepared.values() for kp in study_inputs(cfgs, refs)})
+    with output_session("budget", outdir, world, announce, on_error, reads=reads):
         measured = {}
         for name, study in list(studies.items()) + [(f"check {i}", s) for i, s in enumerate(checks)]:
             with timer.phase(name.split()[0]):
-                cfgs, refs, _ = prepare(study)
-                records, _ = run_ensemble(study, cfgs, refs, groups, timer, None)
+                cfgs, refs, _ = prepared[name]
+                try:
+                    records, _ = run_ensemble(study, cfgs, refs, groups, timer, None)
+                    check_members_differ(study, records)
+                except PdeformerError as e:   # which sweep it was
+                    raise within(e, f"the {name} {'sweep' if name in studies else '(direct measurement)'}") from None
                 measured[name] = (*error_rows(study, records), records)
             log.info("%s: measured", name)
         result = fit_budget(b, studies, measured, points)

@@ -37,9 +37,10 @@ from mpi4py import MPI
 from ..fem import _dolfinx as dfx
 from ..attention.costs import costs_record, machine_costs
 from ..tools.blas import describe_choice
-from ..tools.budget import check_memory, peak_memory
+from ..tools.budget import check_memory, peak_memory, room_for_tape
+from ..tools.config import input_files
 from ..tools.errors import ConfigError, PdeformerError, SolverBreakdown, status_of
-from ..solvers.forward import ForwardSolver, Tracker, build_problem
+from ..solvers.forward import ForwardSolver, Tracker, build_problem, teacher_pass
 from ..tools.outdir import TRAINING_STATE, OutputFolder
 from ..tools.output import provenance, write_json, write_npz
 from ..tools.parallel import (METER, PromptGroups, Timer, add_log_file, describe_parallel, metered, on_root,
@@ -51,16 +52,20 @@ log = logging.getLogger("pdeformer")
 
 
 @contextmanager
-def output_session(command: str, outdir: str, comm, announce: str, on_error, on_bug=None, keep=()):
+def output_session(command: str, outdir: str, comm, announce: str, on_error, on_bug=None, keep=(),
+                   reads=()):
     """The inside of a command in its output folder: the folder created and locked,
-    earlier files moved aside (but those matching ``keep``: see pdeformer.tools.outdir), the
-    log file open and ``announce`` logged. A PdeformerError raised inside (on every rank)
-    calls ``on_error(e)`` (which writes the summary; a second error there, e.g. a disk
-    still full, is dropped: the first one's line says what happened); anything else
-    calls ``on_bug(e)`` on the failing rank. The lock and log are released either way."""
-    folder = OutputFolder(outdir, command, keep)
+    earlier files moved aside (but those matching ``keep``; ``reads``: [(key, path)] of
+    the files the run reads, which may not be among them: see pdeformer.tools.outdir),
+    the log file open and ``announce`` logged. A PdeformerError raised inside (on every
+    rank) calls ``on_error(e)`` (which writes the summary; a second error there, e.g. a
+    disk still full, is dropped: the first one's line says what happened), except bad
+    input (exit status 2): the command is refused and the folder put back as it was;
+    anything else calls ``on_bug(e)`` on the failing rank. The lock and log are released
+    either way."""
+    folder = OutputFolder(outdir, command, keep, reads)
     on_root(comm, folder.open)
-    handler = None
+    handler, refused = None, False
     try:
         handler = add_log_file(comm, os.path.join(outdir, "pdeformer.log"))
         log.info("%s", announce)
@@ -73,10 +78,12 @@ def output_session(command: str, outdir: str, comm, announce: str, on_error, on_
                 log.warning(dfx.untested_version_warning())
         yield
     except PdeformerError as e:
-        try:
-            on_error(e)
-        except PdeformerError:
-            pass
+        refused = e.exit_status == 2
+        if not refused:
+            try:
+                on_error(e)
+            except PdeformerError:
+                pass
         raise
     except BaseException as e:
         if on_bug is not None:
@@ -85,7 +92,7 @@ def output_session(command: str, outdir: str, comm, announce: str, on_error, on_
     finally:
         remove_log_file(handler)
         if comm.rank == 0:
-            folder.close()
+            folder.close(restore=refused)
 
 
 class Run:
@@ -118,10 +125,12 @@ class Run:
         with self.groups.combined():   # a group's failing set-up ends every group
             with self.timer.phase("setup"):
                 self.problem = build_problem(cfg, self.comm, differentiable and solver is ForwardSolver,
-                                             groups=self.groups)
+                                             groups=self.groups, defer_teacher=True)
                 if check is not None:   # the command's own input checks
                     check(self.problem)
             self.solver = solver(self.problem, self.timer) if solver else None
+        if differentiable and isinstance(self.solver, ForwardSolver):   # a tape past it is a breakdown
+            self.solver.tape_room = room_for_tape(self.memory, cfg, self.comm)
         self.outdir = out["dir"]
         self.info = provenance(self.comm) if self.comm.rank == 0 else {}
         self.summarised = False
@@ -165,7 +174,11 @@ class Run:
                 self.summary(status_of(e), e)
         announce = (f"pdeformer {self.command} {self.cfg['config_file']} on {self.comm.size} "
                     f"rank(s), output in {self.outdir}")
-        with output_session(self.command, self.outdir, self.comm, announce, on_error, self._failed, keep):
+        with output_session(self.command, self.outdir, self.comm, announce, on_error, self._failed, keep,
+                            input_files(self.cfg)):
+            if self.problem.teacher is not None:   # its breakdown is this run's, recorded here
+                with self.timer.phase("teacher"):
+                    teacher_pass(self.problem)
             yield
 
     def _failed(self, error: BaseException) -> None:
@@ -365,9 +378,11 @@ def run_train(cfg: dict, comm=None, restart: bool = False, walltime: float | Non
     p = run.problem
     adj = AdjointSolver(run.solver, p.objective, p.targets, cfg["objective"]["quadrature_degree"])
     trainer = Trainer(adj, cfg, run.outdir, walltime, started=run.timer.start)   # set-up counts
+    if restart:   # read and checked before the folder is touched: a refused restart changes nothing
+        trainer.restart()
     with run.session(keep=TRAINING_STATE if restart else ()):
         if restart:
-            trainer.restart()
+            log.info("restart from %s at step %d", trainer.checkpoint_file, trainer.start)
         status, error = "completed", None
         try:
             with run.timer.phase("train"):
@@ -526,7 +541,6 @@ def run_particles(cfg: dict, comm=None, gradient: bool = False) -> dict:
     p = run.problem
     if gradient and p.objective is None:
         raise ConfigError("objective.kind", "missing: --gradient needs an [objective]")
-    adjoint = ParticleAdjoint(run.solver, p.objective, p.targets) if p.objective else None
     table = DiagnosticsTable(run.path("diagnostics.csv"))
     trackers = [ProgressLog(), table]
     tokens = TokenOutput(run.outdir) if cfg["particles"]["points"] else None
@@ -536,6 +550,7 @@ def run_particles(cfg: dict, comm=None, gradient: bool = False) -> dict:
     snapshots = run.snapshots(TokenSnapshots)
     trackers += [finals] + ([snapshots] if snapshots else [])
     with run.session():
+        adjoint = ParticleAdjoint(run.solver, p.objective, p.targets) if p.objective else None
         status, error, results = "completed", None, {}
         try:
             with run.groups.combined():   # each group moves its prompts' tokens; then they meet

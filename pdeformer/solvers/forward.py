@@ -26,20 +26,20 @@ import ufl
 from mpi4py import MPI
 
 from ..tools.config import Options, options
-from ..tools.errors import ConfigError, InputError, SolverBreakdown
+from ..tools.errors import ConfigError, InputError, PdeformerError, SolverBreakdown, within
 from ..integrator.frames import Frame, Tracker, located  # noqa: F401  (Tracker: the base of the trackers)
-from ..integrator.march import march
+from ..integrator.march import march, tape_nbytes
 from ..attention.costs import machine_costs
 from ..attention.softmax import value_gain
 from ..model.heads import HeadMeasure
 from ..fem.mesh import bounding_box, is_manifold, make_mesh, shortest_edge, sphere_radius, token_dim
-from ..tools.datasets import split_prompts, teacher_given
+from ..tools.datasets import data_errors, prompt_label, split_prompts, teacher_given
 from ..tools.parallel import PromptGroups, Timer, any_rank, moment_sums, on_root
 from ..model.objectives import make_objective, make_target
 from ..model.prompts import make_prompt
 from ..integrator.schemes import SCHEMES, ssp_step
 from ..fem.transport import DGTransport
-from ..model.velocity import AttentionVelocity, TableSum
+from ..model.velocity import AttentionVelocity, TableSum, check_scores
 
 log = logging.getLogger("pdeformer")
 
@@ -79,6 +79,7 @@ class Problem:
     opts: Options = None         # cfg as typed sections, what the solvers read (default: from cfg)
     radius: float | None = None  # tokens on the sphere |x| = radius (the mesh's; None: flat)
     held_out: list = None        # indices of the held-out (test) prompts ([data] test_fraction)
+    teacher: HeadMeasure = None  # a teacher whose targets are still to be computed (teacher_pass)
 
     def __post_init__(self):
         if self.radius is None and is_manifold(self.mesh):   # every rank of comm constructs it
@@ -111,11 +112,14 @@ def build_heads(comm, model, d: int) -> HeadMeasure:
 
 
 def build_problem(cfg: dict, comm, differentiable: bool = False,
-                  groups: PromptGroups | None = None) -> Problem:
+                  groups: PromptGroups | None = None, defer_teacher: bool = False) -> Problem:
     """Mesh, heads, prompts (and objective, targets) of a checked configuration.
     ``differentiable``: the run takes gradients (gradient, train), so the discrete
     forward map must be smooth in the heads. With ``groups`` the mesh is built on this
-    rank's group communicator (``groups.comm``) and ``comm`` is not used."""
+    rank's group communicator (``groups.comm``) and ``comm`` is not used. A teacher's
+    targets come from a forward run of the teacher, which can break down: with
+    ``defer_teacher`` it is left to :func:`teacher_pass` (a run makes it inside its
+    output folder, so that a breakdown there is recorded)."""
     # this machine's costs of summing (attention/costs.py): agreed on by all ranks of
     # the job before any group sums anything
     machine_costs(groups.world if groups is not None else comm)
@@ -130,10 +134,8 @@ def build_problem(cfg: dict, comm, differentiable: bool = False,
     heads = build_heads(comm, opts.model, d)
     # the record says what was run: the heads' sizes as read or resolved
     cfg["model"].update(layers=heads.layers, heads=heads.heads, key_dim=heads.key_dim)
-    prompts = on_root(comm, lambda: [(p["name"], make_prompt(p, d, i, radius=radius))
-                                     for i, p in enumerate(opts.prompts)])
-    targets = on_root(comm, lambda: [make_target(p["target"], d, i, radius)
-                                     for i, p in enumerate(opts.prompts)])
+    prompts = on_root(comm, build_prompts, opts.prompts, d, radius, opts.data)
+    targets = on_root(comm, build_targets, opts.prompts, d, radius, opts.data)
     for key in ("center", "direction"):
         value = getattr(opts.objective, key)
         if value is not None and len(value) != d:
@@ -147,9 +149,66 @@ def build_problem(cfg: dict, comm, differentiable: bool = False,
     teacher = teacher_heads(comm, opts, heads, d) if teacher_given(cfg["data"]) else None
     if opts.model.init == "teacher":
         near_teacher(heads, teacher, opts.model)
+    check_attention(comm, mesh, opts, heads, teacher)
     if objective is not None and teacher is not None and "moments" in objective.targets:
-        problem.targets = teacher_targets(problem, teacher)   # (an objective without targets: none)
+        problem.teacher = teacher         # (an objective without targets: none)
+        if not defer_teacher:
+            teacher_pass(problem)
     return problem
+
+
+def teacher_pass(problem: Problem) -> None:
+    """The targets of a pending teacher (:attr:`Problem.teacher`), set in place in
+    ``problem.targets`` (solvers made before hold that list); a breakdown of the teacher's
+    forward run is raised as the teacher's (a combination point)."""
+    teacher, problem.teacher = problem.teacher, None
+    if teacher is None:
+        return
+    data = problem.opts.data
+    source = f"data.teacher = {data.teacher}" if data.teacher is not None else f"data.teacher_seed = {data.teacher_seed}"
+    try:
+        targets = teacher_targets(problem, teacher)
+    except PdeformerError as e:
+        raise within(e, f"the teacher's target pass ({source})") from None
+    problem.targets[:] = targets
+
+
+def check_attention(comm, mesh, opts: Options, heads: HeadMeasure, teacher: HeadMeasure | None = None) -> None:
+    """The heads (and a teacher's) against the mesh's extent: attention scores and
+    velocities that doubles hold (:func:`pdeformer.model.velocity.check_scores`), else a
+    ConfigError naming attention.beta, the key that sets the heads' size, or the mesh's."""
+    lo, hi = bounding_box(comm, mesh)
+    reach = math.hypot(*np.maximum(np.abs(lo), np.abs(hi)))     # (hypot: no overflow of squares)
+    model, data = opts.model, opts.data
+    mesh_key = "mesh.file" if opts.mesh.file is not None else \
+        "mesh.upper" if opts.mesh.shape == "box" else "mesh.radius"
+    scale_key = "model.query_scale" if (model.query_scale or 0) > model.init_scale else "model.init_scale"
+    teacher_key = "data.teacher" if data.teacher is not None else scale_key
+    heads_key = "model.params" if model.params is not None else \
+        teacher_key if model.init == "teacher" else scale_key
+    for h, key in ((heads, heads_key), (teacher, teacher_key)):
+        if h is not None:
+            check_scores(h, opts.attention.beta, reach, {"beta": "attention.beta", "heads": key, "mesh": mesh_key})
+
+
+def build_prompts(tables: tuple, d: int, radius: float | None, data) -> list:
+    """[(name, density object)] of the checked prompt tables; a prompt that [data] made is
+    named in errors by the data.* key that drew it, or by its file."""
+    out = []
+    for i, p in enumerate(tables):
+        with data_errors(data, tables, p["name"]):
+            out.append((p["name"], make_prompt(p, d, i, radius=radius)))
+    return out
+
+
+def build_targets(tables: tuple, d: int, radius: float | None, data) -> list:
+    """The prompts' targets (:func:`pdeformer.model.objectives.make_target`); a target
+    file of a folder data set is named in errors by data.folder and the file."""
+    out = []
+    for i, p in enumerate(tables):
+        with data_errors(data, tables, p["name"]):
+            out.append(make_target(p["target"], d, i, radius))
+    return out
 
 
 def near_teacher(student: HeadMeasure, teacher: HeadMeasure, model) -> None:
@@ -256,6 +315,7 @@ class PromptMarch:
         self.first = None     # (velocity, plan) of the step about to be taken
         self.plan = None
         self.layer = 0
+        self.step_bytes = None   # bytes of a taped step (the largest rank's, after the first step)
 
     def where(self, t: float, layer: int) -> str:
         return f"prompt {self.name!r}, layer {layer}, t = {t:.6g}"
@@ -283,6 +343,7 @@ class PromptMarch:
                                       > sv._replan_factor * dt_cfl):
                     plan.plan(sv._cfl_steps(t_end - t, dt_cfl, vmax, self.layer_steps))
                 n_left = plan.left()
+            self._check_tape(n_left, vmax)
         dt = (t_end - t) / n_left
         overshoot = dt * sv.disc.cfl / dt_cfl
         self.overshoot = max(self.overshoot, overshoot)
@@ -316,6 +377,23 @@ class PromptMarch:
             self.state = sv._step(self.state, dt, layer, self.first, self.tape)
             if any_rank(sv.comm, not np.all(np.isfinite(self.state[0]))):
                 raise SolverBreakdown("the density is NaN or overflows after this step")
+            if self.tape is not None and self.step_bytes is None:   # the largest rank's, agreed
+                self.step_bytes = sv.comm.allreduce(tape_nbytes(self.tape[-1]), op=MPI.MAX)
+
+    def _check_tape(self, steps: int, vmax: float) -> None:
+        """A breakdown where ``steps`` more steps would take the gradient's tape past the
+        room the memory limit leaves it (ForwardSolver.tape_room): the velocity is too fast
+        for this mesh's CFL step (agreed on every rank: step_bytes is)."""
+        room, per = self.solver.tape_room, self.step_bytes
+        if self.tape is None or room is None or per is None:
+            return
+        need = (len(self.tape) + steps) * per
+        if need > room:
+            raise SolverBreakdown(
+                f"the velocity |v| = {vmax:.3g} needs {steps} more steps in this frame, and the tape "
+                f"the gradient keeps of them ({need / 2**30:.3g} GB per rank) would pass the "
+                f"{room / 2**30:.3g} GB the memory limit leaves it (output.max_memory_gb, or the "
+                "node's memory): these heads move the tokens too fast for the mesh")
 
     def emit(self, t: float, layer: int, boundary: bool) -> None:
         """The frame at t: its velocity where a tracker wants it (the heads of the layer
@@ -337,7 +415,7 @@ class PromptMarch:
         frame.extra["diagnostics"] = diag = sv.diagnostics(frame)
         where = self.where(t, max(layer, 0))
         if failure is None:
-            failure = sv.blowup(diag, self.overshoot, where)
+            failure = sv.blowup(diag, self.overshoot, where) or sv.mass_gone(diag, where)
         if failure is None and self.index not in sv.outflow_warned and sv._warn_outflow(diag, where):
             sv.outflow_warned.add(self.index)   # once per prompt and run (not every training step)
         with sv.timer.phase("output"):
@@ -376,14 +454,16 @@ class ForwardSolver:
         self.current_prompt = None   # the prompt being solved (it keys the laplace plans)
         self.evaluations = 0         # velocity evaluations of it so far (frozen plans)
         self._tape_room = 0          # bytes of tables the current tape may still keep
+        self.tape_room = None        # bytes a tape may take in all (None: no limit; Run sets it)
         for i, (name, prompt) in enumerate(problem.prompts):
             if prompt.kind == "points":
-                raise ConfigError(f"prompts[{i}].kind", f"{name!r} is a point cloud, which has no "
-                                  "density to put on a mesh: use it with particles or ntk")
+                with data_errors(problem.opts.data, problem.opts.prompts, name):
+                    raise ConfigError(f"prompts[{i}].kind", f"{name!r} is a point cloud, which has no "
+                                      "density to put on a mesh: use it with particles or ntk")
         # every prompt of this group is projected (and checked) before anything runs or is
         # written; the other groups' prompts are None here (their info: just the name)
         with self.timer.phase("prompts"):
-            initial = {i: self.initial_state(i) for i in problem.groups.owned}
+            initial = {i: self._initial(i) for i in problem.groups.owned}
         self.initial_coeffs = [initial[i][0] if i in initial else None
                                for i in range(len(problem.prompts))]
         self.prompt_info = [initial[i][1] if i in initial else {"name": name}
@@ -398,6 +478,18 @@ class ForwardSolver:
         return "mesh.refinements" if self.problem.opts.mesh.shape == "sphere" else "mesh.cells"
 
     # ------------------------------------------------------------ building blocks
+    def _initial(self, index: int) -> tuple[np.ndarray, dict]:
+        """:meth:`initial_state`; a prompt that [data] made is named in its errors by the
+        data.* key that drew it (a mixture off the mesh: its means, where one lies off
+        the mesh's box, else its widths) or by its file."""
+        name, prompt = self.problem.prompts[index]
+        part = None
+        if prompt.kind == "gaussian_mixture":
+            lo, hi = self.box
+            part = "means" if np.any((prompt.means < lo) | (prompt.means > hi)) else "covs"
+        with data_errors(self.problem.opts.data, self.problem.opts.prompts, name, part):
+            return self.initial_state(index)
+
     def initial_state(self, index: int) -> tuple[np.ndarray, dict]:
         """rho_0 projected onto DG-k and normalised to mass 1 on the mesh."""
         name, prompt = self.problem.prompts[index]
@@ -407,7 +499,9 @@ class ForwardSolver:
         if hasattr(prompt, "unresolved") and (error := prompt.unresolved(self.cell, key)):
             raise error
         x = ufl.SpatialCoordinate(self.problem.mesh)
-        if prompt.ufl_density is not None:
+        if hasattr(prompt, "ufl_parts"):     # a mixture: one small form for any number of components
+            rho0 = prompt.ufl_parts(x, tr.constant)
+        elif prompt.ufl_density is not None:
             rho0 = prompt.ufl_density(x, tr.constant)
         else:
             rho0 = tr.interpolant(prompt.density, disc.degree + 2)
@@ -426,8 +520,9 @@ class ForwardSolver:
             raise InputError(f"{key} ({name!r}): the prompt lies outside the mesh "
                              f"(only {max(0.0, 1 - truncated):.3g} of its mass is on it)")
         if truncated > disc.tail_tolerance and self.comm.rank == 0:
-            log.warning("warning: %s (%r): %.3g of its mass lies outside the mesh and is cut off",
-                        key, name, truncated)
+            log.warning("warning: %s: %.3g of its mass lies outside the mesh and is cut off",
+                        prompt_label(self.problem.opts.data, self.problem.opts.prompts, name, index),
+                        truncated)
         coeffs /= mass
         if disc.limiter:
             coeffs = tr.limit(coeffs)
@@ -503,6 +598,14 @@ class ForwardSolver:
             local = float(np.max(np.linalg.norm(pts, axis=1))) if len(pts) else 0.0
             self._reach = self.comm.allreduce(local, op=MPI.MAX)
         return value_gain(self.problem.heads.V[layer]) * self._reach
+
+    def steps_bound(self, layer: int, V: np.ndarray | None = None) -> float:
+        """The most CFL steps a layer can need with values V (default: the heads'):
+        (2k + 1) |v|max / (L cfl l_min), |v|max from :meth:`velocity_bound`."""
+        gain = value_gain(self.problem.heads.V[layer] if V is None else V)
+        self.velocity_bound(layer)    # (the sources' reach, once)
+        k, L = self.disc.degree, self.problem.heads.layers
+        return (2 * k + 1) * gain * self._reach / (L * self.disc.cfl * self.scheme.cfl_factor * self.cell)
 
     def _check_hull(self, vmax: float, vel: np.ndarray, layer: int) -> None:
         """A breakdown when the velocity is far above what a density >= 0 can give: the
@@ -580,6 +683,20 @@ class ForwardSolver:
                      f"than the step: refine {self._refine_key} or lower discretisation.cfl"
                      + ("" if self.disc.limiter else " (or set discretisation.limiter = true)"))
         return SolverBreakdown(f"{where}: the density blew up: {what}; {cause}")
+
+    def mass_gone(self, diag: dict, where: str) -> SolverBreakdown | None:
+        """A breakdown once more of the mass than ``discretisation.max_outflow`` has left
+        the mesh: the moments of what is left say little about the model's output (they
+        are normalised by the mass left), and a risk fitted to them less."""
+        limit = self.disc.max_outflow
+        if not diag["outflow"] > limit or limit >= 1:
+            return None
+        left = max(diag["mass"], 0.0)
+        gone = f"all but {left:.3g}" if diag["outflow"] > 0.9995 else f"{diag['outflow']:.4g}"
+        return SolverBreakdown(
+            f"{where}: {gone} of the mass has left the mesh (more than discretisation.max_outflow = "
+            f"{limit:g}); the moments of the {left:.3g} left say little about the model's output: "
+            "enlarge the mesh (mesh.lower, mesh.upper)")
 
     def _warn_outflow(self, diag: dict, where: str) -> bool:
         """Warn when more mass than ``tail_tolerance`` has left the mesh:

@@ -36,21 +36,27 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
 from ..tools.config import batches_per_epoch, options
 from ..tools.datasets import data_set_given, teacher_given
-from ..tools.errors import InputError
+from ..tools.errors import ConfigError, InputError, PdeformerError, SolverBreakdown, reworded
+from ..tools.files import load_npz, open_regular
 from ..model.heads import HeadMeasure
 from ..tools.output import write_csv, write_head_points, write_npz, write_pvd
 from ..tools.parallel import on_root
+from .forward import MAX_STEPS_PER_LAYER
 
 log = logging.getLogger("pdeformer")
 
 PARAMS = ("Q", "K", "V")
+HEADS_BLOWUP = 100.0        # an update that multiplies the steps a forward pass needs by this ...
+STEPS_WORTH_A_LOOK = 1000   # ... to more than this many per layer is a blow-up of the heads
 HISTORY = ["step", "risk", "grad_norm", "step_size", "displacement", "wall_time"]
 
 
@@ -184,7 +190,7 @@ def _file_digest(path: str | None) -> str | None:
     if path is None or not os.path.isfile(path):
         return None
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path, "checkpoint fingerprint") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
@@ -217,7 +223,9 @@ def fingerprint(opts) -> dict:
     foreign = {k for name, c in OBJECTIVES.items() if name != kind for k in c.own_keys}
     objective = {k: v for k, v in dataclasses.asdict(opts.objective).items() if k not in foreign}
     parts = {"mesh": mesh, "model": model, "prompts": prompts,
-             "discretisation": dataclasses.asdict(opts.discretisation), "objective": objective,
+             "discretisation": {k: v for k, v in dataclasses.asdict(opts.discretisation).items()
+                                if k != "max_outflow"},   # (it decides only when a run stops)
+             "objective": objective,
              "optimizer": opts.train.optimizer}
     data = dataclasses.asdict(opts.data)   # a data set, teacher or split (absent otherwise, and
     if data_set_given(data) or teacher_given(data) or data["test_fraction"]:   # keys at their
@@ -246,20 +254,21 @@ def write_checkpoint(filename: str, heads: HeadMeasure, optimizer, step: int, hi
 CHECKPOINT_META = {"step": int, "history": list, "optimizer": str, "rng": dict, "fingerprint": dict}
 
 
-def read_checkpoint(filename: str, opts, like: dict | None = None) -> dict:
+def read_checkpoint(filename: str, opts, like: dict | None = None, columns: list | None = None) -> dict:
     """Arrays and metadata of a checkpoint; refused (InputError) when it is not one
-    pdeformer wrote (metadata missing or of the wrong type), was made for another
-    problem (fingerprint), or its arrays differ from this run's (``like``: name -> array,
-    the heads' Q, K, V and the optimizer's state) in shape or kind (float, integer), or
-    are not finite. Run on rank 0."""
-    if not os.path.isfile(filename):
+    pdeformer wrote (not a regular file, metadata missing or of the wrong type, an RNG
+    state numpy does not take, history rows that are not steps 0..step-1 with a number
+    in every column of ``columns``), was made for another problem (fingerprint), or its
+    arrays differ from this run's (``like``: name -> array, the heads' Q, K, V and the
+    optimizer's state) in shape or kind (float, integer), or are not finite. Run on rank 0."""
+    if not os.path.lexists(filename):
         raise InputError(f"--restart: no checkpoint at {filename}")
+    data = load_npz(filename, "--restart")
     try:
-        with np.load(filename, allow_pickle=False) as f:
-            data = {k: np.array(f[k]) for k in f.files}
         meta = json.loads(str(data.pop("meta")))
-    except Exception as e:  # damaged file
-        raise InputError(f"--restart: {filename}: not a readable checkpoint ({type(e).__name__}: {e})") from None
+    except (KeyError, ValueError) as e:
+        raise InputError(f"--restart: {filename}: not a pdeformer checkpoint (its metadata: "
+                         f"{type(e).__name__}: {e})") from None
     for key, kind in CHECKPOINT_META.items():
         if not isinstance(meta, dict) or not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
             raise InputError(f"--restart: {filename}: not a pdeformer checkpoint "
@@ -271,6 +280,11 @@ def read_checkpoint(filename: str, opts, like: dict | None = None) -> dict:
     if differ:
         raise InputError(f"--restart: {filename} was made for another problem "
                          f"(different {', '.join(differ)}); use a fresh output.dir")
+    try:
+        np.random.default_rng().bit_generator.state = meta["rng"]
+    except Exception as e:   # numpy checks the state's keys, kinds and ranges
+        raise InputError(f"--restart: {filename}: its RNG state is damaged ({type(e).__name__}: {e})") from None
+    _check_history(filename, meta["history"], meta["step"], columns)
     for name, ref in (like or {}).items():
         a, ref = data.get(name), np.asarray(ref)
         if a is None:
@@ -284,6 +298,26 @@ def read_checkpoint(filename: str, opts, like: dict | None = None) -> dict:
             raise InputError(f"--restart: {filename}: array {name!r} is not finite")
     data["meta"] = meta
     return data
+
+
+def _check_history(filename: str, history: list, step: int, columns: list | None) -> None:
+    """A checkpoint's history: one row per step 0..step-1, each a table of finite numbers
+    (None where a column was not evaluated at that step) with every one of ``columns``."""
+    if len(history) != step:
+        raise InputError(f"--restart: {filename}: its history has {len(history)} row(s) for "
+                         f"{step} step(s): the checkpoint is damaged")
+    for k, row in enumerate(history):
+        if not isinstance(row, dict):
+            raise InputError(f"--restart: {filename}: history row {k} is damaged (not a table)")
+        missing = [c for c in (columns or ("step", "risk")) if c not in row]
+        bad = [c for c, v in row.items()
+               if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+               and not (v is None and c not in ("step", "risk"))]
+        why = (f"no {', '.join(missing)}" if missing else
+               f"{bad[0]} = {json.dumps(row[bad[0]])[:40]}" if bad else
+               f"step {row['step']}, not {k}" if row["step"] != k else None)
+        if why is not None:
+            raise InputError(f"--restart: {filename}: history row {k} is damaged ({why})")
 
 
 # ------------------------------------------------------------------ the loop
@@ -318,7 +352,7 @@ class Trainer:
 
     def restart(self) -> None:
         like = {n: getattr(self.heads, n) for n in PARAMS} | self.optimizer.state()
-        data = on_root(self.comm, read_checkpoint, self.checkpoint_file, self.opts, like)
+        data = on_root(self.comm, read_checkpoint, self.checkpoint_file, self.opts, like, self.columns)
         meta = data.pop("meta")
         for n in PARAMS:
             getattr(self.heads, n)[:] = data.pop(n)
@@ -328,7 +362,6 @@ class Trainer:
         self.start = meta["step"]
         self.frames = [(float(r["step"]), f"heads_{int(r['step']):04d}.vtu") for r in self.history
                        if self._is_output_step(int(r["step"]))]
-        log.info("restart from %s at step %d", self.checkpoint_file, self.start)
 
     def _is_output_step(self, k: int) -> bool:
         return k % self.train.output_every == 0 or k == self.train.steps
@@ -351,23 +384,30 @@ class Trainer:
                 break
             step_start = time.perf_counter()
             batch = self.batches(k)
-            g = self.adjoint.gradient(prompts=batch)
+            with self._step_context(k):
+                g = self.adjoint.gradient(prompts=batch)
             row = {"step": k, "risk": g.risk}
             if not self.batches.full:
                 row["epoch"] = self.batches.epoch(k)
+            dP = None
             if self.train.weight_decay > 0:
                 row["penalty"], dP = weight_penalty(params, self.train.weight_decay)
                 g = dataclasses.replace(g, **{f"d{n}": getattr(g, f"d{n}") + dP[n] for n in PARAMS})
-            row.update(self._evaluate(g, batch) if self._is_test_step(k) else
-                       {c: None for c in ("train_risk", "test_risk") if c in self.columns})
+            with self._step_context(k):
+                row.update(self._evaluate(g, batch) if self._is_test_step(k) else
+                           {c: None for c in ("train_risk", "test_risk") if c in self.columns})
             grads = {"Q": g.dQ, "K": g.dK, "V": g.dV}
             before = {n: p.copy() for n, p in params.items()} if k < steps else None
             if k < steps:
                 self.optimizer.step(params, grads)
+                noise = 0.0
                 if self.train.temperature > 0:   # Euler-Maruyama: + sqrt(2 lr T) xi
                     xi = langevin_noise(self.train.seed, k, {n: p.shape for n, p in params.items()})
+                    sigma = np.sqrt(2 * self.train.lr * self.train.temperature)
                     for n in PARAMS:
-                        params[n] += np.sqrt(2 * self.train.lr * self.train.temperature) * xi[n]
+                        params[n] += sigma * xi[n]
+                    noise = sigma * float(np.sqrt(sum(np.sum(xi[n] ** 2) for n in PARAMS)))
+                self.last_update = self._update_parts(grads, dP, noise)
             disp = float(np.sqrt(sum(np.sum((params[n] - before[n]) ** 2) for n in PARAMS))) \
                 if before is not None else 0.0
             row.update(grad_norm=g.norm(), step_size=self.optimizer.step_size, displacement=disp,
@@ -377,12 +417,69 @@ class Trainer:
                      "".join(f"  {c}={row[c]:.6e}" for c in ("train_risk", "test_risk", "penalty")
                              if row.get(c) is not None), row["grad_norm"], disp, row["wall_time"])
             on_root(self.comm, self._write, k, before)   # a full disk ends every rank
+            if before is not None:
+                self._check_heads(k, before, disp)
             if k < steps and ((k + 1) % self.train.checkpoint_every == 0 or k + 1 == steps):
                 on_root(self.comm, write_checkpoint, self.checkpoint_file, self.heads, self.optimizer,
                         k + 1, self.history, self.rng, self.opts)
             self.last_gradient = g
             last = time.perf_counter() - step_start
         return self.history
+
+    # ------------------------------------------------------------------ blow-ups of the heads
+    def _update_parts(self, grads: dict, dP: dict | None, noise: float) -> dict:
+        """{key: size of its part of the last update}: the gradient's (train.lr), the weight
+        decay's (train.weight_decay) and the Langevin noise's (train.temperature); for adam
+        the whole step is train.lr's (its steps are normalised)."""
+        def norm(arrays):
+            return float(np.sqrt(sum(np.sum(np.asarray(a) ** 2) for a in arrays.values())))
+        if not isinstance(self.optimizer, GradientDescent):
+            return {"train.lr": self.train.lr * math.sqrt(sum(g.size for g in grads.values())),
+                    "train.temperature": noise}
+        scale = self.optimizer.scale
+        decay = scale * norm(dP) if dP is not None else 0.0
+        risk = scale * norm({n: grads[n] - (dP[n] if dP is not None else 0.0) for n in PARAMS})
+        return {"train.lr": risk, "train.weight_decay": decay, "train.temperature": noise}
+
+    def _blame(self) -> str:
+        """The update's largest part, as the setting to lower."""
+        parts = getattr(self, "last_update", None)
+        if not parts:
+            return ""
+        key = max(parts, key=parts.get)
+        what = {"train.lr": "the gradient step", "train.weight_decay": "the weight decay",
+                "train.temperature": "the Langevin noise"}[key]
+        value = getattr(self.train, key.split(".")[1])
+        return (f"; the last update moved the heads by {sum(v * v for v in parts.values()) ** 0.5:.3g}, "
+                f"mostly {what} ({parts[key]:.3g}): lower {key} (now {value:g})")
+
+    @contextmanager
+    def _step_context(self, k: int):
+        """A failure inside training step k says so, and what the update before it did."""
+        try:
+            yield
+        except PdeformerError as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise reworded(e, f"train step {k}: {e}{self._blame() if k > self.start else ''}") from None
+
+    def _check_heads(self, k: int, before: dict, disp: float) -> None:
+        """A breakdown right after an update that blew the heads up: to NaN or infinity,
+        or to a velocity whose next forward pass needs more than MAX_STEPS_PER_LAYER CFL
+        steps per layer, or HEADS_BLOWUP times the steps it needed before (and more than
+        STEPS_WORTH_A_LOOK): a gradient flow's Euler step moves the velocity a little, an
+        update that multiplies it is a blow-up (too much noise, decay or lr)."""
+        fw = self.adjoint.forward
+        if not all(np.all(np.isfinite(getattr(self.heads, n))) for n in PARAMS):
+            what = "they are not finite"
+        else:
+            now = max(fw.steps_bound(l) for l in range(self.heads.layers))
+            was = max(fw.steps_bound(l, before["V"][l]) for l in range(self.heads.layers))
+            if not (now > MAX_STEPS_PER_LAYER or (now > STEPS_WORTH_A_LOOK and now > HEADS_BLOWUP * max(was, 1.0))):
+                return
+            what = (f"their velocity may now need up to {now:.3g} CFL steps per layer (before this "
+                    f"update {was:.3g})")
+        raise SolverBreakdown(f"train step {k}: the update blew the heads up: {what}{self._blame()}")
 
     def _is_test_step(self, k: int) -> bool:
         return k % self.train.test_every == 0 or k == self.train.steps

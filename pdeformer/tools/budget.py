@@ -21,6 +21,9 @@ Per rank, in bytes (the constants are peak resident sizes of ``pdeformer forward
     + PER_TOKEN * d * tokens               (particles: every rank draws all N tokens; 650 B
                                            per token measured in 2-D)
     + heads                                Q, K, V with gradients and optimiser moments
+    + prompts                              per prompt its records (PER_PROMPT, and
+                                           PER_FRAME_ROW per frame) and two coefficient
+                                           vectors of the rank's share of the mesh
 
 Steps of a CFL-controlled run are not known in advance: the tape counts
 MIN_STEPS_PER_LAYER, so for those runs the estimate is a lower bound. With fixed steps
@@ -39,7 +42,7 @@ import math
 import xml.etree.ElementTree as ET
 
 from .config import PARTICLE_STEPS_PER_LAYER
-from .errors import ConfigError
+from .errors import ConfigError, InputError
 
 MB = 2**20
 BASE = 160 * MB
@@ -48,6 +51,10 @@ PER_CELL_EVERYWHERE = 200
 LAPLACE_TABLES = 64 * MB
 LAPLACE_TABLES_3D = 512 * MB   # pdeformer.attention.laplace: FINE3_BYTES + 2 PANEL3_BYTES + TILE_SUMS3_BYTES
 PER_TOKEN = 400            # per token and dimension
+PER_PROMPT = 8 * 1024      # a prompt's tables, objects and records on every rank, and its
+PER_FRAME_ROW = 6 * 1024   # diagnostics row and frame records per frame (measured with a
+                           # teacher's pass, per drawn prompt: 16 kB with 2 frames and 96
+                           # coefficients, 43.6 kB with 5 frames and 384 coefficients)
 MIN_STEPS_PER_LAYER = 4
 LIMITED_CELL_BYTES = 32    # per limited cell: its index, theta, mean and minimum (+ 16 B per dof)
 # A rank's share of a partitioned mesh (rank_share): its owned cells and nodes are at most
@@ -60,6 +67,7 @@ GHOST_CELLS = 3.0
 GHOST_NODES = 7.0
 
 ADVICE = {"mesh": "use more nodes or a coarser mesh",
+          "prompts": "use fewer prompts (data.count), more nodes or prompt groups",
           "tokens": "use fewer particles.tokens (every rank draws all of them)",
           "tape": "use fewer steps_per_layer or a smaller attention.tape_mb",
           "heads": "use fewer model.layers, heads or key_dim",
@@ -73,10 +81,11 @@ SIMPLICES_PER_BOX_CELL = {"interval": 1, "triangle": 2, "quadrilateral": 1, "tet
 def _xdmf_grid(mesh: dict):
     """The mesh file's XDMF Grid of the configured name (only the header is read), or
     None where the file cannot say."""
+    from .files import XDMF_BYTES, read_bytes
     try:
-        root = ET.parse(mesh["file"]).getroot()
+        root = ET.fromstring(read_bytes(mesh["file"], "mesh.file", XDMF_BYTES))
         return next(g for g in root.iter("Grid") if g.get("Name") == mesh["name"])
-    except (OSError, ET.ParseError, StopIteration):
+    except (InputError, ET.ParseError, StopIteration):
         return None
 
 
@@ -235,6 +244,8 @@ def estimate(cfg: dict, command: str, group_size: int, differentiable: bool = Fa
     coeffs = cells * dofs_per_cell(cell, disc["degree"], tdim)
     parts = {"base": BASE,
              "mesh": PER_COEFFICIENT * coeffs / group_size + PER_CELL_EVERYWHERE * cells}
+    parts["prompts"] = prompt_bytes(len(cfg["prompts"]), model["layers"] or 1,
+                                    cfg["output"]["frames_per_layer"], coeffs / group_size)
     if cfg["attention"]["backend"] in ("laplace", "auto"):
         parts["laplace_tables"] = LAPLACE_TABLES if d <= 2 else LAPLACE_TABLES_3D
     L, H = model["layers"], model["heads"]
@@ -254,6 +265,14 @@ def estimate(cfg: dict, command: str, group_size: int, differentiable: bool = Fa
             + cfg["attention"]["tape_mb"] * MB
     parts["total"] = sum(parts.values())
     return parts
+
+
+def prompt_bytes(prompts: int, layers: int, frames_per_layer: int, coeffs: float = 0.0) -> float:
+    """The prompts' share of a rank's memory: their records (config tables, objects,
+    diagnostics rows of every frame) and two coefficient vectors each (the initial
+    density; a teacher's pass holds its own) of ``coeffs`` owned coefficients."""
+    frames = layers * frames_per_layer + 1
+    return prompts * (PER_PROMPT + PER_FRAME_ROW * frames + 2 * 8 * coeffs)
 
 
 def _proc_bytes(path: str, field: str) -> float | None:
@@ -309,3 +328,19 @@ def check_memory(cfg: dict, command: str, comm, world=None, differentiable: bool
                           f"({what}), {need / 2**30:.3g} GB for the {on_node} rank(s) of a node: "
                           f"{worst:.3g} times {where}; {ADVICE[top[0][1]]}, or set output.max_memory_gb")
     return parts
+
+
+def room_for_tape(parts: dict, cfg: dict, comm) -> float | None:
+    """Bytes a rank's gradient tape may take: its share of the limit (``[output]
+    max_memory_gb`` or the node's available memory, over the ranks of the node) less the
+    rest of the estimate ``parts``; None where no limit is known."""
+    from mpi4py import MPI
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    on_node = node.size
+    node.Free()
+    limit_gb = cfg["output"]["max_memory_gb"]
+    limit = limit_gb * 2**30 if limit_gb is not None else available_memory()
+    if limit is None:
+        return None
+    rest = parts["total"] - parts.get("tape", 0.0)
+    return comm.allreduce(max(limit / on_node - rest, 0.25 * limit / on_node), op=MPI.MIN)

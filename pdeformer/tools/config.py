@@ -24,7 +24,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .datasets import check_data, data_set_given, draw_prompts, read_folder, split_prompts, teacher_given
+from .datasets import (check_data, component_range, data_errors, data_set_given, draw_prompts, read_folder,
+                       split_prompts, teacher_given)
 from .errors import ConfigError
 
 REQUIRED = object()
@@ -176,6 +177,14 @@ TOL_MIN = 1e-13
 TOL_WHY = (" (a laplace table's values carry rounding of about 1e-13 of their size, so no "
            "smaller error can be certified; for exact sums set attention.backend = 'direct')")
 
+# Circle and sphere radii R that run: a sphere's cell areas come from 4th powers of its
+# edges (down to R / 300 at 9 refinements), its density is 1/(4 pi R^2) and its moments'
+# risks square R^2, all within the doubles' range for R in [1e-50, 1e50] (tested at both
+# ends; at 1e-100 the areas underflow to 0, at 1e70 a moments risk overflows).
+RADIUS_LIMITS = (1e-50, 1e50)
+RADIUS_WHY = (" (a sphere's cell areas, its density 1/(4 pi R^2) and its moments must stay within "
+              "double precision; scale the problem to a radius near 1)")
+
 CELLS = {1: ("interval",), 2: ("triangle", "quadrilateral"), 3: ("tetrahedron", "hexahedron")}
 SHAPES = ("box", "circle", "sphere")
 SCHEMES = ("auto", "euler", "ssprk2", "ssprk3", "ssprk104")
@@ -194,7 +203,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
                     "cell type of the built-in box (default: simplices)"),
         "shape": Key(string(SHAPES), "box", "built-in domain: a box (lower, upper, cells), a "
                      "circle (cells = [n]) or a sphere (refinements), about the origin"),
-        "radius": Key(number(positive=True), 1.0, "radius of the circle or sphere"),
+        "radius": Key(number(positive=True, lo=RADIUS_LIMITS[0], hi=RADIUS_LIMITS[1], why=RADIUS_WHY), 1.0,
+                      "radius of the circle or sphere"),
         "refinements": Key(integer(0, 9), None, "sphere: the icosahedron refined this often "
                            "(20 * 4^r triangles)"),
     },
@@ -212,6 +222,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "tail_tolerance": Key(number(nonnegative=True), 1e-6,
                               "warn when more prompt mass than this lies outside the mesh "
                               "(cut off at t = 0, or flowed out later)"),
+        "max_outflow": Key(number(positive=True, hi=1.0), 0.5,
+                           "a run whose outflow passes this share of the mass is a breakdown: the "
+                           "moments of what is left say little (1: never)"),
     },
     "model": {
         "layers": Key(integer(1, 10**5), None, "number of layers L"),
@@ -323,7 +336,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
                      "[[prompts]] (pdeformer.tools.datasets)"),
         "family": Key(string(("gaussian_mixture", "von_mises_fisher")), "gaussian_mixture",
                       "gaussian_mixture (flat meshes) or von_mises_fisher (circle, sphere)"),
-        "components": Key(positive_int_list, [1, 3], "fewest and most mixture components, [min, max]"),
+        "components": Key(component_range, [1, 3], "fewest and most mixture components, [min, max]"),
         "mean_range": Key(number_list((2, 2)), [-1.0, 1.0],
                           "gaussian_mixture: every coordinate of a mean uniform in [lo, hi]"),
         "std_range": Key(number_list((2, 2)), [0.3, 0.6],
@@ -534,10 +547,10 @@ def check_config(raw: dict, base_dir: str, stem: str = "run") -> dict:
         key = "data.count" if data["count"] else "data.folder"
         raise ConfigError(key, "give either [[prompts]] tables or a data set ([data] count or "
                                "folder), not both")
-    if data["count"]:
-        cfg["prompts"] = _check_prompts(draw_prompts(data, cfg["mesh"]))
-    elif data["folder"] is not None:
-        cfg["prompts"] = _check_prompts(read_folder(data, base_dir, NAME))
+    if data_set_given(data):
+        tables = draw_prompts(data, cfg["mesh"]) if data["count"] else read_folder(data, base_dir, NAME)
+        with data_errors(data, tables):     # named by the data.* key that made them
+            cfg["prompts"] = _check_prompts(tables)
     else:
         cfg["prompts"] = _check_prompts(raw.get("prompts", REQUIRED))
     _check_model(cfg["model"], data)
@@ -557,10 +570,11 @@ def _check_prompts(prompts) -> list[dict]:
     if not isinstance(prompts, list) or not prompts:
         raise ConfigError("prompts", "expected one or more [[prompts]] tables")
     checked = [_check_prompt(i, p) for i, p in enumerate(prompts)]
-    names = [p["name"] for p in checked]
-    for i, n in enumerate(names):
-        if n in names[:i]:
-            raise ConfigError(f"prompts[{i}].name", f"{n!r} is used twice")
+    seen = set()
+    for i, p in enumerate(checked):
+        if p["name"] in seen:
+            raise ConfigError(f"prompts[{i}].name", f"{p['name']!r} is used twice")
+        seen.add(p["name"])
     return checked
 
 
@@ -586,6 +600,23 @@ def _resolve_paths(cfg: dict, base_dir: str) -> None:
         for table in (p, p["target"] or {}):
             if table.get("kind") in ("file", "points") and table["path"] is not None:
                 table["path"] = os.path.normpath(os.path.join(base_dir, table["path"]))
+
+
+def input_files(cfg: dict) -> list[tuple[str, str]]:
+    """[(key, path)] of every file a checked config reads: the mesh (and its HDF5
+    data), heads, teacher, prompt and target files."""
+    out = []
+    mesh = cfg["mesh"]["file"]
+    if mesh is not None:
+        out += [("mesh.file", mesh), ("mesh.file", os.path.splitext(mesh)[0] + ".h5")]
+    out += [(f"{s}.{k}", cfg[s][k]) for s, k in (("model", "params"), ("data", "teacher"))
+            if cfg[s][k] is not None]
+    folder = cfg["data"]["folder"] is not None
+    for i, p in enumerate(cfg["prompts"]):
+        for key, table in ((f"prompts[{i}]", p), (f"prompts[{i}].target", p.get("target") or {})):
+            if table.get("path") is not None:
+                out.append(("data.folder" if folder else f"{key}.path", table["path"]))
+    return out
 
 
 def _check_mesh(m: dict) -> None:
@@ -678,10 +709,11 @@ def _check_objective(obj: dict, prompts: list, mesh: dict, data: dict | None = N
             where = ("data.folder", f"{prompts[given]['target']['path']}: a target file") \
                 if data["folder"] is not None else (f"prompts[{given}].target", "given")
             raise ConfigError(where[0], f"{where[1]}, but the targets come from the teacher ({teacher})")
-        cloud = next((p["name"] for p in prompts if p["kind"] == "points"), None)
+        cloud = next((p for p in prompts if p["kind"] == "points"), None)
         if cloud is not None:
-            raise ConfigError(teacher, f"prompt {cloud!r} is a point cloud: a teacher's targets come "
-                              "from the mesh model, which needs densities")
+            file = f" ({cloud['path']} has no 'density' array or column)" if data["folder"] is not None else ""
+            raise ConfigError(teacher, f"prompt {cloud['name']!r} is a point cloud{file}: a teacher's targets "
+                              "come from the mesh model, which needs densities")
         return
     if data is not None and data["count"]:
         raise ConfigError("data.teacher", f"missing: objective.kind = {kind!r} needs targets, which "
@@ -719,6 +751,10 @@ def _check_train(t: dict, train_prompts: int) -> None:
     if t["batch_size"] is not None and t["batch_size"] > train_prompts:
         raise ConfigError("train.batch_size", f"{t['batch_size']} is more than the {train_prompts} "
                                               "training prompt(s)")
+    if t["optimizer"] == "gd" and t["lr"] * t["weight_decay"] >= 2:
+        raise ConfigError("train.weight_decay", f"lr x weight_decay = {t['lr'] * t['weight_decay']:.3g} "
+                          "is 2 or more: the decay step theta <- (1 - lr weight_decay) theta then grows "
+                          "the heads instead of shrinking them; lower train.weight_decay or train.lr")
     if t["temperature"] > 0 and t["optimizer"] != "gd":
         raise ConfigError("train.temperature", "Langevin noise needs optimizer = 'gd' (the Euler-Maruyama "
                                                "step of the gradient flow)")
@@ -806,20 +842,24 @@ def apply_override(raw: dict, parts: list, value, cwd: str, base_dir: str) -> No
 
 def read_toml(filename: str, what: str = "config file") -> dict:
     """The TOML table of ``filename``; ConfigError (one line naming the file) where it is
-    missing, a folder, unreadable, not text or not TOML."""
+    missing, not a regular file (read non-blocking: pdeformer.tools.files), larger than
+    a config holds, unreadable, not text or not TOML."""
+    from .files import TEXT_FILE, FileError, read_bytes
     try:
-        with open(filename, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError("", f"{filename}: no such {what}") from None
-    except IsADirectoryError:
-        raise ConfigError("", f"{filename}: is a folder, not a {what}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError("", f"{filename}: not valid TOML ({e})") from None
+        data = read_bytes(filename, "", TEXT_FILE)
+    except FileError as e:
+        reason = e.reason
+        if reason == "no such file":
+            reason = f"no such {what}"
+        elif reason.endswith(", not a file"):
+            reason = reason.replace("not a file", f"not a {what}")
+        raise ConfigError("", f"{filename}: {reason}") from None
+    try:
+        return tomllib.loads(data.decode("utf-8"))
     except UnicodeDecodeError:
         raise ConfigError("", f"{filename}: not a text file") from None
-    except OSError as e:
-        raise ConfigError("", f"{filename}: cannot read ({e.strerror})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError("", f"{filename}: not valid TOML ({e})") from None
 
 
 def load_config(filename: str, overrides: list[str] = ()) -> dict:

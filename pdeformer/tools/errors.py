@@ -52,3 +52,18 @@ def status_of(error: BaseException) -> str:
     if isinstance(error, PdeformerError):
         return "bad_input"
     return "failed"
+
+
+def reworded(error: PdeformerError, message: str) -> PdeformerError:
+    """An error of ``error``'s kind (its exit status and summary status) saying ``message``."""
+    kind = next(k for k in (SolverBreakdown, OutputError, InputError, PdeformerError) if isinstance(error, k))
+    return kind(message)
+
+
+def within(error: PdeformerError, what: str) -> PdeformerError:
+    """``error`` with ``what: `` before its message: the pass it happened in (the teacher's
+    target pass, a study's case or reference, a training step). A ConfigError, whose
+    message starts with its key, is returned as it is."""
+    if isinstance(error, ConfigError):
+        return error
+    return reworded(error, f"{what}: {error}")
