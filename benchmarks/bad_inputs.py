@@ -1,6 +1,6 @@
 """Bad and adversarial inputs, tried as a careless or hostile user would: how each run ends.
 
-    python benchmarks/bad_inputs.py > table.md                (~6 minutes on 2 cores)
+    python benchmarks/bad_inputs.py > table.md                (~10 minutes on 2 cores)
     python benchmarks/bad_inputs.py --ranks 1 --only lost     (one class, serially)
 
 Every case runs the CLI in a fresh folder, serially and under ``mpirun -n 2`` (cases
@@ -49,7 +49,8 @@ means = [[0.0]]
 covs = [2.0]
 """
 
-FILES = ("run.toml", "interval.toml", "drawn.toml", "study.toml", "budget.toml", "teacher.toml", "cfl.toml")
+FILES = ("run.toml", "interval.toml", "drawn.toml", "study.toml", "budget.toml", "teacher.toml", "cfl.toml",
+         "mixture.toml")
 
 
 @dataclass
@@ -296,9 +297,10 @@ def cases(tmp: str) -> list[Case]:
              pdeformer("train", "cfl.toml", *out, "train.temperature=1e6", "mesh.cells=[16,16]"), cfl),
         Case("hang", "`train.weight_decay = 1e6`", pdeformer("train", "cfl.toml", *out, "train.weight_decay=1e6"), cfl),
         # tracebacks
-        Case("traceback", "a mixture of 10000 components",
-             pdeformer("forward", run, *out, f"prompts[1].means={[[0.0, 0.5]] * 10000}",
-                       f"prompts[1].covs={[0.25] * 10000}")),
+        Case("traceback", "a mixture of 10000 components", pdeformer("forward", "mixture.toml", *out),
+             write("mixture.toml", CONFIG.split("[[prompts]]")[0] + "[[prompts]]\nname = \"many\"\n"
+                   "kind = \"gaussian_mixture\"\n" + f"means = {[[0.0, 0.5]] * 10000}\ncovs = {[0.25] * 10000}\n"
+                   "target = { mean = [0.0, 0.5], cov = 0.3 }\n")),
         Case("traceback", "a checkpoint whose RNG state is damaged (fingerprint intact)",
              pdeformer("train", run, "--restart", *out, "train.steps=3"), checkpoint("rng"), check=unchanged()),
         Case("traceback", "a checkpoint whose history row is damaged",

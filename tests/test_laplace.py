@@ -284,9 +284,9 @@ def test_compiled_fine_grid_loop_is_the_numpy_map_and_its_exact_reverse(kernel_b
     assert abs(np.sum(mbar * T) - np.sum(g * moved)) < 1e-11 * np.abs(g * moved).sum()
 
 
-def test_without_a_compiler_the_numpy_loop_is_used(tmp_path, monkeypatch):
+def test_without_a_compiler_the_numpy_loop_is_used(tmp_path, monkeypatch, caplog):
     """No compiler (and an empty kernel cache): kernels() is None, the fine grid still
-    gives the same velocities through numpy."""
+    gives the same velocities through numpy, and the user is told once why it is slow."""
     from pdeformer.attention import compiled
     from pdeformer.attention.laplace import FineGrid
     x, y, w, A, V, lo, hi, fg = _fine_case(heads=2)
@@ -296,8 +296,11 @@ def test_without_a_compiler_the_numpy_loop_is_used(tmp_path, monkeypatch):
     try:
         compiled._loaded.clear()
         assert compiled.kernels() is None
-        numpy_fg = FineGrid(fg.table, fg.nf)
+        with caplog.at_level("WARNING", logger="pdeformer"):
+            numpy_fg = FineGrid(fg.table, fg.nf)
+            FineGrid(fg.table, fg.nf)
         assert numpy_fg.lib is None
+        assert caplog.text.count("the compiled loops cannot be built or loaded (FileNotFoundError") == 1
         v = numpy_fg.velocity(x, A, V)
         empty = numpy_fg.velocity(x[:0], A, V)
     finally:

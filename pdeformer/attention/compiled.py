@@ -163,7 +163,7 @@ def kernels():
                             "that reorders floating-point sums?); using numpy", os.environ.get("CC", "cc"))
                 lib = None
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            log.debug("laplace: compiled interpolation unavailable (%s); using numpy", e)
+            _loaded["why"] = f"{type(e).__name__}: {str(e)[-200:]}"
             lib = None
     _loaded["lib"] = lib
     _loaded["key"] = key if lib is not None else "none"
@@ -213,6 +213,11 @@ def kernels_on(comm):
     of a job must take the same path (a collective call)."""
     from mpi4py import MPI
     lib = kernels()
+    if "why" in _loaded and comm.rank == 0 and not _loaded.get("warned"):   # once, by rank 0
+        _loaded["warned"] = True
+        log.warning("warning: laplace: the compiled loops cannot be built or loaded (%s); numpy "
+                    "interpolates instead, about 100 times slower (set CC to a C compiler, or "
+                    "PDEFORMER_NO_KERNEL=1 to choose numpy)", _loaded["why"])
     return lib if comm.allreduce(lib is not None, op=MPI.LAND) else None
 
 

@@ -265,10 +265,11 @@ class ParticleAdjoint:
         """The particle risk over ``prompts`` (default: the training prompts)."""
         groups = self.solver.problem.groups
         chosen = chosen_prompts(self.solver.problem, prompts)
+        wanted = set(chosen)   # (a set: data sets have 10^5 prompts)
         local = {}
         with groups.combined():
             for s in groups.owned:
-                if s in chosen:
+                if s in wanted:
                     x, w = self.solver.solve_prompt(s)
                     local[s] = self._finite(s, self.objective.particle_value_and_gradient(
                         x, w, self.targets[s], self.solver.comm))[0]
@@ -283,13 +284,14 @@ class ParticleAdjoint:
         heads = sv.problem.heads
         groups = sv.problem.groups
         chosen = chosen_prompts(sv.problem, prompts)
+        wanted = set(chosen)   # (a set: data sets have 10^5 prompts)
         dA = np.zeros((heads.layers, heads.heads, heads.dim, heads.dim))
         dV = np.zeros_like(heads.V)
         local, tape_bytes = {}, 0
         sv.velocity_field.refreeze()
         with groups.combined():
             for s in groups.owned:
-                if s not in chosen:
+                if s not in wanted:
                     continue
                 tape = []
                 x, w = sv.solve_prompt(s, tape=tape)

@@ -99,10 +99,11 @@ class AdjointSolver:
         P, the risks are combined over the groups. Returns R and the F_s in P's order."""
         groups = self.forward.problem.groups
         chosen = chosen_prompts(self.forward.problem, prompts)
+        wanted = set(chosen)   # (a set: data sets have 10^5 prompts)
         local = {}
         with groups.combined():
             for s in groups.owned:
-                if s in chosen:
+                if s in wanted:
                     coeffs, _ = self.forward.solve_prompt(s)
                     local[s] = self.objective_at(s, coeffs)[0]
         risks = groups.gather_prompts(local)
@@ -127,12 +128,13 @@ class AdjointSolver:
         heads = fw.problem.heads
         groups = fw.problem.groups
         chosen = chosen_prompts(fw.problem, prompts)
+        wanted = set(chosen)   # (a set: data sets have 10^5 prompts)
         dA = np.zeros((heads.layers, heads.heads, heads.dim, heads.dim))
         dV = np.zeros_like(heads.V)
         local, tape_bytes = {}, 0
         with groups.combined():
             for s in groups.owned:
-                if s not in chosen:
+                if s not in wanted:
                     continue
                 tape = []
                 coeffs, _ = fw.solve_prompt(s, tape=tape)
@@ -163,6 +165,7 @@ class AdjointSolver:
         fw.plan_afresh()
         heads, groups = fw.problem.heads, fw.problem.groups
         chosen = chosen_prompts(fw.problem, prompts)
+        owned = set(groups.owned)   # (a set: data sets have 10^5 prompts)
         m = len(self.objective.output_names(heads.dim))
         y = np.zeros((len(chosen), m))
         ystar = np.array([self.objective.target_outputs(self.targets[s]) for s in chosen])
@@ -171,7 +174,7 @@ class AdjointSolver:
         tr = fw.transport
         with groups.combined():
             for row, s in enumerate(chosen):
-                if s not in groups.owned:
+                if s not in owned:
                     continue
                 tape = []
                 coeffs, _ = fw.solve_prompt(s, tape=tape)

@@ -22,8 +22,9 @@ Per rank, in bytes (the constants are peak resident sizes of ``pdeformer forward
                                            per token measured in 2-D)
     + heads                                Q, K, V with gradients and optimiser moments
     + prompts                              per prompt its records (PER_PROMPT, and
-                                           PER_FRAME_ROW per frame) and two coefficient
-                                           vectors of the rank's share of the mesh
+                                           PER_FRAME_ROW per frame) and its initial density
+                                           on the rank's share of the mesh (twice with a
+                                           teacher, whose pass holds its own)
 
 Steps of a CFL-controlled run are not known in advance: the tape counts
 MIN_STEPS_PER_LAYER, so for those runs the estimate is a lower bound. With fixed steps
@@ -244,8 +245,9 @@ def estimate(cfg: dict, command: str, group_size: int, differentiable: bool = Fa
     coeffs = cells * dofs_per_cell(cell, disc["degree"], tdim)
     parts = {"base": BASE,
              "mesh": PER_COEFFICIENT * coeffs / group_size + PER_CELL_EVERYWHERE * cells}
+    teacher = cfg["data"]["teacher"] is not None or cfg["data"]["teacher_seed"] is not None
     parts["prompts"] = prompt_bytes(len(cfg["prompts"]), model["layers"] or 1,
-                                    cfg["output"]["frames_per_layer"], coeffs / group_size)
+                                    cfg["output"]["frames_per_layer"], coeffs / group_size, teacher)
     if cfg["attention"]["backend"] in ("laplace", "auto"):
         parts["laplace_tables"] = LAPLACE_TABLES if d <= 2 else LAPLACE_TABLES_3D
     L, H = model["layers"], model["heads"]
@@ -267,12 +269,13 @@ def estimate(cfg: dict, command: str, group_size: int, differentiable: bool = Fa
     return parts
 
 
-def prompt_bytes(prompts: int, layers: int, frames_per_layer: int, coeffs: float = 0.0) -> float:
+def prompt_bytes(prompts: int, layers: int, frames_per_layer: int, coeffs: float = 0.0,
+                 teacher: bool = False) -> float:
     """The prompts' share of a rank's memory: their records (config tables, objects,
-    diagnostics rows of every frame) and two coefficient vectors each (the initial
-    density; a teacher's pass holds its own) of ``coeffs`` owned coefficients."""
+    diagnostics rows of every frame) and the initial density of each, ``coeffs`` owned
+    coefficients (a teacher's pass holds a second copy)."""
     frames = layers * frames_per_layer + 1
-    return prompts * (PER_PROMPT + PER_FRAME_ROW * frames + 2 * 8 * coeffs)
+    return prompts * (PER_PROMPT + PER_FRAME_ROW * frames + (1 + teacher) * 8 * coeffs)
 
 
 def _proc_bytes(path: str, field: str) -> float | None:

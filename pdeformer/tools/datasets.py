@@ -270,7 +270,7 @@ def readdressed(error, data, tables: list, name: str | None = None, part: str | 
 def prompt_label(data, tables: list, name: str, index: int) -> str:
     """How a warning names prompt ``name`` (index ``index``): ``prompts[i] ('a')``, or by
     the [data] keys or the file that made it."""
-    table = next((t for t in tables if t["name"] == name), None)
+    table = tables[index] if index < len(tables) and tables[index]["name"] == name else None
     data = _table(data)
     if data is None or table is None or not data_set_given(data):
         return f"prompts[{index}] ({name!r})"

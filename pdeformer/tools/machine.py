@@ -27,6 +27,8 @@ def cache_dir() -> Path:
 
 def _writable(folder: Path) -> str | None:
     """None where ``folder`` can be made and written, else why not."""
+    if os.path.lexists(folder) and not folder.is_dir():
+        return "not a folder"
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):
