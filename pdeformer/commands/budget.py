@@ -140,10 +140,11 @@ def load_budget(filename: str, overrides=()) -> dict:
     if b["cells_reference"][0] <= max(c[0] for c in b["cells"]):
         raise ConfigError("budget.cells_reference", f"{b['cells_reference']} is not finer than the "
                           "mesh sweep")
-    if b["width_reference"] == "draw" and b["width_reference_heads"] <= max(b["heads"]):
+    most = max(b["heads"] + [b["transformer"][1]] + [c[1] for c in b["checks"]])
+    if b["width_reference"] == "draw" and b["width_reference_heads"] <= most:
         raise ConfigError("budget.width_reference_heads", f"{b['width_reference_heads']} heads is not "
-                          f"above the width sweep's {max(b['heads'])}: the H -> infinity reference "
-                          "must have more heads than every case")
+                          f"above the {most} of the width sweep, transformer and checks: the H -> "
+                          "infinity reference must have more heads than every case")
     if b["groups"] > b["seeds"]:
         raise ConfigError("budget.groups", f"{b['groups']} groups for {b['seeds']} seeds: at most "
                           "one group per member of the ensembles")
@@ -232,19 +233,22 @@ def run_budget(b: dict, comm=None) -> dict:
 
     announce = (f"pdeformer budget {b['budget_file']}: L, H, N = {b['transformer']}, {b['seeds']} seeds "
                 f"per case, on {world.size} rank(s) in {groups.count} group(s), output in {outdir}")
-    prepared = {name: prepare(study) for name, study in
-                list(studies.items()) + [(f"check {i}", s) for i, s in enumerate(checks)]}
-    reads = sorted({kp for cfgs, refs, _ in prepared.values() for kp in study_inputs(cfgs, refs)})
-    with output_session("budget", outdir, world, announce, on_error, reads=reads):
+    sweeps = list(studies.items()) + [(f"check {i}", s) for i, s in enumerate(checks)]
+    prepared = {name: prepare(study) for name, study in sweeps}
+    reads = [("the budget file", b["budget_file"])] + \
+        sorted({kp for cfgs, refs, _ in prepared.values() for kp in study_inputs(cfgs, refs)})
+    with output_session("budget", outdir, world, announce, on_error, reads=reads) as begin:
+        begin()
         measured = {}
-        for name, study in list(studies.items()) + [(f"check {i}", s) for i, s in enumerate(checks)]:
+        for name, study in sweeps:
+            what = f"the {name} {'sweep' if name in studies else '(a direct measurement)'}"
             with timer.phase(name.split()[0]):
                 cfgs, refs, _ = prepared[name]
                 try:
                     records, _ = run_ensemble(study, cfgs, refs, groups, timer, None)
-                    check_members_differ(study, records)
                 except PdeformerError as e:   # which sweep it was
-                    raise within(e, f"the {name} {'sweep' if name in studies else '(direct measurement)'}") from None
+                    raise within(e, what) from None
+                check_members_differ(study, records, "budget.seeds")
                 measured[name] = (*error_rows(study, records), records)
             log.info("%s: measured", name)
         result = fit_budget(b, studies, measured, points)

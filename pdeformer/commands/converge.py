@@ -155,13 +155,17 @@ def unused_seed(key: str, cfg: dict, commands) -> str | None:
     elif key == "particles.seed":
         if "particles" not in commands:
             return f"command {' and '.join(sorted(commands))} draws no tokens"
-        if all(p["kind"] == "points" for p in cfg["prompts"]):
+        sampled = [t for p in cfg["prompts"] for t in (p, p.get("target") or {})   # mmd density targets
+                   if t.get("kind") not in (None, "points", "moments")]           # are sampled too
+        if not sampled:
             return "every prompt is a point cloud: its tokens are read, not drawn"
     elif key == "data.seed" and not data["count"]:
         return "no data set is drawn (data.count = 0)"
-    elif key == "data.teacher_seed" and (data["teacher_seed"] is None or cfg["objective"]["kind"] is None):
-        return "no teacher is drawn (data.teacher_seed)" if data["teacher_seed"] is None else \
-            "the teacher's targets are not used (no objective)"
+    elif key == "data.teacher_seed":
+        if data["teacher_seed"] is None:
+            return "no teacher is drawn (data.teacher_seed)"
+        if cfg["objective"]["kind"] is None and model["init"] != "teacher":
+            return "the teacher is not used (no objective, model.init is not 'teacher')"
     return None
 
 
@@ -183,6 +187,10 @@ def check_seed_keys(study: dict, base: dict) -> None:
                               f"the members would repeat one run; leave it out")
         else:
             why.append(f"{key}: {reason}")
+    if "data.seed" in used and study["reference"] in ("run", "draw"):
+        raise ConfigError("study.seed_keys", f"data.seed redraws the prompts, but a reference = "
+                          f"'{study['reference']}' is run once, for the prompts of one draw: leave "
+                          "data.seed out, or use reference = 'paired' (each member's own)")
     if not used:
         raise ConfigError("study.seed_keys", f"no seed of {study['seed_keys']} changes the run ("
                           + "; ".join(why) + "): an ensemble needs a seed that redraws what the run "
@@ -628,8 +636,9 @@ def run_study(study: dict, comm=None, walltime: float | None = None) -> dict:
                 + (f", {n} seeds each" if n > 1 else "") + f" on {world.size} rank(s)"
                 + (f" in {groups.count} groups" if groups.count > 1 else "")
                 + f", reference {study['reference']}, output in {outdir}")
-    reads = study_inputs(cfgs, reference_cfgs)
-    with output_session("converge", outdir, world, announce, on_error, reads=reads):
+    reads = [("the study file", study["study_file"])] + study_inputs(cfgs, reference_cfgs)
+    with output_session("converge", outdir, world, announce, on_error, reads=reads) as begin:
+        begin()
         records, status = run_ensemble(study, cfgs, reference_cfgs, groups, timer, walltime)
         check_members_differ(study, records)
         rows, fits = error_rows(study, records)
@@ -656,8 +665,8 @@ def run_study(study: dict, comm=None, walltime: float | None = None) -> dict:
 
 
 def study_inputs(cfgs: list, reference_cfgs) -> list:
-    """[(key, path)] of the files the runs of a study read (pdeformer.tools.outdir keeps
-    them where they are)."""
+    """[(key, path)] of the files the runs of a study read, their configs among them
+    (pdeformer.tools.outdir keeps them where they are)."""
     from ..tools.config import input_files
     runs = [c for member in cfgs for c in member] + list(reference_cfgs or ())
     return sorted({kp for c in runs for kp in input_files(c)})
@@ -761,10 +770,10 @@ def run_ensemble(study: dict, cfgs: list, reference_cfgs, groups, timer, walltim
     return records, ("walltime" if "walltime" in statuses else "completed")
 
 
-def check_members_differ(study: dict, records: list) -> None:
+def check_members_differ(study: dict, records: list, key: str = "study.seed_keys") -> None:
     """The members of an ensemble are independent draws: where two or more members gave
     the very same errors in every case and quantity, their seeds changed nothing, and
-    the interval over them would be a spread of zero (ConfigError naming study.seed_keys)."""
+    the interval over them would be a spread of zero (ConfigError naming ``key``)."""
     errors = {}
     for r in records:
         errors.setdefault(r["member"], []).append((r["case"], r["quantity"], r["error"]))
@@ -774,7 +783,7 @@ def check_members_differ(study: dict, records: list) -> None:
     for j, errs in sorted(errors.items()):
         same = seen.setdefault(tuple(sorted(errs)), j)
         if same != j:
-            raise ConfigError("study.seed_keys", f"members {same} and {j} gave the same errors in every "
+            raise ConfigError(key, f"members {same} and {j} gave the same errors in every "
                               f"case: their seeds ({', '.join(study['seed_keys'])}) change nothing in "
                               "these runs, so the ensemble is one run repeated")
 

@@ -57,15 +57,16 @@ def output_session(command: str, outdir: str, comm, announce: str, on_error, on_
     """The inside of a command in its output folder: the folder created and locked,
     earlier files moved aside (but those matching ``keep``; ``reads``: [(key, path)] of
     the files the run reads, which may not be among them: see pdeformer.tools.outdir),
-    the log file open and ``announce`` logged. A PdeformerError raised inside (on every
-    rank) calls ``on_error(e)`` (which writes the summary; a second error there, e.g. a
-    disk still full, is dropped: the first one's line says what happened), except bad
-    input (exit status 2): the command is refused and the folder put back as it was;
-    anything else calls ``on_bug(e)`` on the failing rank. The lock and log are released
-    either way."""
+    the log file open and ``announce`` logged. Yields ``begin``, which the command calls
+    (on every rank) when its work starts. A PdeformerError raised inside (on every rank)
+    calls ``on_error(e)`` (which writes the summary; a second error there, e.g. a disk
+    still full, is dropped: the first one's line says what happened), except bad input
+    (exit status 2) before ``begin``: the command is refused and the folder put back as
+    it was; anything else calls ``on_bug(e)`` on the failing rank. The lock and log are
+    released either way."""
     folder = OutputFolder(outdir, command, keep, reads)
     on_root(comm, folder.open)
-    handler, refused = None, False
+    handler, refused, started = None, False, []
     try:
         handler = add_log_file(comm, os.path.join(outdir, "pdeformer.log"))
         log.info("%s", announce)
@@ -76,9 +77,9 @@ def output_session(command: str, outdir: str, comm, announce: str, on_error, on_
             folder.report()
             if dfx.untested_version_warning():
                 log.warning(dfx.untested_version_warning())
-        yield
+        yield lambda: started.append(True)
     except PdeformerError as e:
-        refused = e.exit_status == 2
+        refused = e.exit_status == 2 and not started
         if not refused:
             try:
                 on_error(e)
@@ -130,7 +131,7 @@ class Run:
                     check(self.problem)
             self.solver = solver(self.problem, self.timer) if solver else None
         if differentiable and isinstance(self.solver, ForwardSolver):   # a tape past it is a breakdown
-            self.solver.tape_room = room_for_tape(self.memory, cfg, self.comm)
+            self.solver.tape_limit = room_for_tape(self.memory, cfg, self.comm)
         self.outdir = out["dir"]
         self.info = provenance(self.comm) if self.comm.rank == 0 else {}
         self.summarised = False
@@ -165,20 +166,22 @@ class Run:
 
     @contextmanager
     def session(self, keep=()):
-        """The run's inside, in its output folder (:func:`output_session`): a
-        PdeformerError raised inside (on every rank) still writes summary.json with its
-        status, unless the command wrote one; anything else makes the failing rank write
-        a summary with status "failed" before the job is aborted."""
+        """The run's inside, in its output folder (:func:`output_session`), after a
+        teacher's target pass: a PdeformerError raised inside (on every rank) still
+        writes summary.json with its status, unless the command wrote one; anything else
+        makes the failing rank write a summary with status "failed" before the job is
+        aborted."""
         def on_error(e):
             if not self.summarised:
                 self.summary(status_of(e), e)
         announce = (f"pdeformer {self.command} {self.cfg['config_file']} on {self.comm.size} "
                     f"rank(s), output in {self.outdir}")
         with output_session(self.command, self.outdir, self.comm, announce, on_error, self._failed, keep,
-                            input_files(self.cfg)):
+                            input_files(self.cfg)) as begin:
             if self.problem.teacher is not None:   # its breakdown is this run's, recorded here
                 with self.timer.phase("teacher"):
                     teacher_pass(self.problem)
+            begin()
             yield
 
     def _failed(self, error: BaseException) -> None:
@@ -541,6 +544,8 @@ def run_particles(cfg: dict, comm=None, gradient: bool = False) -> dict:
     p = run.problem
     if gradient and p.objective is None:
         raise ConfigError("objective.kind", "missing: --gradient needs an [objective]")
+    if p.objective is not None:   # before the folder is touched
+        ParticleAdjoint.check(run.solver, p.objective)
     table = DiagnosticsTable(run.path("diagnostics.csv"))
     trackers = [ProgressLog(), table]
     tokens = TokenOutput(run.outdir) if cfg["particles"]["points"] else None

@@ -71,16 +71,19 @@ def march(layers: int, frames: int, controller: StepController,
     return steps
 
 
-def tape_nbytes(tape) -> int:
+def tape_nbytes(tape, tables: bool = True) -> int:
     """Bytes a tape holds: the ``nbytes`` of its arrays and recorded objects (tables,
     limiter records; an object's own ``nbytes`` first, so a kept table that is also its
     interpolant counts once), through nested lists and tuples; plain numbers and plans
-    without ``nbytes`` count nothing."""
+    without ``nbytes`` count nothing. Without ``tables``, the kept tables (objects with a
+    ``plan``: what a tape keeps of a summed evaluation) are left out."""
+    if not tables and hasattr(tape, "plan") and hasattr(tape, "nbytes"):
+        return 0
     nbytes = getattr(tape, "nbytes", None)
     if nbytes is not None:
         return int(nbytes)
     if isinstance(tape, (list, tuple)):
-        return sum(tape_nbytes(x) for x in tape)
+        return sum(tape_nbytes(x, tables) for x in tape)
     return 0
 
 

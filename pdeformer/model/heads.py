@@ -139,14 +139,15 @@ class HeadMeasure:
 
 
 def read_arrays(filename: str, key: str) -> dict:
-    """Q, K, V (as floats) of a parameter file; InputError naming ``key`` and the file
-    where it is not a readable .npz, lacks one of them or holds any other array (which
-    would otherwise be ignored without a word)."""
+    """Q, K, V (as floats) of a parameter file (or of a training's checkpoint); InputError
+    naming ``key`` and the file where it is not a readable .npz, lacks one of them or
+    holds any other array (which would otherwise be ignored without a word)."""
     if not os.path.lexists(filename):
         raise InputError(f"{key}: {filename}: no such parameter file")
     names = npz_names(filename, key)
+    checkpoint = "meta" in names     # a training's checkpoint: its heads, and its optimiser's state
     for n in names:
-        if n not in ARRAYS:
+        if n not in ARRAYS and not (checkpoint and (n == "meta" or n.startswith("adam_"))):
             raise InputError(f"{key}: {filename}: array {n!r} is not supported{UNSUPPORTED.get(n, '')}: "
                              "a parameter file holds Q, K and V only; remove it")
     for n in ARRAYS:

@@ -241,6 +241,15 @@ class ParticleAdjoint:
     """Risk and its exact gradient for the particle model (either backend)."""
 
     def __init__(self, solver: ParticleSolver, objective, targets: list):
+        self.check(solver, objective)
+        self.solver = solver
+        self.objective = objective
+        self.targets = [self._prepare(t, i) for i, t in enumerate(targets)]
+        solver.velocity_field.freeze = True     # one discrete map per gradient evaluation
+
+    @staticmethod
+    def check(solver: ParticleSolver, objective) -> None:
+        """The objective takes tokens (ConfigError otherwise), and its options fit the mesh."""
         if not hasattr(objective, "particle_value_and_gradient"):
             tokens = [k for k, c in OBJECTIVES.items() if hasattr(c, "particle_value_and_gradient")]
             raise ConfigError("objective.kind", f"{objective.kind!r} needs a density; tokens support "
@@ -248,10 +257,6 @@ class ParticleAdjoint:
         if objective.checks_mesh:   # e.g. an mmd bandwidth on the scale of the tokens' domain
             from ..solvers.adjoint import check_on_mesh
             check_on_mesh(objective, solver.comm, solver.problem.mesh)
-        self.solver = solver
-        self.objective = objective
-        self.targets = [self._prepare(t, i) for i, t in enumerate(targets)]
-        solver.velocity_field.freeze = True     # one discrete map per gradient evaluation
 
     def _prepare(self, target, index):
         """Density targets of mmd become tokens sampled like the prompts' (seeded)."""

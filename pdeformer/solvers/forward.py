@@ -180,8 +180,8 @@ def check_attention(comm, mesh, opts: Options, heads: HeadMeasure, teacher: Head
     lo, hi = bounding_box(comm, mesh)
     reach = math.hypot(*np.maximum(np.abs(lo), np.abs(hi)))     # (hypot: no overflow of squares)
     model, data = opts.model, opts.data
-    mesh_key = "mesh.file" if opts.mesh.file is not None else \
-        "mesh.upper" if opts.mesh.shape == "box" else "mesh.radius"
+    mesh_key = "mesh.file" if opts.mesh.file is not None else "mesh.radius" if opts.mesh.shape != "box" else \
+        "mesh.lower" if np.max(np.abs(opts.mesh.lower)) > np.max(np.abs(opts.mesh.upper)) else "mesh.upper"
     scale_key = "model.query_scale" if (model.query_scale or 0) > model.init_scale else "model.init_scale"
     teacher_key = "data.teacher" if data.teacher is not None else scale_key
     heads_key = "model.params" if model.params is not None else \
@@ -191,24 +191,24 @@ def check_attention(comm, mesh, opts: Options, heads: HeadMeasure, teacher: Head
             check_scores(h, opts.attention.beta, reach, {"beta": "attention.beta", "heads": key, "mesh": mesh_key})
 
 
-def build_prompts(tables: tuple, d: int, radius: float | None, data) -> list:
-    """[(name, density object)] of the checked prompt tables; a prompt that [data] made is
-    named in errors by the data.* key that drew it, or by its file."""
+def _each_prompt(make, tables: tuple, data) -> list:
+    """``make(i, table)`` of every checked prompt table; errors about a prompt that [data]
+    made name the data.* key that drew it, or its file (data.folder)."""
     out = []
     for i, p in enumerate(tables):
         with data_errors(data, tables, p["name"]):
-            out.append((p["name"], make_prompt(p, d, i, radius=radius)))
+            out.append(make(i, p))
     return out
+
+
+def build_prompts(tables: tuple, d: int, radius: float | None, data) -> list:
+    """[(name, density object)] of the checked prompt tables."""
+    return _each_prompt(lambda i, p: (p["name"], make_prompt(p, d, i, radius=radius)), tables, data)
 
 
 def build_targets(tables: tuple, d: int, radius: float | None, data) -> list:
-    """The prompts' targets (:func:`pdeformer.model.objectives.make_target`); a target
-    file of a folder data set is named in errors by data.folder and the file."""
-    out = []
-    for i, p in enumerate(tables):
-        with data_errors(data, tables, p["name"]):
-            out.append(make_target(p["target"], d, i, radius))
-    return out
+    """The prompts' targets (:func:`pdeformer.model.objectives.make_target`)."""
+    return _each_prompt(lambda i, p: make_target(p["target"], d, i, radius), tables, data)
 
 
 def near_teacher(student: HeadMeasure, teacher: HeadMeasure, model) -> None:
@@ -378,16 +378,17 @@ class PromptMarch:
             if any_rank(sv.comm, not np.all(np.isfinite(self.state[0]))):
                 raise SolverBreakdown("the density is NaN or overflows after this step")
             if self.tape is not None and self.step_bytes is None:   # the largest rank's, agreed
-                self.step_bytes = sv.comm.allreduce(tape_nbytes(self.tape[-1]), op=MPI.MAX)
+                self.step_bytes = sv.comm.allreduce(tape_nbytes(self.tape[-1], tables=False), op=MPI.MAX)
 
     def _check_tape(self, steps: int, vmax: float) -> None:
-        """A breakdown where ``steps`` more steps would take the gradient's tape past the
-        room the memory limit leaves it (ForwardSolver.tape_room): the velocity is too fast
-        for this mesh's CFL step (agreed on every rank: step_bytes is)."""
-        room, per = self.solver.tape_room, self.step_bytes
+        """A breakdown where ``steps`` more steps would take the gradient's tape (the
+        steps' states, and the tables it keeps: at most ``attention.tape_mb``) past the
+        room the memory limit leaves it (ForwardSolver.tape_limit): the velocity is too
+        fast for this mesh's CFL step (agreed on every rank: step_bytes is)."""
+        room, per = self.solver.tape_limit, self.step_bytes
         if self.tape is None or room is None or per is None:
             return
-        need = (len(self.tape) + steps) * per
+        need = (len(self.tape) + steps) * per + self.solver.velocity_field.tape_mb * 2**20
         if need > room:
             raise SolverBreakdown(
                 f"the velocity |v| = {vmax:.3g} needs {steps} more steps in this frame, and the tape "
@@ -454,7 +455,7 @@ class ForwardSolver:
         self.current_prompt = None   # the prompt being solved (it keys the laplace plans)
         self.evaluations = 0         # velocity evaluations of it so far (frozen plans)
         self._tape_room = 0          # bytes of tables the current tape may still keep
-        self.tape_room = None        # bytes a tape may take in all (None: no limit; Run sets it)
+        self.tape_limit = None       # bytes a tape may take in all (None: no limit; Run sets it)
         for i, (name, prompt) in enumerate(problem.prompts):
             if prompt.kind == "points":
                 with data_errors(problem.opts.data, problem.opts.prompts, name):

@@ -196,8 +196,9 @@ def _remove(name: str) -> None:
 def log_other_groups(groups, rows: list[dict], prompt_info: list, layers: int) -> None:
     """Rank 0 logs the layer-boundary rows of the prompts other groups solved (after
     :meth:`DiagnosticsTable.write` gathered them): the group 0 prompts were logged live."""
+    index = {name: i for i, name in enumerate(groups.names)}
     for r in rows:
-        i = groups.names.index(r["prompt"])
+        i = index[r["prompt"]]
         if groups.owner[i] == 0:
             continue
         info = prompt_info[i] or {}

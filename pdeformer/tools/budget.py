@@ -342,8 +342,7 @@ def room_for_tape(parts: dict, cfg: dict, comm) -> float | None:
     on_node = node.size
     node.Free()
     limit_gb = cfg["output"]["max_memory_gb"]
-    limit = limit_gb * 2**30 if limit_gb is not None else available_memory()
-    if limit is None:
-        return None
+    limit = limit_gb * 2**30 if limit_gb is not None else (available_memory() or math.inf)
     rest = parts["total"] - parts.get("tape", 0.0)
-    return comm.allreduce(max(limit / on_node - rest, 0.25 * limit / on_node), op=MPI.MIN)
+    room = comm.allreduce(max(limit / on_node - rest, 0.25 * limit / on_node), op=MPI.MIN)   # every rank
+    return None if math.isinf(room) else room

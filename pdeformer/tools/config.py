@@ -603,9 +603,12 @@ def _resolve_paths(cfg: dict, base_dir: str) -> None:
 
 
 def input_files(cfg: dict) -> list[tuple[str, str]]:
-    """[(key, path)] of every file a checked config reads: the mesh (and its HDF5
-    data), heads, teacher, prompt and target files."""
-    out = []
+    """[(key, path)] of every file a run of a checked config reads: the config itself,
+    the pinned costs, the mesh (and its HDF5 data), heads, teacher, prompt and target
+    files."""
+    out = [("the config file", cfg["config_file"])] if cfg.get("config_file") else []
+    if os.environ.get("PDEFORMER_COSTS"):
+        out.append(("PDEFORMER_COSTS", os.environ["PDEFORMER_COSTS"]))
     mesh = cfg["mesh"]["file"]
     if mesh is not None:
         out += [("mesh.file", mesh), ("mesh.file", os.path.splitext(mesh)[0] + ".h5")]

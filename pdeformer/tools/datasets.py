@@ -97,7 +97,6 @@ def check_data(data: dict, mesh: dict) -> None:
     if data["count"] == 0:
         return
     data_dimension(mesh)
-    _check_count(data["count"])
     sphere = mesh["shape"] in ("circle", "sphere")
     if data["family"] != (SPHERE_FAMILY if sphere else FLAT_FAMILY):
         raise ConfigError("data.family", f"{data['family']!r} does not fit a {mesh['shape']} mesh: use "
@@ -114,17 +113,6 @@ def check_data(data: dict, mesh: dict) -> None:
     _range(data, "concentration_range", positive=True)
     if not sphere:
         _check_flat_ranges(data, mesh)
-
-
-def _check_count(count: int) -> None:
-    """A data set whose prompts' records alone would not fit this node is refused before
-    they are drawn (the run's full estimate, pdeformer.tools.budget, follows)."""
-    from .budget import PER_PROMPT, available_memory
-    have = available_memory()
-    if have is not None and count * PER_PROMPT > have:
-        raise ConfigError("data.count", f"{count} prompts need at least {count * PER_PROMPT / 2**30:.3g} GB "
-                          f"per rank for their records alone, more than the {have / 2**30:.3g} GB "
-                          "available on this node: draw fewer")
 
 
 def draw_prompts(data: dict, mesh: dict) -> list[dict]:

@@ -111,6 +111,18 @@ def array_budget() -> float:
     return available_memory() or 64.0 * 2**30
 
 
+def _zip_directory(f, what: str, path: str) -> dict:
+    """{member name: unpacked bytes} of the open ``.npz`` file ``f`` (its zip directory
+    alone is read); FileError for an empty file or one that is not a zip."""
+    if os.fstat(f.fileno()).st_size == 0:
+        raise FileError(what, path, "an empty file (0 bytes), not an .npz")
+    try:
+        with zipfile.ZipFile(f) as z:
+            return {i.filename: i.file_size for i in z.infolist()}
+    except Exception as e:   # a damaged file fails in zipfile in many ways
+        raise FileError(what, path, f"not a readable .npz file ({type(e).__name__}: {e})") from None
+
+
 def load_npz(path: str, what: str, names: tuple | None = None, max_bytes: float | None = None) -> dict:
     """{name: array} of an ``.npz`` file (``names``: only these, where present),
     without pickles; refused with one line (naming ``what`` and the file) where it is
@@ -118,36 +130,20 @@ def load_npz(path: str, what: str, names: tuple | None = None, max_bytes: float 
     more than ``max_bytes`` (default :func:`array_budget`)."""
     budget = array_budget() if max_bytes is None else max_bytes
     with open_regular(path, what) as f:
+        members = _zip_directory(f, what, path)
+        total = sum(size for n, size in members.items() if names is None or n.removesuffix(".npy") in names)
+        if total > budget:
+            raise FileError(what, path, f"its arrays unpack to {_size(total)}, more than "
+                            f"the {_size(budget)} of memory available")
         try:
-            if os.fstat(f.fileno()).st_size == 0:
-                raise FileError(what, path, "an empty file (0 bytes), not an .npz")
-            with zipfile.ZipFile(f) as z:
-                members = {i.filename: i.file_size for i in z.infolist()}
-            wanted = {n: s for n, s in members.items()
-                      if names is None or n.removesuffix(".npy") in names}
-            total = sum(wanted.values())
-            if total > budget:
-                raise FileError(what, path, f"its arrays unpack to {_size(total)}, more than "
-                                f"the {_size(budget)} of memory available")
             f.seek(0)
             with np.load(f, allow_pickle=False) as npz:
-                keys = [k for k in npz.files if names is None or k in names]
-                return {k: np.asarray(npz[k]) for k in keys}
-        except InputError:
-            raise
-        except Exception as e:   # a damaged file fails in zipfile, zlib, numpy, ... in many ways
+                return {k: np.asarray(npz[k]) for k in npz.files if names is None or k in names}
+        except Exception as e:   # a damaged file fails in zlib, numpy, ... in many ways
             raise FileError(what, path, f"not a readable .npz file ({type(e).__name__}: {e})") from None
 
 
 def npz_names(path: str, what: str) -> list[str]:
     """The array names of an ``.npz`` file (read from its zip directory only)."""
     with open_regular(path, what) as f:
-        try:
-            if os.fstat(f.fileno()).st_size == 0:
-                raise FileError(what, path, "an empty file (0 bytes), not an .npz")
-            with zipfile.ZipFile(f) as z:
-                return [n.removesuffix(".npy") for n in z.namelist()]
-        except InputError:
-            raise
-        except Exception as e:
-            raise FileError(what, path, f"not a readable .npz file ({type(e).__name__}: {e})") from None
+        return [n.removesuffix(".npy") for n in _zip_directory(f, what, path)]

@@ -59,7 +59,7 @@ def prepare_caches() -> list[str]:
     programs it starts. Returns the warnings to log; InputError where no writable
     folder is found."""
     from .errors import InputError
-    notes, fallback = [], Path(tempfile.gettempdir()) / f"pdeformer-cache-{os.getuid()}"
+    notes = []
     for var, folder, sub in (("XDG_CACHE_HOME", cache_home(), "fenics"),
                              ("PDEFORMER_CACHE", cache_dir(), None)):
         if var == "PDEFORMER_CACHE" and not os.environ.get(var):
@@ -67,7 +67,11 @@ def prepare_caches() -> list[str]:
         why = _writable(folder / sub if sub else folder)
         if why is None:
             continue
-        problem = _private_folder(fallback)
+        try:
+            fallback = Path(tempfile.gettempdir()) / f"pdeformer-cache-{os.getuid()}"
+            problem = _private_folder(fallback)
+        except OSError as e:               # (no usable temporary directory at all)
+            fallback, problem = Path(os.environ.get("TMPDIR") or "/tmp"), e.strerror or type(e).__name__
         if problem is not None:
             raise InputError(f"{var}: {folder} cannot be written ({why}), nor {fallback} ({problem}): "
                              "set XDG_CACHE_HOME (and PDEFORMER_CACHE) to a writable folder")

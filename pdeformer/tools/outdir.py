@@ -72,12 +72,6 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _inside(path: str, folder: str) -> bool:
-    """Whether ``path`` is ``folder`` or lies below it (real paths: links resolved)."""
-    path, folder = os.path.realpath(path), os.path.realpath(folder)
-    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
-
-
 PID_MAX = 1 << 22   # the largest pid Linux gives (pid_max's ceiling)
 
 
@@ -102,9 +96,10 @@ def lock_holder(lock: str, key: str = "output.dir") -> tuple[str | None, str | N
     its process is gone. A lock that is not a file is bad input (InputError)."""
     from .files import read_text
     try:
-        age = time.time() - os.stat(lock).st_mtime
+        info = os.stat(lock)
     except FileNotFoundError:
         return None, None
+    age, identity = time.time() - info.st_mtime, _identity(info)
     try:
         text = read_text(lock, key, max_bytes=64 * 1024)
     except InputError as e:
@@ -129,11 +124,31 @@ def lock_holder(lock: str, key: str = "output.dir") -> tuple[str | None, str | N
     if not stale:
         return who, None
     why = who + (f", not touched for {age:.0f} s" if age > STALE_AFTER else ", process gone")
-    try:
-        os.remove(lock)
-    except FileNotFoundError:
-        pass
+    _remove_stale(lock, identity)
     return None, why
+
+
+def _identity(info: os.stat_result) -> tuple:
+    """What tells one lock file from another taken since (an inode number may be reused;
+    its modification time and size are the ones a rename keeps)."""
+    return info.st_ino, info.st_mtime_ns, info.st_size
+
+
+def _remove_stale(lock: str, identity: tuple) -> None:
+    """Remove the stale lock judged (:func:`_identity`), not one another run has taken
+    since: it is moved aside atomically and checked; a lock not the judged one is put back."""
+    aside = f"{lock}.{os.getpid()}.stale"
+    try:
+        os.rename(lock, aside)
+    except FileNotFoundError:      # another run removed it first
+        return
+    try:
+        if _identity(os.stat(aside)) != identity:
+            os.link(aside, lock)   # another run's fresh lock: back (unless a third took its place)
+    except FileExistsError:
+        pass
+    finally:
+        os.remove(aside)
 
 
 class OutputFolder:
@@ -221,25 +236,31 @@ class OutputFolder:
 
     # ------------------------------------------------------------------ what may not be touched
     def _check_not_previous(self) -> None:
-        """The previous/ of a pdeformer output folder is that folder's run's: the next run
-        there replaces it."""
-        parent = os.path.dirname(os.path.realpath(self.path))
-        if os.path.basename(os.path.realpath(self.path)) == PREVIOUS and any(
-                os.path.lexists(os.path.join(parent, n)) for n in (LOCK, "summary.json", "pdeformer.log")):
-            raise InputError(f"output.dir: {self.path} is where the run in {parent} keeps the files of "
-                             "the run before it (the next run there replaces it): choose another folder")
+        """The previous/ of a pdeformer output folder, and anything in it, is that folder's
+        run's: the next run there replaces it."""
+        here = os.path.realpath(self.path)
+        while os.path.dirname(here) != here:
+            parent = os.path.dirname(here)
+            if os.path.basename(here) == PREVIOUS and any(
+                    os.path.lexists(os.path.join(parent, n)) for n in (LOCK, "summary.json", "pdeformer.log")):
+                where = "is" if here == os.path.realpath(self.path) else f"lies in {here},"
+                raise InputError(f"output.dir: {self.path} {where} where the run in {parent} keeps the files "
+                                 "of the run before it (the next run there replaces it): choose another folder")
+            here = parent
 
     def _check_reads(self) -> None:
-        """No file the run reads lies in previous/ (replaced) or among the files moved."""
+        """No file the run reads lies in previous/ (replaced) or among the files moved
+        (links resolved: the file itself is what would move)."""
+        folder, previous = os.path.realpath(self.path), os.path.realpath(self.previous)
         for key, name in self.reads:
             if name is None:
                 continue
-            if _inside(name, self.previous):
+            real = os.path.realpath(name)
+            if real == previous or real.startswith(previous + os.sep):
                 raise InputError(f"{key}: {name} lies in {self.previous}/, which this run replaces "
                                  "with the files of the run before it: copy it elsewhere first, or "
                                  "choose another output.dir")
-            if os.path.dirname(os.path.realpath(name)) == os.path.realpath(self.path) and \
-                    self._moves(os.path.basename(name)):
+            if os.path.dirname(real) == folder and self._moves(os.path.basename(real)):
                 raise InputError(f"{key}: {name} is a file of the earlier run in {self.path}, which "
                                  f"this run moves to {PREVIOUS}/: copy it elsewhere first, or choose "
                                  "another output.dir")
@@ -291,10 +312,12 @@ class OutputFolder:
             self._cleared = True
             return
         if os.path.lexists(self.previous):
-            held, _ = lock_holder(os.path.join(self.previous, LOCK))
-            if held is not None:
-                raise InputError(f"output.dir: {self.previous} is in use by {held}; this run would "
-                                 "replace it: wait for that run or choose another output.dir")
+            for where, _, files in os.walk(self.previous):   # a run in previous/ or below it
+                held, _ = lock_holder(os.path.join(where, LOCK)) if LOCK in files else (None, None)
+                if held is not None:
+                    raise InputError(f"output.dir: {where} is in use by {held}; this run would "
+                                     f"replace {self.previous}: wait for that run or choose another "
+                                     "output.dir")
             aside = os.path.join(self.path, f".{PREVIOUS}.{os.getpid()}.aside")
             shutil.rmtree(aside, ignore_errors=True)
             os.replace(self.previous, aside)
