@@ -2,8 +2,17 @@
 
 Token densities are transported by multi-head softmax attention,
 d/dt rho + div(rho v_t[rho]) = 0, discretised with discontinuous Galerkin in dolfinx
-and solved in parallel with PETSc. The public API is what the ``pdeformer`` command
-calls::
+and solved in parallel with PETSc. From Python, the model's objects and two functions
+(:mod:`pdeformer.api`)::
+
+    import pdeformer as pf
+    mesh = pf.BoxMesh(lower=[-4, -4], upper=[4, 4], cells=[48, 48])
+    model = pf.Transformer.random(layers=4, heads=8, dim=2, seed=0)
+    prompt = pf.GaussianMixture(means=[[-1, 0], [1, 0.5]], covs=[0.3, 0.2])
+    sol = pf.solve(model, prompt, pf.DG(mesh))          # sol.t, sol.mean, sol.cov, ...
+    risk, grad = pf.value_and_grad(pf.Moments(mean=[0, 0], cov=0.5), model, [prompt], pf.DG(mesh))
+
+and what the ``pdeformer`` command calls::
 
     from pdeformer import load_config, run_forward
     result = run_forward(load_config("runs/default.toml"))
@@ -13,7 +22,8 @@ The package is in layers, each a subpackage that imports only its own layer or l
 imports neither dolfinx nor PETSc: ``integrator`` (schemes, the march through depth),
 ``attention`` (softmax sums, the log-Laplace table) and ``model`` (heads, velocity,
 prompts, objectives, the particle model); ``fem`` (dolfinx: meshes, DG transport);
-``solvers`` (forward, adjoint, training); ``commands`` (the CLI, runs, studies).
+``solvers`` (forward, adjoint, training); ``api`` (the Python API); ``commands`` (the
+CLI, runs, studies).
 """
 
 __version__ = "0.1.0"
@@ -27,6 +37,11 @@ _LAZY = {
     "Sources": ("attention.softmax", "Sources"),
     "ForwardSolver": ("solvers.forward", "ForwardSolver"),
     "build_problem": ("solvers.forward", "build_problem"),
+    # the Python API (pdeformer.api): objects and the functions that solve them
+    **{name: ("api", name) for name in (
+        "BoxMesh", "CircleMesh", "SphereMesh", "MeshFile", "Transformer", "GaussianMixture", "Uniform",
+        "Points", "DensityFile", "VonMisesFisher", "Harmonics", "DG", "Particles", "Moments", "Potential",
+        "Interaction", "L2", "MMD", "solve", "value_and_grad", "Solution")},
 }
 
 

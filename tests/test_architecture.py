@@ -14,7 +14,8 @@ LAYERS = {   # subpackages by layer; the core (CORE) does not import the finite-
     "integrator": 1, "attention": 1, "model": 2,
     "fem": 3,
     "solvers": 4,
-    "commands": 5,
+    "api": 5,
+    "commands": 6,
 }
 CORE = ("tools", "integrator", "attention", "model")
 FEM_STACK = ("dolfinx", "petsc4py", "ufl", "basix", "ffcx")

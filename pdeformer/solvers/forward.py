@@ -112,14 +112,16 @@ def build_heads(comm, model, d: int) -> HeadMeasure:
 
 
 def build_problem(cfg: dict, comm, differentiable: bool = False,
-                  groups: PromptGroups | None = None, defer_teacher: bool = False) -> Problem:
+                  groups: PromptGroups | None = None, defer_teacher: bool = False,
+                  heads: HeadMeasure | None = None) -> Problem:
     """Mesh, heads, prompts (and objective, targets) of a checked configuration.
     ``differentiable``: the run takes gradients (gradient, train), so the discrete
     forward map must be smooth in the heads. With ``groups`` the mesh is built on this
     rank's group communicator (``groups.comm``) and ``comm`` is not used. A teacher's
     targets come from a forward run of the teacher, which can break down: with
     ``defer_teacher`` it is left to :func:`teacher_pass` (a run makes it inside its
-    output folder, so that a breakdown there is recorded)."""
+    output folder, so that a breakdown there is recorded). ``heads``: the model's heads
+    as arrays (the Python API's), instead of ``[model]``'s file or draw."""
     # this machine's costs of summing (attention/costs.py): agreed on by all ranks of
     # the job before any group sums anything
     machine_costs(groups.world if groups is not None else comm)
@@ -131,7 +133,9 @@ def build_problem(cfg: dict, comm, differentiable: bool = False,
     mesh = make_mesh(comm, opts.mesh)
     d = token_dim(mesh)
     radius = sphere_radius(comm, mesh) if is_manifold(mesh) else None
-    heads = build_heads(comm, opts.model, d)
+    if heads is not None and heads.dim != d:
+        raise ConfigError("model.params", f"the model's tokens are {heads.dim}-D, the mesh's {d}-D")
+    heads = build_heads(comm, opts.model, d) if heads is None else heads
     # the record says what was run: the heads' sizes as read or resolved
     cfg["model"].update(layers=heads.layers, heads=heads.heads, key_dim=heads.key_dim)
     prompts = on_root(comm, build_prompts, opts.prompts, d, radius, opts.data)

@@ -150,13 +150,18 @@ class Snapshots(Tracker):
     def write(self, problem) -> None:
         """Gather every group's prompts to world rank 0 and write the file there (a
         combination point; a failed write ends every rank)."""
+        arrays = self.arrays(problem)
+        on_root(problem.groups.world, lambda: write_npz(self.filename, **arrays))
+
+    def arrays(self, problem) -> dict | None:
+        """The file's arrays, gathered from every group to world rank 0 (None elsewhere;
+        a combination point)."""
         groups = problem.groups
         mine = {i: self.finish_arrays(i, r) for i, r in self.prompts.items()} \
             if groups.lead and self.mesh_cells is not None else None
         parts = groups.world.gather(mine, root=0)
-        on_root(groups.world, self._write, parts, problem)
-
-    def _write(self, parts: list, problem) -> None:
+        if groups.world.rank != 0:
+            return None
         arrays = {"version": np.array(VERSION), "caption": np.array(self.caption),
                   "prompts": np.array([name for name, _ in problem.prompts])}
         if self.mesh_cells is not None:
@@ -165,7 +170,7 @@ class Snapshots(Tracker):
             for record in (part or {}).values():
                 arrays.update(record)
         arrays.update(target_arrays(problem, self.mesh_cells))
-        write_npz(self.filename, **arrays)
+        return arrays
 
 
 def target_arrays(problem, mesh_cells: MeshCells | None) -> dict:

@@ -1,0 +1,219 @@
+"""solve and value_and_grad: the API's two functions, and the Solution they return.
+
+Both build the problem from the API's objects (:mod:`pdeformer.api.objects`) through the
+run configuration's checks, and run under ``mpirun`` unchanged: the mesh is partitioned
+over ``comm`` (default MPI.COMM_WORLD), and every result is the same on every rank.
+``solve`` takes the steps a gradient takes (a step plan frozen per frame, decided by
+the CFL condition at its start), so that a solved prompt and ``value_and_grad`` see one
+discrete map of the heads.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from mpi4py import MPI
+
+from ..model.particles import ParticleAdjoint, ParticleSolver, TokenOutput
+from ..solvers.adjoint import AdjointSolver
+from ..solvers.forward import ForwardSolver, Tracker, build_problem
+from ..solvers.snapshots import FieldSnapshots, MeshCells, TokenSnapshots
+from ..solvers.trackers import FieldOutput, frame_diagnostics
+from ..tools.config import check_config
+from .objects import DG, Objective, Particles, Prompt, Transformer
+
+
+def _prompt_list(prompts) -> tuple[list, bool]:
+    """(prompts as a list, whether one was given)."""
+    if isinstance(prompts, Prompt):
+        return [prompts], True
+    prompts = list(prompts)
+    if not prompts or not all(isinstance(p, Prompt) for p in prompts):
+        from ..tools.errors import ConfigError
+        raise ConfigError("prompts", "expected a prompt object (pf.GaussianMixture, ...) or a list of them")
+    return prompts, False
+
+
+def problem_config(model: Transformer, prompts: list, disc, objective: Objective | None = None, *,
+                   frames_per_layer: int = 1, backend: str = "auto", tol: float = 1e-8,
+                   attention: dict | None = None) -> dict:
+    """The checked run configuration the objects stand for (its errors name the
+    configuration key an argument stands for: prompts[i].covs, discretisation.degree)."""
+    tables = []
+    for p in prompts:
+        t = p.table()
+        if objective is not None and objective.target() is not None:
+            t["target"] = objective.target()
+        tables.append(t)
+    sections = disc.sections(prompts) if isinstance(disc, Particles) else disc.sections()
+    raw = {**sections,
+           "model": {"layers": model.layers, "heads": model.heads, "key_dim": model.key_dim},
+           "attention": {"backend": backend, "tol": tol, "beta": model.beta, **(attention or {})},
+           "output": {"fields": False, "plots": False, "frames_per_layer": frames_per_layer},
+           "prompts": tables}
+    if objective is not None:
+        raw["objective"] = objective.section()
+    return check_config(raw, os.getcwd(), "api")
+
+
+def _solver(model, prompts, disc, objective, comm, differentiable, **options):
+    """(problem, solver) of the objects on ``comm``."""
+    if not isinstance(disc, (DG, Particles)):
+        from ..tools.errors import ConfigError
+        raise ConfigError("discretisation", "expected pf.DG(mesh, ...) or pf.Particles(...)")
+    cfg = problem_config(model, prompts, disc, objective, **options)
+    particles = isinstance(disc, Particles)
+    problem = build_problem(cfg, comm or MPI.COMM_WORLD, differentiable and not particles,
+                            heads=model.head_measure())
+    solver = ParticleSolver(problem) if particles else ForwardSolver(problem)
+    return problem, solver
+
+
+class _Frames(Tracker):
+    """Keeps every frame of every prompt (a copy of its state) and its diagnostics."""
+
+    def __init__(self):
+        self.frames: dict[int, list] = {}
+        self.rows: dict[int, list] = {}
+
+    def frame(self, solver, frame):
+        row = frame_diagnostics(solver, frame)    # every rank takes part
+        frame.coeffs = np.array(frame.coeffs)
+        self.frames.setdefault(frame.prompt_index, []).append(frame)
+        self.rows.setdefault(frame.prompt_index, []).append(row)
+
+
+def solve(model: Transformer, prompt, disc, *, frames_per_layer: int = 1, backend: str = "auto",
+          tol: float = 1e-8, comm=None):
+    """Transport ``prompt`` (or each prompt of a list) through the layers of ``model``:
+
+        d/dt rho + div(rho v_t[rho]) = 0,  t in [0, 1],  rho(0) = the prompt,
+
+    on ``disc`` (pf.DG: the density on a mesh; pf.Particles: tokens moved by the same
+    velocity).
+
+    Parameters
+    ----------
+    model : pf.Transformer
+    prompt : a prompt object, or a list of them
+    disc : pf.DG or pf.Particles
+    frames_per_layer : frames per layer besides t = 0 (the frames of the solution)
+    backend, tol : how the attention is summed ("direct", "laplace", "auto") and the
+        accuracy of a laplace table
+    comm : the communicator the mesh is partitioned over (default MPI.COMM_WORLD)
+
+    Returns
+    -------
+    Solution (a list of them for a list of prompts): arrays over the frames.
+    """
+    prompts, one = _prompt_list(prompt)
+    problem, solver = _solver(model, prompts, disc, None, comm, False, frames_per_layer=frames_per_layer,
+                              backend=backend, tol=tol)
+    if isinstance(solver, ForwardSolver):
+        solver.freeze_plans()          # a gradient's steps: one discrete map with value_and_grad
+    record = _Frames()
+    pictures = TokenSnapshots(None) if isinstance(solver, ParticleSolver) else FieldSnapshots(None)
+    solver.run([record, pictures])
+    out = [Solution(problem, solver, record, pictures, i) for i in range(len(prompts))]
+    return out[0] if one else out
+
+
+class Solution:
+    """One prompt's solution over its frames (t = 0, then every frame end): every array
+    is the same on every rank.
+
+    Attributes
+    ----------
+    t : (F,) depth of each frame
+    mass : (F,) the mass on the mesh (1 for particles)
+    outflow : (F,) the mass that has left the mesh
+    mean : (F, d) and cov : (F, d, d): moments of the normalised density
+    name : the prompt's name
+    """
+
+    def __init__(self, problem, solver, record: _Frames, pictures, index: int):
+        self.problem, self.solver, self.index = problem, solver, index
+        self._frames, self._pictures = record.frames[index], pictures
+        rows = record.rows[index]
+        self.name = problem.prompts[index][0]
+        self.t = np.array([r["t"] for r in rows])
+        self.mass = np.array([r["mass"] for r in rows])
+        self.outflow = np.array([r["outflow"] for r in rows])
+        self.mean = np.array([r["mean"] for r in rows])
+        self.cov = np.array([r["cov"] for r in rows])
+        self._cells = None
+
+    def density(self, frame: int = -1) -> tuple[np.ndarray, np.ndarray]:
+        """(points, values) at ``frame``: the cells' centroids and the density's cell means
+        (DG, cells in centroid order, whatever the partition), or the tokens and their
+        weights (particles), gathered on every rank (a collective call)."""
+        f = self._frames[frame]
+        comm = self.solver.comm
+        if isinstance(self.solver, ParticleSolver):
+            x = np.concatenate(comm.allgather(f.coeffs))
+            w = np.concatenate(comm.allgather(f.extra["weights"]))
+            return x, w
+        tr = self.solver.transport
+        if self._cells is None:
+            self._cells = MeshCells(self.problem.mesh, comm)
+        means = self._cells.gather(np.einsum("ck,ck->c", tr.mean_weights, f.coeffs[tr.cell_dofs]))
+        centroids = self._cells.centroids if comm.rank == 0 else None
+        return comm.bcast((centroids, means), root=0)
+
+    def plot(self, filename: str) -> str | None:
+        """The densities picture a run draws (rows: the solve's first 12 prompts; columns:
+        frames over depth) into ``filename`` (.png or .svg), by rank 0 (a collective
+        call); the file name, or None without matplotlib."""
+        from ..commands.plot import density_figure
+        from ..tools.output import save_figure
+        arrays = self._pictures.arrays(self.problem)
+        if self.solver.comm.rank != 0:
+            return None
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return None
+        fig = density_figure(arrays)
+        save_figure(filename, fig)
+        plt.close(fig)
+        return filename
+
+    def write_vtk(self, folder: str) -> list[str]:
+        """The density over depth as a ParaView series in ``folder`` (created):
+        ``density_<name>.pvd`` (DG), ``tokens_<name>.pvd`` (particles); a collective call.
+        The files written."""
+        if self.solver.comm.rank == 0:
+            os.makedirs(folder, exist_ok=True)
+        self.solver.comm.Barrier()
+        out = TokenOutput(folder) if isinstance(self.solver, ParticleSolver) else FieldOutput(folder, "vtk", False)
+        out.start(self.solver)
+        for f in self._frames:
+            out.frame(self.solver, f)
+        out.finish(self.solver)
+        return list(out.files)
+
+
+def value_and_grad(objective: Objective, model: Transformer, prompts, disc, *, frames_per_layer: int = 1,
+                   backend: str = "auto", tol: float = 1e-8, comm=None) -> tuple[float, dict]:
+    """The risk R = (1/S) sum_s F_s(rho_1^s) over ``prompts`` and its exact derivative
+    with respect to every parameter of ``model`` (the adjoint sweep of docs/training.md).
+    The steps are those :func:`solve` takes with the same ``frames_per_layer`` (a step
+    plan per frame): its solutions are the densities whose risk this is.
+
+    Returns
+    -------
+    (risk, grad): grad is a tree shaped like ``model.params``: grad["attention"]["Q"]
+    (L, H, k, d), "K", "V" (L, H, d, d), the same on every rank.
+    """
+    prompts, _ = _prompt_list(prompts)
+    problem, solver = _solver(model, prompts, disc, objective, comm, True, frames_per_layer=frames_per_layer,
+                              backend=backend, tol=tol)
+    if isinstance(solver, ParticleSolver):
+        g = ParticleAdjoint(solver, problem.objective, problem.targets).gradient()
+    else:
+        g = AdjointSolver(solver, problem.objective, problem.targets,
+                          problem.opts.objective.quadrature_degree).gradient()
+    return g.risk, {"attention": {"Q": g.dQ, "K": g.dK, "V": g.dV}}

@@ -1,0 +1,180 @@
+"""The Python API (pdeformer.api): the issue's example as a test, serially and under
+mpirun -n 2, against the CLI on the equivalent TOML, one discrete map for solve and
+value_and_grad, and two models in one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, requires_dolfinx, run_cli, write_config
+
+from pdeformer.tools.output import read_diagnostics
+
+pytestmark = [requires_dolfinx]
+
+# the API's example on a small mesh; prints its numbers as JSON (rank 0)
+EXAMPLE = """
+import json, sys
+import numpy as np
+import pdeformer as pf
+from mpi4py import MPI
+
+mesh = pf.BoxMesh(lower=[-4, -4], upper=[4, 4], cells=[12, 12])
+model = pf.Transformer.random(layers=2, heads=3, dim=2, seed=0, init_scale=0.8)
+prompt = pf.GaussianMixture(weights=[0.5, 0.5], means=[[-1, 0], [1, 0.5]], covs=[0.3, 0.2], name="a")
+disc = pf.DG(mesh, degree=1, limiter=True, steps_per_layer=STEPS)
+sol = pf.solve(model, prompt, disc, frames_per_layer=2, backend="auto", tol=1e-8)
+points, values = sol.density(frame=-1)
+objective = pf.Moments(mean=[0, 0], cov=[[0.5, 0], [0, 0.5]])
+risk, grad = pf.value_and_grad(objective, model, [prompt], disc, frames_per_layer=2)
+tokens = pf.solve(model, prompt, pf.Particles(tokens=400, seed=1, steps_per_layer=4), frames_per_layer=2)
+x, w = tokens.density()
+out = {"t": sol.t.tolist(), "mass": sol.mass.tolist(), "mean": sol.mean.tolist(), "cov": sol.cov.tolist(),
+       "cells": len(values), "risk": risk,
+       "grad": {n: g.tolist() for n, g in grad["attention"].items()},
+       "shapes": {n: list(g.shape) for n, g in grad["attention"].items()},
+       "token_mean": tokens.mean[-1].tolist(), "tokens": len(x), "weights": float(w.sum()),
+       "params": {n: a.tolist() for n, a in model.params["attention"].items()}}
+if MPI.COMM_WORLD.rank == 0:
+    json.dump(out, open(sys.argv[1], "w"))
+"""
+
+
+def run_example(tmp_path, nprocs: int, steps: int = 8) -> dict:
+    script = tmp_path / "example.py"
+    script.write_text(EXAMPLE.replace("STEPS", str(steps)))
+    result = tmp_path / f"out{nprocs}.json"
+    cmd = [sys.executable, str(script), str(result)]
+    if nprocs > 1:
+        from pdeformer.tools.parallel import mpirun_command
+        cmd = mpirun_command(nprocs) + cmd
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(result.read_text())
+
+
+def toml_of(example: dict, steps: int) -> str:
+    """The run configuration the example's objects stand for (its heads in a file)."""
+    return f"""
+[mesh]
+lower = [-4.0, -4.0]
+upper = [4.0, 4.0]
+cells = [12, 12]
+[discretisation]
+degree = 1
+limiter = true
+steps_per_layer = {steps}
+[model]
+params = "heads.npz"
+[particles]
+tokens = 400
+seed = 1
+steps_per_layer = 4
+[output]
+dir = "out"
+fields = false
+frames_per_layer = 2
+[objective]
+kind = "moments"
+[[prompts]]
+name = "a"
+kind = "gaussian_mixture"
+weights = [0.5, 0.5]
+means = [[-1.0, 0.0], [1.0, 0.5]]
+covs = [0.3, 0.2]
+target = {{ mean = [0.0, 0.0], cov = [[0.5, 0.0], [0.0, 0.5]] }}
+"""
+
+
+@pytest.mark.mpi
+def test_the_example_serially_under_mpirun_and_as_the_cli(tmp_path):
+    """The example's numbers: arrays over the frames of the right shapes; the same on 1
+    and 2 ranks (to 1e-11: sums over another partition); the CLI's forward, particles
+    and gradient on the equivalent TOML give the same final moments, risk and gradient
+    (to 1e-12: the same discrete map)."""
+    one, two = run_example(tmp_path, 1), run_example(tmp_path, 2)
+    assert one["t"] == [0.0, 0.25, 0.5, 0.75, 1.0] and np.shape(one["cov"]) == (5, 2, 2)
+    assert one["shapes"] == {"Q": [2, 3, 2, 2], "K": [2, 3, 2, 2], "V": [2, 3, 2, 2]}
+    assert one["cells"] == 2 * 144 and one["tokens"] == 400 and one["weights"] == pytest.approx(1.0, abs=1e-14)
+    for key in ("mass", "mean", "cov", "risk", "token_mean"):
+        np.testing.assert_allclose(two[key], one[key], rtol=1e-11, atol=1e-13, err_msg=key)
+    for n in "QKV":
+        np.testing.assert_allclose(two["grad"][n], one["grad"][n], rtol=1e-9, atol=1e-12 * np.abs(one["grad"][n]).max())
+    np.savez(tmp_path / "heads.npz", **{n: np.array(a) for n, a in one["params"].items()})
+    cfg = write_config(tmp_path, toml_of(one, 8))
+    run_cli(["forward", cfg], cwd=str(tmp_path))
+    final = read_diagnostics(str(tmp_path / "out" / "diagnostics.csv"))[-1]
+    np.testing.assert_allclose([final["mean_0"], final["mean_1"]], one["mean"][-1], rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose([final["cov_00"], final["cov_01"], final["cov_11"]],
+                               [one["cov"][-1][0][0], one["cov"][-1][0][1], one["cov"][-1][1][1]], rtol=1e-12)
+    run_cli(["gradient", cfg], cwd=str(tmp_path))
+    g = np.load(tmp_path / "out" / "gradient.npz")
+    assert float(g["risk"]) == pytest.approx(one["risk"], rel=1e-12)
+    for n in "QKV":
+        np.testing.assert_allclose(g[f"d{n}"], one["grad"][n], rtol=1e-12, atol=1e-14 * np.abs(g[f"d{n}"]).max())
+    run_cli(["particles", cfg], cwd=str(tmp_path))
+    final = read_diagnostics(str(tmp_path / "out" / "diagnostics.csv"))[-1]
+    np.testing.assert_allclose([final["mean_0"], final["mean_1"]], one["token_mean"], rtol=1e-12, atol=1e-14)
+
+
+def small(seed: int = 0):
+    import pdeformer as pf
+    mesh = pf.BoxMesh(lower=[-4, -4], upper=[4, 4], cells=[10, 10])
+    model = pf.Transformer.random(layers=2, heads=2, dim=2, seed=seed, init_scale=0.8)
+    prompt = pf.GaussianMixture(means=[[-1, 0], [1, 0.5]], covs=[0.3, 0.2])
+    return model, prompt, pf.DG(mesh)
+
+
+def test_solve_and_value_and_grad_take_one_discrete_map():
+    """With CFL steps, solve takes the steps a gradient takes: the risk value_and_grad
+    returns is the Moments objective of the solved final moments, to round-off."""
+    import pdeformer as pf
+    model, prompt, disc = small()
+    target = pf.Moments(mean=[0.2, -0.1], cov=[[0.4, 0.1], [0.1, 0.3]])
+    sol = pf.solve(model, prompt, disc)
+    risk, _ = pf.value_and_grad(target, model, prompt, disc)
+    m, c = sol.mean[-1], sol.cov[-1]
+    direct = 0.5 * np.sum((m - [0.2, -0.1]) ** 2) + 0.5 * np.sum((c - [[0.4, 0.1], [0.1, 0.3]]) ** 2)
+    assert risk == pytest.approx(direct, rel=1e-12)
+
+
+def test_two_models_in_one_process_do_not_interfere():
+    """Solving model A, then B, then A again gives A's numbers both times, and B's as
+    B alone (no state shared between problems through caches or plans)."""
+    import pdeformer as pf
+    (a, prompt, disc), (b, _, _) = small(0), small(7)
+    first = pf.solve(a, prompt, disc, backend="laplace")
+    other = pf.solve(b, prompt, disc, backend="laplace")
+    again = pf.solve(a, prompt, disc, backend="laplace")
+    np.testing.assert_array_equal(first.cov, again.cov)
+    assert np.abs(other.cov[-1] - first.cov[-1]).max() > 1e-3
+    ga = pf.value_and_grad(pf.Moments(mean=[0, 0], cov=0.5), a, prompt, disc)[1]["attention"]["V"]
+    pf.value_and_grad(pf.Moments(mean=[0, 0], cov=0.5), b, prompt, disc)
+    np.testing.assert_array_equal(ga, pf.value_and_grad(pf.Moments(mean=[0, 0], cov=0.5), a, prompt,
+                                                        disc)[1]["attention"]["V"])
+
+
+def test_pictures_files_and_bad_objects(tmp_path):
+    """The solution draws the densities picture and writes the ParaView series; objects
+    that do not fit are one-line errors naming the key they stand for."""
+    import pdeformer as pf
+    from pdeformer.tools.errors import ConfigError
+    model, prompt, disc = small()
+    sol = pf.solve(model, [prompt, pf.GaussianMixture(means=[[0, 1]], covs=[0.4], name="b")], disc)
+    assert [s.name for s in sol] == ["prompt0", "b"]
+    assert sol[0].plot(str(tmp_path / "d.png")) == str(tmp_path / "d.png") and (tmp_path / "d.png").stat().st_size
+    assert sol[1].write_vtk(str(tmp_path / "vtk")) == [str(tmp_path / "vtk" / "density_b.pvd")]
+    with pytest.raises(ConfigError, match=r"prompts\[0\].covs"):
+        pf.solve(model, pf.GaussianMixture(means=[[0, 0]], covs=[-1.0]), disc)
+    with pytest.raises(ConfigError, match="model.params: the model's tokens are 3-D, the mesh's 2-D"):
+        pf.solve(pf.Transformer.random(layers=1, heads=1, dim=3), prompt, disc)
+    with pytest.raises(ConfigError, match="model.params: Q"):
+        pf.Transformer({"attention": {"Q": np.zeros((1, 1, 2, 2)), "K": np.zeros((1, 1, 2, 2)),
+                                      "V": np.zeros((1, 1, 3, 3))}})
