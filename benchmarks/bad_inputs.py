@@ -341,24 +341,24 @@ def cases(tmp: str) -> list[Case]:
              lambda f: os.makedirs(os.path.join(f, "out", ".pdeformer.lock"))),
         Case("message", "a params file with an array `weights`", pdeformer("forward", run, *out, "model.params=w.npz"),
              heads("w.npz", weights=np.full((2, 2), 0.5))),
-        # the earlier rounds
-        Case("earlier", "`steps_per_layer = 1`, `init_scale = 5` (a blow-up without NaN), forward",
+        # general bad inputs
+        Case("general", "`steps_per_layer = 1`, `init_scale = 5` (a blow-up without NaN), forward",
              pdeformer("forward", "runs/default.toml", *out, "mesh.cells=[16,16]", "discretisation.steps_per_layer=1",
                        "model.init_scale=5", "output.fields=false")),
-        Case("earlier", "`mesh.cells = [10000, 10000]`", pdeformer("forward", run, *out, "mesh.cells=[10000,10000]")),
-        Case("earlier", "`particles.tokens = 1e8`", pdeformer("particles", run, *out, "particles.tokens=100000000")),
-        Case("earlier", "a 250-character prompt name", pdeformer("forward", run, *out, f'prompts[0].name="{"a" * 250}"')),
-        Case("earlier", "mmd bandwidth 1e-300",
+        Case("general", "`mesh.cells = [10000, 10000]`", pdeformer("forward", run, *out, "mesh.cells=[10000,10000]")),
+        Case("general", "`particles.tokens = 1e8`", pdeformer("particles", run, *out, "particles.tokens=100000000")),
+        Case("general", "a 250-character prompt name", pdeformer("forward", run, *out, f'prompts[0].name="{"a" * 250}"')),
+        Case("general", "mmd bandwidth 1e-300",
              pdeformer("gradient", run, *out, 'objective.kind="mmd"', "objective.bandwidth=1e-300")),
-        Case("earlier", "`pdeformer converge <a directory>`", pdeformer("converge", "runs")),
-        Case("earlier", "a 1-cell 1-D mesh", pdeformer("forward", "interval.toml"), write("interval.toml", INTERVAL)),
-        Case("earlier", "a garbage .h5 beside the mesh's .xdmf", pdeformer("forward", run, *out), garbage_h5),
-        Case("earlier", "a very narrow prompt (covariance 1e-8)",
+        Case("general", "`pdeformer converge <a directory>`", pdeformer("converge", "runs")),
+        Case("general", "a 1-cell 1-D mesh", pdeformer("forward", "interval.toml"), write("interval.toml", INTERVAL)),
+        Case("general", "a garbage .h5 beside the mesh's .xdmf", pdeformer("forward", run, *out), garbage_h5),
+        Case("general", "a very narrow prompt (covariance 1e-8)",
              pdeformer("forward", run, *out, "prompts[0].covs=[1e-8, 1e-8]")),
-        Case("earlier", "a mixture weight of 1e308", pdeformer("forward", run, *out, "prompts[0].weights=[1e308, 1.0]")),
-        Case("earlier", "`attention.tol = 1e-30`", pdeformer("forward", run, *out, "attention.tol=1e-30")),
-        Case("earlier", "`--walltime nan`", pdeformer("train", run, "--walltime", "nan", *out)),
-        Case("earlier", "a box that cuts the prompts' tails (outflow)",
+        Case("general", "a mixture weight of 1e308", pdeformer("forward", run, *out, "prompts[0].weights=[1e308, 1.0]")),
+        Case("general", "`attention.tol = 1e-30`", pdeformer("forward", run, *out, "attention.tol=1e-30")),
+        Case("general", "`--walltime nan`", pdeformer("train", run, "--walltime", "nan", *out)),
+        Case("general", "a box that cuts the prompts' tails (outflow)",
              pdeformer("forward", run, *out, "mesh.lower=[-2,-2]", "mesh.upper=[2,2]")),
     ]
 
@@ -409,7 +409,7 @@ def run_case(case: Case, folder: str, ranks: int, timeout: float) -> tuple[str, 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--only", nargs="+", default=None, help="classes: lost silent hang traceback message earlier")
+    parser.add_argument("--only", nargs="+", default=None, help="classes: lost silent hang traceback message general")
     parser.add_argument("--timeout", type=float, default=300.0)
     args = parser.parse_args()
     tmp = tempfile.mkdtemp(prefix="pdeformer-bad-")

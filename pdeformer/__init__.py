@@ -36,7 +36,7 @@ _LAZY = {
     "tilted_moments": ("attention.softmax", "tilted_moments"),
     "Sources": ("attention.softmax", "Sources"),
     "ForwardSolver": ("solvers.forward", "ForwardSolver"),
-    "build_problem": ("solvers.forward", "build_problem"),
+    "build_problem": ("solvers.problem", "build_problem"),
     # the Python API (pdeformer.api): objects and the functions that solve them
     **{name: ("api", name) for name in (
         "BoxMesh", "CircleMesh", "SphereMesh", "MeshFile", "Transformer", "GaussianMixture", "Uniform",

@@ -105,8 +105,8 @@ def test_the_example_serially_under_mpirun_and_as_the_cli(tmp_path):
     assert one["cells"] == 2 * 144 and one["tokens"] == 400 and one["weights"] == pytest.approx(1.0, abs=1e-14)
     for key in ("mass", "mean", "cov", "risk", "token_mean"):
         np.testing.assert_allclose(two[key], one[key], rtol=1e-11, atol=1e-13, err_msg=key)
-    for n in "QKV":
-        np.testing.assert_allclose(two["grad"][n], one["grad"][n], rtol=1e-9, atol=1e-12 * np.abs(one["grad"][n]).max())
+    for n in "QKV":   # entries far below the largest carry its rounding: measured against the largest
+        np.testing.assert_allclose(two["grad"][n], one["grad"][n], rtol=0, atol=1e-11 * np.abs(one["grad"][n]).max())
     np.savez(tmp_path / "heads.npz", **{n: np.array(a) for n, a in one["params"].items()})
     cfg = write_config(tmp_path, toml_of(one, 8))
     run_cli(["forward", cfg], cwd=str(tmp_path))

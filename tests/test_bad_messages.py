@@ -18,12 +18,7 @@ from conftest import ROOT, check_one_line_error, requires_dolfinx, run_cli, writ
 
 pytestmark = [requires_dolfinx]
 
-BOX = """
-[mesh]
-lower = [-3.0, -3.0]
-upper = [3.0, 3.0]
-cells = [10, 10]
-
+RUN = """
 [discretisation]
 steps_per_layer = 4
 
@@ -36,6 +31,13 @@ seed = 3
 dir = "out"
 fields = false
 """
+
+BOX = """
+[mesh]
+lower = [-3.0, -3.0]
+upper = [3.0, 3.0]
+cells = [10, 10]
+""" + RUN
 
 DRAWN = BOX + """
 [data]
@@ -46,19 +48,7 @@ SPHERE = """
 [mesh]
 shape = "{shape}"
 {size}
-
-[discretisation]
-steps_per_layer = 4
-
-[model]
-layers = 1
-heads = 2
-seed = 3
-
-[output]
-dir = "out"
-fields = false
-"""
+""" + RUN
 
 
 def quiet(proc) -> None:

@@ -112,7 +112,7 @@ def test_too_many_heads(tmp_path):
 
 
 def test_file_errors(tmp_path):
-    from pdeformer.commands.converge import load_study
+    from pdeformer.commands.study import load_study
     with pytest.raises(ConfigError, match="no such config file"):
         load_config(str(tmp_path / "missing.toml"))
     with pytest.raises(ConfigError, match="is a folder, not a config file"):
@@ -276,7 +276,8 @@ def test_solvers_read_options_not_the_dict(tmp_path):
     from mpi4py import MPI
 
     from pdeformer.solvers.adjoint import AdjointSolver
-    from pdeformer.solvers.forward import ForwardSolver, build_problem
+    from pdeformer.solvers.forward import ForwardSolver
+    from pdeformer.solvers.problem import build_problem
     from pdeformer.solvers.train import Trainer
     text = BASE + '\n[objective]\nkind = "moments"\n[prompts.target]\nmean = [0.1, 0.0]\ncov = 0.3\n'
     cfg = load_config(write_config(tmp_path, text))

@@ -112,7 +112,7 @@ def test_teacher_targets_are_the_teacher_s_output(tmp_path):
     its seed (the same risk for another student)."""
     from mpi4py import MPI
     from pdeformer.model.heads import HeadMeasure
-    from pdeformer.solvers.forward import build_problem
+    from pdeformer.solvers.problem import build_problem
     from pdeformer.tools.config import load_config
     cfg = write_config(tmp_path, CONFIG)
     problem = build_problem(load_config(cfg), MPI.COMM_WORLD, differentiable=True)

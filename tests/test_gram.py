@@ -94,7 +94,8 @@ def test_the_jacobian_is_that_of_the_outputs_and_gives_the_gradient(tmp_path):
     (1/S) J^T (y - y*) is the gradient of `pdeformer gradient`, 1/(2S) |y - y*|^2 its risk."""
     from mpi4py import MPI
     from pdeformer.solvers.adjoint import AdjointSolver
-    from pdeformer.solvers.forward import ForwardSolver, build_problem
+    from pdeformer.solvers.forward import ForwardSolver
+    from pdeformer.solvers.problem import build_problem
     from pdeformer.tools.config import load_config
     path = write_config(tmp_path, CONFIG)
     p = build_problem(load_config(path), MPI.COMM_WORLD, differentiable=True)

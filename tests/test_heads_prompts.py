@@ -6,7 +6,8 @@ import pytest
 from pdeformer.tools.errors import InputError
 from pdeformer.model.exact import expm, uniform_attention_mean
 from pdeformer.model.heads import HeadMeasure
-from pdeformer.model.prompts import GaussianMixture, PointDensity, UniformBox
+from pdeformer.model.prompt_files import PointDensity
+from pdeformer.model.prompts import GaussianMixture, UniformBox
 
 
 def test_random_heads_are_reproducible_and_nested():

@@ -13,7 +13,8 @@ import pytest
 from conftest import ROOT, requires_dolfinx, run_cli, write_config
 from pdeformer.model.heads import HeadMeasure
 from pdeformer.commands.ntk import head_jacobians, lse_test, log_laplace, ntk_gram, sample_points
-from pdeformer.model.prompts import GaussianMixture, PointCloud, UniformBox
+from pdeformer.model.prompt_files import PointCloud
+from pdeformer.model.prompts import GaussianMixture, UniformBox
 
 TOL = 1e-6   # the default ntk.tol: LSE ratio > TOL, Gram ratio > TOL^2
 
@@ -251,7 +252,7 @@ CLOUD = {"kind": "points", "points": [[-1.0], [0.2], [1.0]], "weights": [1, 2, 1
 def ntk_problem(tmp_path, cells=100, degree=1, **ntk):
     from mpi4py import MPI
     from pdeformer.tools.config import check_config
-    from pdeformer.solvers.forward import build_problem
+    from pdeformer.solvers.problem import build_problem
     raw = {"mesh": {"lower": [-8.0], "upper": [8.0], "cells": [cells]},
            "discretisation": {"degree": degree, "limiter": False},
            "model": {"layers": 2, "heads": 3, "seed": 1, "query_scale": 0.0},

@@ -21,13 +21,14 @@ RAW = {"mesh": {"lower": [-3.5, -3.5], "upper": [3.5, 3.5], "cells": [32, 32]},
 
 def problem(tmp_path, **particles):
     from pdeformer.tools.config import check_config
-    from pdeformer.solvers.forward import build_problem
+    from pdeformer.solvers.problem import build_problem
     cfg = check_config(dict(RAW, particles=particles), str(tmp_path))
     return build_problem(cfg, MPI.COMM_WORLD)
 
 
 def test_sampling_matches_the_prompts():
-    from pdeformer.model.prompts import GaussianMixture, PointDensity, UniformBox
+    from pdeformer.model.prompt_files import PointDensity
+    from pdeformer.model.prompts import GaussianMixture, UniformBox
     rng = np.random.default_rng(0)
     g = GaussianMixture([1, 3], [[0, 1], [1, -1]], [np.eye(2) * 0.3, [[0.5, 0.1], [0.1, 0.2]]])
     u = UniformBox([-1, 0], [1, 0.5])
@@ -217,7 +218,7 @@ def test_log_counts_the_tokens_of_a_point_cloud(tmp_path):
     """Issue 13, item 9: a points prompt is its own tokens; the log line (describe) said
     "10000 tokens", the unused [particles] tokens default, while 4 ran."""
     from pdeformer.tools.config import check_config
-    from pdeformer.solvers.forward import build_problem
+    from pdeformer.solvers.problem import build_problem
     from pdeformer.model.particles import ParticleSolver
     cloud = {"kind": "points", "points": [[0.0, 0.0], [1.0, 0.5], [-0.5, 0.3], [0.2, -0.7]]}
     raw = dict(RAW, mesh=dict(RAW["mesh"], cells=[4, 4]), objective={}, prompts=[cloud])
@@ -235,7 +236,8 @@ def test_an_overflowing_objective_is_named(tmp_path):
     from pdeformer.solvers.adjoint import AdjointSolver
     from pdeformer.tools.config import check_config
     from pdeformer.tools.errors import ConfigError, SolverBreakdown
-    from pdeformer.solvers.forward import ForwardSolver, build_problem
+    from pdeformer.solvers.forward import ForwardSolver
+    from pdeformer.solvers.problem import build_problem
     from pdeformer.model.particles import ParticleAdjoint, ParticleSolver
 
     def problem_with(weight, **particles):

@@ -247,7 +247,8 @@ def test_fields_file_is_the_same_on_one_and_two_ranks(runs):
 def test_density_picture_shows_the_file(runs):
     """Each 2-D row is coloured on the density's range over all frames; the panels'
     cells carry the file's cell means (as triangles); 1-D curves are the node values."""
-    from pdeformer.commands.plot import density_figure, read_snapshots, snapshot_frames
+    from pdeformer.commands.plot import density_figure, snapshot_frames
+    from pdeformer.commands.run_files import read_snapshots
     snap = read_snapshots(os.path.join(runs["forward_2d_1"], "fields.npz"))
     fig = density_figure(snap)
     panels = fig.axes[:6]   # 2 prompts x 3 frames (the colour bars come after)
@@ -269,7 +270,8 @@ def test_density_picture_shows_the_file(runs):
 
 def test_risk_curve_is_history(runs):
     """The risk, gradient-norm and step-size lines are history.csv's columns."""
-    from pdeformer.commands.plot import read_table, training_figure
+    from pdeformer.commands.plot import training_figure
+    from pdeformer.commands.run_files import read_table
     path = os.path.join(runs["train_1"], "history.csv")
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
@@ -284,7 +286,8 @@ def test_risk_curve_is_history(runs):
 def test_diagnostics_picture_is_the_table(runs):
     """Each prompt's lines are diagnostics.csv's columns against t: the mean's
     components, the covariance's entries, the mass change and the outflow."""
-    from pdeformer.commands.plot import diagnostics_figure, read_diagnostics_table
+    from pdeformer.commands.plot import diagnostics_figure
+    from pdeformer.commands.run_files import read_diagnostics_table
     rows = read_diagnostics_table(os.path.join(runs["forward_2d_1"], "diagnostics.csv"))
     mean, cov, mass, outflow = diagnostics_figure(rows).axes[:4]
     for p, name in enumerate(("blob", "box")):
@@ -304,7 +307,8 @@ def test_heads_picture_moves_every_head(runs):
     """One panel per layer; each head's path from the first to the last step has the
     length of its move in the two leading principal directions (all of it here: two
     heads at two steps span at most three directions, and the picture keeps two)."""
-    from pdeformer.commands.plot import head_vectors, heads_figure, principal_coordinates, read_params
+    from pdeformer.commands.plot import head_vectors, heads_figure, principal_coordinates
+    from pdeformer.commands.run_files import read_params
     params = read_params(runs["train_1"])
     assert [s for s, _ in params] == [0, 1, 2]
     fig = heads_figure(params)
@@ -350,7 +354,8 @@ def test_views_follow_the_config_and_pictures_are_run_files(runs):
     it writes summary.json); a new run moves an earlier run's pictures, fields.npz and
     paraview.py aside (pdeformer.tools.outdir.RUN_FILES)."""
     from pdeformer.commands.paraview_session import session
-    from pdeformer.commands.plot import FORMATS, PICTURES
+    from pdeformer.commands.plot import PICTURES
+    from pdeformer.commands.run_files import FORMATS
     from pdeformer.tools.outdir import RUN_FILES, _matches
     folder = runs["forward_2d_1"]
     assert [v["name"] for v in session(folder, names=["box", "blob"])["views"]] == ["box", "blob"]

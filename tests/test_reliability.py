@@ -812,7 +812,7 @@ def test_studies_that_answer_no_question_are_refused(tmp_path, sets, message):
 
 def test_identical_members_are_an_error():
     """Members whose errors agree to the last bit in every case were not redrawn."""
-    from pdeformer.commands.converge import check_members_differ
+    from pdeformer.commands.study import check_members_differ
     study = {"seed_keys": ["model.seed"]}
     records = [{"case": i, "member": j, "quantity": "mean", "error": 0.1 * (i + 1) + 0.01 * j}
                for i in range(2) for j in range(3)]
@@ -917,7 +917,7 @@ def test_an_update_that_blows_the_heads_up_stops_there(tmp_path):
     cfg = write_config(tmp_path, CONFIG.replace("steps_per_layer = 8\n", ""))
     proc = run_cli(["train", cfg, "--set", "train.temperature=1e6", "train.steps=2"], cwd=str(tmp_path),
                    check=False)
-    check_one_line_error(proc, "train step 0: the update blew the heads up: their velocity may now need", 3)
+    check_one_line_error(proc, "train step 0: the update blew the heads up: their velocity may need up to", 3)
     assert "mostly the Langevin noise" in proc.stderr and "lower train.temperature (now 1e+06)" in proc.stderr
     proc = run_cli(["train", cfg, "--set", "train.weight_decay=1e6"], cwd=str(tmp_path), check=False)
     check_one_line_error(proc, "train.weight_decay: lr x weight_decay = 5e+04 is 2 or more")
@@ -927,7 +927,8 @@ def test_a_tape_past_the_memory_limit_breaks_down(tmp_path):
     """A gradient whose steps would take its tape past the room the memory limit leaves
     it stops before taking them (with fast heads it used to crawl while memory grew)."""
     from pdeformer.solvers.adjoint import AdjointSolver
-    from pdeformer.solvers.forward import ForwardSolver, build_problem
+    from pdeformer.solvers.forward import ForwardSolver
+    from pdeformer.solvers.problem import build_problem
     from pdeformer.tools.config import load_config
     from pdeformer.tools.errors import SolverBreakdown
     from mpi4py import MPI
@@ -1023,7 +1024,7 @@ def test_seeds_that_change_the_run_in_less_common_ways(tmp_path):
     """data.teacher_seed redraws the student's start where model.init = 'teacher' (no
     objective needed); data.seed redraws the prompts, which a reference run once cannot
     follow; a budget's drawn width reference must be above the transformer's heads too."""
-    from pdeformer.commands.converge import unused_seed
+    from pdeformer.commands.study import unused_seed
     from pdeformer.tools.config import load_config
     cfg = load_config(os.path.join(ROOT, "runs", "teacher.toml"),
                       ["objective.kind=\"potential\"", "model.init=\"teacher\"", "model.init_noise=0.1"])

@@ -207,7 +207,8 @@ def test_the_minibatch_gradient_is_the_mean_of_per_prompt_gradients(tmp_path):
     one at a time; the default is over the training prompts only (not the held-out)."""
     from mpi4py import MPI
     from pdeformer.solvers.adjoint import AdjointSolver
-    from pdeformer.solvers.forward import ForwardSolver, build_problem
+    from pdeformer.solvers.forward import ForwardSolver
+    from pdeformer.solvers.problem import build_problem
     from pdeformer.tools.config import load_config
     cfg = load_config(write_config(tmp_path, CONFIG))
     p = build_problem(cfg, MPI.COMM_WORLD, differentiable=True)
@@ -233,7 +234,8 @@ def test_a_training_step_is_the_langevin_step_of_the_batch_gradient(tmp_path):
     over the 2 held out, batch risk over B."""
     from mpi4py import MPI
     from pdeformer.solvers.adjoint import AdjointSolver
-    from pdeformer.solvers.forward import ForwardSolver, build_problem
+    from pdeformer.solvers.forward import ForwardSolver
+    from pdeformer.solvers.problem import build_problem
     from pdeformer.tools.config import load_config
     path = write_config(tmp_path, CONFIG)
     run_cli(["train", path, "--set", "output.dir=out", "train.steps=1"], cwd=str(tmp_path))

@@ -214,7 +214,8 @@ def identity_heads(layers: int, d: int):
 def solve(raw: dict, tmp_path, heads=None):
     """(forward solver, its frames' diagnostics) of a config (in this process)."""
     from mpi4py import MPI
-    from pdeformer.solvers.forward import ForwardSolver, build_problem
+    from pdeformer.solvers.forward import ForwardSolver
+    from pdeformer.solvers.problem import build_problem
     from pdeformer.solvers.trackers import DiagnosticsTable
     cfg = check_config(raw, str(tmp_path))
     problem = build_problem(cfg, MPI.COMM_WORLD)
@@ -294,7 +295,8 @@ def test_uniform_density_is_stationary_up_to_the_mesh_error(tmp_path):
     for r in (2, 3):
         raw = manifold_config("sphere", r, {"kind": "uniform"}, attention={"beta": 3.0})
         from mpi4py import MPI
-        from pdeformer.solvers.forward import ForwardSolver, build_problem
+        from pdeformer.solvers.forward import ForwardSolver
+        from pdeformer.solvers.problem import build_problem
         problem = build_problem(check_config(raw, str(tmp_path)), MPI.COMM_WORLD)
         problem.heads = identity_heads(4, 3)
         solver = ForwardSolver(problem)
@@ -310,7 +312,8 @@ def test_gradient_on_the_sphere_is_exact(tmp_path, backend):
     summation and through the 3-D laplace table (plans frozen per evaluation)."""
     from mpi4py import MPI
     from pdeformer.solvers.adjoint import AdjointSolver
-    from pdeformer.solvers.forward import ForwardSolver, build_problem
+    from pdeformer.solvers.forward import ForwardSolver
+    from pdeformer.solvers.problem import build_problem
     from test_adjoint import assert_exact_gradient
     raw = manifold_config("sphere", 2, {"kind": "von_mises_fisher", "means": [[1, 0.2, 0], [0, 0, -1]],
                                         "concentrations": [3, 2],
@@ -448,7 +451,8 @@ def test_shipped_manifold_configs_on_one_and_two_ranks(tmp_path, name, sets):
     for command in ("forward", "particles"):
         assert (tmp_path / "P1" / command / "densities.png").stat().st_size > 2000
     # the tokens are drawn on the chart: their angles (longitudes) spread over it
-    from pdeformer.commands.plot import density_figure, read_snapshots
+    from pdeformer.commands.plot import density_figure
+    from pdeformer.commands.run_files import read_snapshots
     fig = density_figure(read_snapshots(str(tmp_path / "P1" / "particles" / "fields.npz")))
     ax = fig.axes[0]
     if name == "circle":     # a histogram over theta
@@ -516,7 +520,7 @@ def test_particle_gradient_on_the_sphere_is_exact(tmp_path, shape, backend):
     remainders of order 2; tokens stay on the sphere to rounding."""
     from mpi4py import MPI
     from pdeformer.model.particles import ParticleAdjoint, ParticleSolver
-    from pdeformer.solvers.forward import build_problem
+    from pdeformer.solvers.problem import build_problem
     from test_particles import assert_taylor_order_two
     d = 3 if shape == "sphere" else 2
     raw = manifold_config(shape, 1 if d == 3 else 16,
@@ -545,7 +549,8 @@ def test_particles_and_mesh_agree_on_the_sphere(tmp_path):
     agree to 2e-2."""
     from pdeformer.model.particles import ParticleSolver
     from pdeformer.solvers.trackers import DiagnosticsTable
-    from pdeformer.solvers.forward import ForwardSolver, build_problem
+    from pdeformer.solvers.forward import ForwardSolver
+    from pdeformer.solvers.problem import build_problem
     from mpi4py import MPI
     raw = manifold_config("sphere", 3, {"kind": "von_mises_fisher", "means": [[1.0, 0.0, 0.2], [0.0, -1.0, -0.5]],
                                         "concentrations": [5.0, 3.0]},
@@ -594,7 +599,7 @@ def test_particles_agree_with_the_peer_code_to_its_time_step_error(tmp_path, d):
     below 0.1 at dt = 0.1: the positions agree within the peer's time-step error."""
     from mpi4py import MPI
     from pdeformer.model.particles import ParticleSolver
-    from pdeformer.solvers.forward import build_problem
+    from pdeformer.solvers.problem import build_problem
     rng = np.random.default_rng(0)
     T, L = 3.0, 6
     x0 = rng.normal(size=(64, d))

@@ -15,7 +15,8 @@ def make_solver(tmp_path, *, lower, upper, cells, cell=None, degree=1, heads=Non
                 prompt=None, disc=None, attention=None):
     from mpi4py import MPI
     from pdeformer.tools.config import check_config, options
-    from pdeformer.solvers.forward import ForwardSolver, Problem
+    from pdeformer.solvers.forward import ForwardSolver
+    from pdeformer.solvers.problem import Problem
     from pdeformer.fem.mesh import make_mesh
     from pdeformer.model.prompts import make_prompt
     d = len(lower)
@@ -261,7 +262,7 @@ def test_fixed_steps_per_layer(tmp_path):
     from pdeformer.tools.errors import ConfigError
     with pytest.raises(ConfigError, match="^output.frames_per_layer: 5 does not divide"):
         from pdeformer.tools.config import check_config
-        from pdeformer.solvers.forward import build_problem
+        from pdeformer.solvers.problem import build_problem
         from mpi4py import MPI
         raw = {"mesh": {"lower": [-1.0], "upper": [1.0], "cells": [4]},
                "discretisation": {"steps_per_layer": 12}, "model": {"layers": 1, "heads": 1},
@@ -312,7 +313,8 @@ import json, sys
 import numpy as np
 from mpi4py import MPI
 from pdeformer.tools.config import load_config
-from pdeformer.solvers.forward import ForwardSolver, build_problem
+from pdeformer.solvers.forward import ForwardSolver
+from pdeformer.solvers.problem import build_problem
 
 comm = MPI.COMM_WORLD
 cfg = load_config(sys.argv[2], ["mesh.cells=[12,12]", "output.fields=false"])

@@ -17,7 +17,8 @@ from mpi4py import MPI
 
 from ..model.particles import ParticleAdjoint, ParticleSolver, TokenOutput
 from ..solvers.adjoint import AdjointSolver
-from ..solvers.forward import ForwardSolver, Tracker, build_problem
+from ..solvers.forward import ForwardSolver, Tracker
+from ..solvers.problem import build_problem
 from ..solvers.snapshots import FieldSnapshots, MeshCells, TokenSnapshots
 from ..solvers.trackers import FieldOutput, frame_diagnostics
 from ..tools.config import check_config

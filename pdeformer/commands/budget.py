@@ -66,8 +66,9 @@ import os
 import numpy as np
 
 from ..tools.config import Key, integer, load_config, path, positive_int_list, string
-from .converge import (COLUMNS, check_members_differ, describe_reference, ensemble_matrix, error_rows,
-                       override_strings, prepare, read_study_file, run_ensemble, size_of, study_inputs)
+from .converge import COLUMNS, ensemble_matrix, error_rows, run_ensemble
+from .study import (check_members_differ, describe_reference, override_strings, prepare, read_study_file, size_of,
+                    study_inputs)
 from ..tools.errors import ConfigError, PdeformerError, status_of, within
 from ..tools.output import atomic_write, provenance, save_figure, write_csv, write_json
 from ..tools.parallel import (METER, PromptGroups, Timer, describe_parallel, metered, on_root,

@@ -232,7 +232,8 @@ def _run(args, comm, notes=()) -> int:
         for note in notes:
             logging.getLogger("pdeformer").warning(note)
     if args.command == "converge":
-        from .converge import load_study, run_study
+        from .converge import run_study
+        from .study import load_study
         study = load_study(*_config_and_overrides(args))
         summary = run_study(study, comm, walltime=args.walltime)
         if comm.rank == 0:

@@ -39,7 +39,8 @@ from ..tools.errors import ConfigError, SolverBreakdown
 from ..integrator.frames import Tracker
 from ..model.heads import HeadMeasure
 from ..tools.parallel import allgather_rows, on_root
-from ..model.prompts import GaussianMixture, PointCloud, UniformBox
+from ..model.prompt_files import PointCloud
+from ..model.prompts import GaussianMixture, UniformBox
 
 log = logging.getLogger("pdeformer")
 

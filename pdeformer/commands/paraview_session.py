@@ -31,6 +31,7 @@ import numpy as np
 from ..tools.errors import InputError
 from ..tools.files import TEXT_FILE, read_bytes
 from ..tools.output import atomic_write
+from .run_files import read_npz, read_params, read_summary
 
 SCRIPT_NAME = "paraview.py"
 SERIES = re.compile(r"(density|velocity|adjoint|tokens)_(.+)\.(pvd|bp)")
@@ -53,7 +54,6 @@ def field_series(folder: str) -> dict:
 def config_prompts(folder: str) -> list[str]:
     """The prompt names in the config's order, as summary.json has them ([] without it,
     or where it cannot be read)."""
-    from .plot import read_summary
     try:
         return [p["name"] for p in read_summary(os.path.join(folder, "summary.json"))["config"]["prompts"]]
     except (InputError, KeyError, TypeError):
@@ -82,11 +82,9 @@ def recorded_ranges(folder: str) -> dict:
 
     path = os.path.join(folder, "fields.npz")
     if os.path.isfile(path):
-        from .plot import read_npz
         pattern = re.compile(r"(density|velocity)_range_\d+")
         for key, a in read_npz(path, pattern.fullmatch).items():   # the ranges alone
             widen(pattern.fullmatch(key)[1], a[0], a[1])
-    from .plot import read_params
     for _, p in read_params(folder):
         A = np.einsum("lhkd,lhke->lhde", p["K"], p["Q"])   # A = K^T Q per head
         norms = np.linalg.norm(A.reshape(A.shape[0] * A.shape[1], -1), axis=1)
@@ -99,7 +97,6 @@ CHART_DIMENSION = {"circle": 2, "sphere": 3}   # the space a circle or sphere li
 
 def run_chart(folder: str) -> str:
     """fields.npz's ``chart``: "circle", "sphere", or "" (a flat mesh, or no such file)."""
-    from .plot import read_npz
     try:
         return str(read_npz(os.path.join(folder, "fields.npz"), lambda n: n == "chart").get("chart", ""))
     except InputError:
@@ -109,7 +106,6 @@ def run_chart(folder: str) -> str:
 def run_dimension(folder: str) -> int:
     """d of the run: fields.npz's box (the space of its circle or sphere), else
     summary.json's mesh, else 2."""
-    from .plot import read_npz, read_summary
     try:
         f = read_npz(os.path.join(folder, "fields.npz"), ("chart", "box").__contains__)
         chart = str(f.get("chart", ""))
@@ -128,8 +124,7 @@ def series_times(path: str) -> list[float] | None:
     .pvd that is not a regular file of at most TEXT_FILE bytes or not a collection."""
     if not path.endswith(".pvd"):
         return None
-    from .plot import _run_file
-    text = _run_file(read_bytes, path, TEXT_FILE)
+    text = read_bytes(path, "", TEXT_FILE)
     try:
         times = [float(ds.get("timestep")) for ds in ET.fromstring(text).iter("DataSet")]
     except (ET.ParseError, TypeError, ValueError) as e:

@@ -31,21 +31,16 @@ display); the functions ``*_figure`` return them, so tests read back what they s
 
 from __future__ import annotations
 
-import csv
-import glob
-import io
-import json
 import os
-import re
 
 import numpy as np
 
 from ..tools.charts import chart
 from ..tools.errors import InputError, OutputError
-from ..tools.files import TEXT_FILE, load_npz, npz_names, read_text
 from ..tools.output import PICTURE_PROMPTS, save_figure
+from .run_files import (read_diagnostics_table, read_gradient, read_params, read_snapshots, read_table, run_inputs,
+                        summary_format)
 
-FORMATS = ("png", "svg")
 PICTURES = ("densities", "diagnostics", "training", "heads", "gradient")   # <name>.<format>
 MOST_SNAPSHOTS = 5          # columns of the density picture (the first and last frame among them)
 MOST_TOKENS = 3000          # tokens drawn per panel (every k-th one beyond)
@@ -71,166 +66,6 @@ def axis_names(snap: dict) -> list[str]:
         return CHART_AXES[chart]
     dim = snap["box"].shape[1]
     return ["x"] if dim == 1 else [coordinate(a) for a in range(dim)]
-
-
-# ------------------------------------------------------------------ reading a run
-
-def _run_file(read, path: str, *args):
-    """``read`` (pdeformer.tools.files: never blocks, size-checked) applied to a file of
-    the run folder; its one-line InputError names the file alone (no config key or
-    option names a run's files)."""
-    try:
-        return read(path, "", *args)
-    except InputError as e:
-        raise InputError(str(e).removeprefix(": ")) from None
-
-
-def read_npz(path: str, wanted=None) -> dict:
-    """The arrays of an .npz file (those whose names ``wanted`` accepts: each is read
-    only if asked for); InputError naming it if it is not a regular file, cannot be
-    read or unpacks to more than the memory available."""
-    names = None if wanted is None else tuple(n for n in _run_file(npz_names, path) if wanted(n))
-    return _run_file(load_npz, path, names)
-
-
-def check_finite(path: str, data: dict, names) -> None:
-    """InputError naming the file where an array of ``names`` is not numbers or has a
-    NaN or infinite entry (scales and principal directions need finite numbers)."""
-    for name in names:
-        a = np.asarray(data[name])
-        if a.dtype.kind not in "biufc":
-            raise InputError(f"{path}: {name} is not an array of numbers ({a.dtype})")
-        if not np.all(np.isfinite(a)):
-            raise InputError(f"{path}: {name} has non-finite entries")
-
-
-UNRECORDED = re.compile(r"(density|velocity)_range_\d+")   # (inf, -inf) where nothing was recorded
-
-
-def read_snapshots(path: str) -> dict:
-    """fields.npz (see pdeformer.solvers.snapshots) as a dict of arrays, checked: its
-    arrays of floats finite (the recorded ranges may be empty)."""
-    data = read_npz(path)
-    missing = [k for k in ("version", "prompts", "box") if k not in data]
-    if missing:
-        raise InputError(f"{path}: not a pdeformer field file (no {', '.join(missing)})")
-    check_finite(path, data, [k for k, a in data.items()
-                              if a.dtype.kind in "fc" and not UNRECORDED.fullmatch(k)])
-    return data
-
-
-def _csv_rows(path: str) -> list[dict]:
-    """The rows of a CSV file of the run (a regular text file of at most TEXT_FILE
-    bytes); InputError naming the file. NaN and inf are numbers here: the pictures
-    show them as gaps (history.csv's test risks between evaluations, a blown-up frame)."""
-    text = _run_file(read_text, path, TEXT_FILE)
-    try:
-        rows = list(csv.DictReader(io.StringIO(text, newline="")))
-    except csv.Error as e:
-        raise InputError(f"{path}: cannot read ({e})") from None
-    if not rows:
-        raise InputError(f"{path}: cannot read (no rows)")
-    return rows
-
-
-def read_table(path: str) -> dict:
-    """A CSV of numbers (history.csv) as {column: array}; InputError naming the file."""
-    rows = _csv_rows(path)
-    try:
-        return {k: np.array([float(r[k]) for r in rows]) for k in rows[0]}
-    except (ValueError, TypeError) as e:
-        raise InputError(f"{path}: cannot read ({e})") from None
-
-
-def read_diagnostics_table(path: str) -> list[dict]:
-    """diagnostics.csv rows (numbers as floats, as pdeformer.tools.output.read_diagnostics
-    has them); InputError naming the file."""
-    try:
-        rows = [{k: (v if k == "prompt" else float(v)) for k, v in row.items()} for row in _csv_rows(path)]
-    except (ValueError, TypeError) as e:
-        raise InputError(f"{path}: cannot read ({e})") from None
-    if not rows or "t" not in rows[0] or "mass" not in rows[0]:
-        raise InputError(f"{path}: not a diagnostics table (no rows, or no t and mass columns)")
-    return rows
-
-
-def read_params(folder: str) -> list[tuple[int, dict]]:
-    """(step, {Q, K, V}) of every params_XXXX.npz of a training run, by step;
-    InputError naming a file that is not one, or whose Q, K or V is not finite."""
-    out = []
-    for path in glob.glob(os.path.join(folder, "params_*.npz")):
-        m = re.fullmatch(r"params_(\d+)\.npz", os.path.basename(path))
-        if m:
-            data = read_npz(path)
-            if not {"Q", "K", "V"} <= set(data):
-                raise InputError(f"{path}: not a parameter file (no Q, K, V)")
-            check_finite(path, data, ("Q", "K", "V"))
-            out.append((int(m[1]), data))
-    return sorted(out, key=lambda p: p[0])
-
-
-def read_gradient(path: str) -> dict:
-    """gradient.npz, its dR/dtheta (and risk) finite; InputError naming the file."""
-    data = read_npz(path)
-    check_finite(path, data, [n for n in ("dQ", "dK", "dV", "risk") if n in data])
-    return data
-
-
-def run_inputs(folder: str) -> dict:
-    """What the folder holds to draw from: {"summary", "fields", "diagnostics",
-    "history", "gradient": path} and "params": [paths]. InputError where it is not a
-    run folder, or summary.json lists a file that is gone. Whatever has a file's name is
-    found (a folder or FIFO of that name too: reading it then names it)."""
-    if not os.path.isdir(folder):
-        raise InputError(f"{folder}: " + ("not a folder" if os.path.exists(folder) else "no such folder"))
-    names = {"summary": "summary.json", "fields": "fields.npz", "diagnostics": "diagnostics.csv",
-             "history": "history.csv", "gradient": "gradient.npz"}
-    found = {k: os.path.join(folder, n) for k, n in names.items() if os.path.lexists(os.path.join(folder, n))}
-    params = sorted(glob.glob(os.path.join(folder, "params_*.npz")))
-    if not found and not params:
-        raise InputError(f"{os.path.join(folder, 'summary.json')}: no such file "
-                         "(not a pdeformer run folder)")
-    if "summary" in found:
-        listed = _listed_files(found["summary"])
-        for key, name in names.items():
-            if name in listed and key not in found:
-                raise InputError(f"{os.path.join(folder, name)}: no such file (summary.json lists it)")
-    if params:
-        found["params"] = params
-    return found
-
-
-def _listed_files(path: str) -> set:
-    """The file names summary.json's ``files`` lists (strings, or lists of them)."""
-    summary = read_summary(path)
-    if not isinstance(summary, dict):
-        raise InputError(f"{path}: not a pdeformer summary (not a JSON object)")
-    files = summary.get("files") or {}
-    names = set()
-    for v in files.values() if isinstance(files, dict) else ():
-        names.update([v] if isinstance(v, str) else [x for x in v if isinstance(x, str)]
-                     if isinstance(v, list) else [])
-    return names
-
-
-def read_summary(path: str):
-    """summary.json as JSON (a regular text file of at most TEXT_FILE bytes);
-    InputError naming the file."""
-    text = _run_file(read_text, path, TEXT_FILE)
-    try:
-        return json.loads(text)
-    except ValueError as e:
-        raise InputError(f"{path}: cannot read (not JSON: {e})") from None
-
-
-def summary_format(folder: str) -> str:
-    """The run's [output] plot_format (png where summary.json does not say, or cannot
-    be read: run_inputs names it then)."""
-    try:
-        fmt = read_summary(os.path.join(folder, "summary.json"))["config"]["output"]["plot_format"]
-        return fmt if fmt in FORMATS else "png"
-    except (InputError, KeyError, TypeError):
-        return "png"
 
 
 # ------------------------------------------------------------------ drawing a run
@@ -557,14 +392,14 @@ def diagnostics_figure(rows: list[dict]):
     drawn = set(prompts)
     rows = [r for r in rows if r["prompt"] in drawn]
     fig, axes = _figure(4, 1, width=2.4, height=2.1)
-    if len(every) > len(prompts):
-        fig.suptitle(f"the first {len(prompts)} of {len(every)} prompts", fontsize=9)
     axes = axes[0]
     styles = ["-", "--", ":", "-."]
+    import matplotlib
+    colours = matplotlib.colormaps["tab20" if len(prompts) > 10 else "tab10"]
     for p, name in enumerate(prompts):
         mine = [r for r in rows if r["prompt"] == name]
         t = np.array([r["t"] for r in mine])
-        colour = f"C{p % 10}"
+        colour = colours(p)
         for a in range(dim):
             axes[0].plot(t, [r[f"mean_{a}"] for r in mine], styles[a], color=colour,
                          label=name if a == 0 else None)
@@ -581,7 +416,10 @@ def diagnostics_figure(rows: list[dict]):
         ax.grid(alpha=0.3)
     comps = ", ".join(f"{styles[a]} {coordinate(a)}" for a in range(dim))
     axes[0].set_ylabel(f"components ({comps})" if dim > 1 else "", fontsize=7)
-    axes[0].legend(fontsize=7)
+    # the prompts' legend beside the panels (with many prompts it would cover the means)
+    axes[3].legend(*axes[0].get_legend_handles_labels(), fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                   title=f"the first {len(prompts)} of {len(every)}" if len(every) > len(prompts) else None,
+                   title_fontsize=7)
     return fig
 
 

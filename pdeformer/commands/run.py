@@ -40,7 +40,8 @@ from ..tools.blas import describe_choice
 from ..tools.budget import check_memory, peak_memory, room_for_tape
 from ..tools.config import input_files
 from ..tools.errors import ConfigError, PdeformerError, SolverBreakdown, status_of
-from ..solvers.forward import ForwardSolver, Tracker, build_problem, teacher_pass
+from ..solvers.forward import ForwardSolver, Tracker
+from ..solvers.problem import build_problem, teacher_pass
 from ..tools.outdir import TRAINING_STATE, OutputFolder
 from ..tools.output import provenance, write_json, write_npz
 from ..tools.parallel import (METER, PromptGroups, Timer, add_log_file, describe_parallel, metered, on_root,

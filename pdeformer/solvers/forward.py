@@ -19,27 +19,22 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, replace
 
 import numpy as np
 import ufl
 from mpi4py import MPI
 
-from ..tools.config import Options, options
-from ..tools.errors import ConfigError, InputError, PdeformerError, SolverBreakdown, within
+from ..tools.errors import ConfigError, InputError, SolverBreakdown
 from ..integrator.frames import Frame, Tracker, located  # noqa: F401  (Tracker: the base of the trackers)
 from ..integrator.march import march, tape_nbytes
-from ..attention.costs import machine_costs
 from ..attention.softmax import value_gain
-from ..model.heads import HeadMeasure
-from ..fem.mesh import bounding_box, is_manifold, make_mesh, shortest_edge, sphere_radius, token_dim
-from ..tools.datasets import data_errors, prompt_label, split_prompts, teacher_given
-from ..tools.parallel import PromptGroups, Timer, any_rank, moment_sums, on_root
-from ..model.objectives import make_objective, make_target
-from ..model.prompts import make_prompt
+from ..fem.mesh import bounding_box, shortest_edge
+from ..tools.datasets import data_errors, prompt_label
+from ..tools.parallel import Timer, any_rank
 from ..integrator.schemes import SCHEMES, ssp_step
 from ..fem.transport import DGTransport
-from ..model.velocity import AttentionVelocity, TableSum, check_scores
+from ..model.velocity import AttentionVelocity, TableSum
+from .problem import Problem
 
 log = logging.getLogger("pdeformer")
 
@@ -57,210 +52,6 @@ REPLAN_SLACK = 1.25
 # so |v| <= (1/H) sum_h |V_h| max_y |y|; a velocity this many times above that bound comes
 # from a partition function made tiny or negative by negative weights.
 HULL_SLACK = 2.0
-
-
-@dataclass
-class Problem:
-    """What is solved: mesh, heads and prompts of a checked configuration.
-
-    ``comm`` is the communicator of this rank's prompt group (the world without prompt
-    groups): the mesh is partitioned over it and every collective of the group's work
-    uses it. ``groups`` (:class:`~pdeformer.tools.parallel.PromptGroups`) says which prompts
-    this group solves (``groups.owned``) and combines results over the world."""
-
-    comm: object
-    cfg: dict                  # the checked config: the record of the run (summary.json)
-    mesh: object
-    heads: HeadMeasure
-    prompts: list  # [(name, density object)]
-    objective: object = None   # pdeformer.model.objectives.* or None
-    targets: list = None       # per prompt (None where the objective needs none)
-    groups: PromptGroups = None  # default: one group of all ranks of comm
-    opts: Options = None         # cfg as typed sections, what the solvers read (default: from cfg)
-    radius: float | None = None  # tokens on the sphere |x| = radius (the mesh's; None: flat)
-    held_out: list = None        # indices of the held-out (test) prompts ([data] test_fraction)
-    teacher: HeadMeasure = None  # a teacher whose targets are still to be computed (teacher_pass)
-
-    def __post_init__(self):
-        if self.radius is None and is_manifold(self.mesh):   # every rank of comm constructs it
-            self.radius = sphere_radius(self.comm, self.mesh)
-        if self.groups is None:
-            self.groups = PromptGroups.single(self.comm, [n for n, _ in self.prompts])
-        if self.opts is None:
-            self.opts = options(self.cfg)
-        if self.held_out is None:
-            self.held_out = split_prompts(self.cfg["data"], len(self.prompts))[1] if "data" in self.cfg else []
-
-    @property
-    def training(self) -> list[int]:
-        """Indices of the prompts trained on (all but the held-out ones)."""
-        held = set(self.held_out)
-        return [i for i in range(len(self.prompts)) if i not in held]
-
-    @property
-    def dim(self) -> int:
-        return token_dim(self.mesh)
-
-
-def build_heads(comm, model, d: int) -> HeadMeasure:
-    """The heads of ``[model]`` (its options): read from ``params`` (on rank 0, broadcast)
-    or drawn at random, with k = d where ``key_dim`` is not given."""
-    if model.params is not None:
-        return on_root(comm, HeadMeasure.load, model.params, d, model.layers, model.heads, model.key_dim)
-    return HeadMeasure.random(model.layers, model.heads, model.key_dim or d, d, seed=model.seed,
-                              scale=model.init_scale, query_scale=model.query_scale, depth=model.depth)
-
-
-def build_problem(cfg: dict, comm, differentiable: bool = False,
-                  groups: PromptGroups | None = None, defer_teacher: bool = False,
-                  heads: HeadMeasure | None = None) -> Problem:
-    """Mesh, heads, prompts (and objective, targets) of a checked configuration.
-    ``differentiable``: the run takes gradients (gradient, train), so the discrete
-    forward map must be smooth in the heads. With ``groups`` the mesh is built on this
-    rank's group communicator (``groups.comm``) and ``comm`` is not used. A teacher's
-    targets come from a forward run of the teacher, which can break down: with
-    ``defer_teacher`` it is left to :func:`teacher_pass` (a run makes it inside its
-    output folder, so that a breakdown there is recorded). ``heads``: the model's heads
-    as arrays (the Python API's), instead of ``[model]``'s file or draw."""
-    # this machine's costs of summing (attention/costs.py): agreed on by all ranks of
-    # the job before any group sums anything
-    machine_costs(groups.world if groups is not None else comm)
-    if groups is not None:
-        comm = groups.comm
-    opts = options(cfg)
-    if differentiable and opts.objective.kind is None:
-        raise ConfigError("objective.kind", "missing: gradient, train and gram need an [objective]")
-    mesh = make_mesh(comm, opts.mesh)
-    d = token_dim(mesh)
-    radius = sphere_radius(comm, mesh) if is_manifold(mesh) else None
-    if heads is not None and heads.dim != d:
-        raise ConfigError("model.params", f"the model's tokens are {heads.dim}-D, the mesh's {d}-D")
-    heads = build_heads(comm, opts.model, d) if heads is None else heads
-    # the record says what was run: the heads' sizes as read or resolved
-    cfg["model"].update(layers=heads.layers, heads=heads.heads, key_dim=heads.key_dim)
-    prompts = on_root(comm, build_prompts, opts.prompts, d, radius, opts.data)
-    targets = on_root(comm, build_targets, opts.prompts, d, radius, opts.data)
-    for key in ("center", "direction"):
-        value = getattr(opts.objective, key)
-        if value is not None and len(value) != d:
-            raise ConfigError(f"objective.{key}", f"expected {d} numbers (d = {d}), got {value}")
-    objective = make_objective(opts.objective, d)
-    spl, fpl = opts.discretisation.steps_per_layer, opts.output.frames_per_layer
-    if spl is not None and spl % fpl:
-        raise ConfigError("output.frames_per_layer",
-                          f"{fpl} does not divide discretisation.steps_per_layer = {spl}")
-    problem = Problem(comm, cfg, mesh, heads, prompts, objective, targets, groups, options(cfg), radius)
-    teacher = teacher_heads(comm, opts, heads, d) if teacher_given(cfg["data"]) else None
-    if opts.model.init == "teacher":
-        near_teacher(heads, teacher, opts.model)
-    check_attention(comm, mesh, opts, heads, teacher)
-    if objective is not None and teacher is not None and "moments" in objective.targets:
-        problem.teacher = teacher         # (an objective without targets: none)
-        if not defer_teacher:
-            teacher_pass(problem)
-    return problem
-
-
-def teacher_pass(problem: Problem) -> None:
-    """The targets of a pending teacher (:attr:`Problem.teacher`), set in place in
-    ``problem.targets`` (solvers made before hold that list); a breakdown of the teacher's
-    forward run is raised as the teacher's (a combination point)."""
-    teacher, problem.teacher = problem.teacher, None
-    if teacher is None:
-        return
-    data = problem.opts.data
-    source = f"data.teacher = {data.teacher}" if data.teacher is not None else f"data.teacher_seed = {data.teacher_seed}"
-    try:
-        targets = teacher_targets(problem, teacher)
-    except PdeformerError as e:
-        raise within(e, f"the teacher's target pass ({source})") from None
-    problem.targets[:] = targets
-
-
-def check_attention(comm, mesh, opts: Options, heads: HeadMeasure, teacher: HeadMeasure | None = None) -> None:
-    """The heads (and a teacher's) against the mesh's extent: attention scores and
-    velocities that doubles hold (:func:`pdeformer.model.velocity.check_scores`), else a
-    ConfigError naming attention.beta, the key that sets the heads' size, or the mesh's."""
-    lo, hi = bounding_box(comm, mesh)
-    reach = math.hypot(*np.maximum(np.abs(lo), np.abs(hi)))     # (hypot: no overflow of squares)
-    model, data = opts.model, opts.data
-    mesh_key = "mesh.file" if opts.mesh.file is not None else "mesh.radius" if opts.mesh.shape != "box" else \
-        "mesh.lower" if np.max(np.abs(opts.mesh.lower)) > np.max(np.abs(opts.mesh.upper)) else "mesh.upper"
-    scale_key = "model.query_scale" if (model.query_scale or 0) > model.init_scale else "model.init_scale"
-    teacher_key = "data.teacher" if data.teacher is not None else scale_key
-    heads_key = "model.params" if model.params is not None else \
-        teacher_key if model.init == "teacher" else scale_key
-    for h, key in ((heads, heads_key), (teacher, teacher_key)):
-        if h is not None:
-            check_scores(h, opts.attention.beta, reach, {"beta": "attention.beta", "heads": key, "mesh": mesh_key})
-
-
-def _each_prompt(make, tables: tuple, data) -> list:
-    """``make(i, table)`` of every checked prompt table; errors about a prompt that [data]
-    made name the data.* key that drew it, or its file (data.folder)."""
-    out = []
-    for i, p in enumerate(tables):
-        with data_errors(data, tables, p["name"]):
-            out.append(make(i, p))
-    return out
-
-
-def build_prompts(tables: tuple, d: int, radius: float | None, data) -> list:
-    """[(name, density object)] of the checked prompt tables."""
-    return _each_prompt(lambda i, p: (p["name"], make_prompt(p, d, i, radius=radius)), tables, data)
-
-
-def build_targets(tables: tuple, d: int, radius: float | None, data) -> list:
-    """The prompts' targets (:func:`pdeformer.model.objectives.make_target`)."""
-    return _each_prompt(lambda i, p: make_target(p["target"], d, i, radius), tables, data)
-
-
-def near_teacher(student: HeadMeasure, teacher: HeadMeasure, model) -> None:
-    """``[model] init = "teacher"``: the student's Q, K, V become the teacher's plus
-    init_noise N(0, 1) per entry, drawn from (model.seed, 1) -- the same on every rank.
-    The teacher must have the student's sizes (model.layers, heads, key_dim)."""
-    for name in ("Q", "K", "V"):
-        have, want = getattr(teacher, name).shape, getattr(student, name).shape
-        if have != want:
-            raise ConfigError("model.init", f"the teacher's {name} has shape {have}, the model's "
-                              f"{want}: give the model the teacher's sizes")
-    rng = np.random.default_rng([model.seed, 1])
-    for name in ("Q", "K", "V"):
-        value = getattr(teacher, name)
-        getattr(student, name)[:] = value + model.init_noise * rng.standard_normal(value.shape)
-
-
-def teacher_heads(comm, opts: Options, student: HeadMeasure, d: int) -> HeadMeasure:
-    """The data set's teacher: its heads file (``data.teacher``, any sizes) or random heads
-    of the student's sizes drawn as ``[model]`` draws them, with ``data.teacher_seed``."""
-    data, model = opts.data, opts.model
-    if data.teacher is not None:
-        return on_root(comm, HeadMeasure.load, data.teacher, d, key="data.teacher")
-    return HeadMeasure.random(student.layers, student.heads, student.key_dim, d, seed=data.teacher_seed,
-                              scale=model.init_scale, query_scale=model.query_scale, depth=model.depth)
-
-
-def teacher_targets(problem: Problem, teacher: HeadMeasure) -> list[dict]:
-    """Per prompt the target {"kind": "moments", "mean", "cov"} that the teacher's output
-    density rho_1 has: a forward run of the teacher (its own steps, as `pdeformer forward`
-    with the teacher's heads takes them), its moments by the quadrature the objective
-    uses. Every group runs its prompts; all ranks get all targets. A student with the
-    teacher's heads then has risk zero up to its own step plan's difference."""
-    from ..fem.transport import CellQuadrature
-    from ..model.objectives import default_quadrature_degree
-    solver = ForwardSolver(replace(problem, heads=teacher, objective=None, targets=None))
-    tr, groups = solver.transport, problem.groups
-    degree = problem.opts.objective.quadrature_degree or default_quadrature_degree(problem.objective.kind, tr.degree)
-    rule = CellQuadrature(tr.mesh, degree, tr.u)
-    local = {}
-    with groups.combined():
-        for s in groups.owned:
-            coeffs, _ = solver.solve_prompt(s)
-            tr.set_state(coeffs)
-            m0, m1, m2, _ = moment_sums(tr.comm, rule.measure * rule.values(), rule.points)
-            mean = m1 / m0
-            local[s] = (mean, m2 / m0 - np.outer(mean, mean))
-    return [{"kind": "moments", "mean": mean, "cov": cov} for mean, cov in groups.gather_prompts(local)]
 
 
 class FramePlan:
@@ -596,21 +387,20 @@ class ForwardSolver:
         self.stats["steps"] += steps
         return prompt.state[0], self._outflow(prompt.state)
 
-    def velocity_bound(self, layer: int) -> float:
-        """(1/H) sum_h |V_h|_2 max_y |y|: the largest |v| a density >= 0 can give."""
-        if self._reach is None:
+    def velocity_bound(self, layer: int, V: np.ndarray | None = None) -> float:
+        """(1/H) sum_h |V_h|_2 max_y |y|: the largest |v| a density >= 0 can give with the
+        values V (default: the heads' of ``layer``)."""
+        if self._reach is None:   # max |y| over the attention sources (collective, once)
             pts = self.transport.sources.points
             local = float(np.max(np.linalg.norm(pts, axis=1))) if len(pts) else 0.0
             self._reach = self.comm.allreduce(local, op=MPI.MAX)
-        return value_gain(self.problem.heads.V[layer]) * self._reach
+        return value_gain(self.problem.heads.V[layer] if V is None else V) * self._reach
 
     def steps_bound(self, layer: int, V: np.ndarray | None = None) -> float:
         """The most CFL steps a layer can need with values V (default: the heads'):
         (2k + 1) |v|max / (L cfl l_min), |v|max from :meth:`velocity_bound`."""
-        gain = value_gain(self.problem.heads.V[layer] if V is None else V)
-        self.velocity_bound(layer)    # (the sources' reach, once)
         k, L = self.disc.degree, self.problem.heads.layers
-        return (2 * k + 1) * gain * self._reach / (L * self.disc.cfl * self.scheme.cfl_factor * self.cell)
+        return (2 * k + 1) * self.velocity_bound(layer, V) / (L * self.disc.cfl * self.scheme.cfl_factor * self.cell)
 
     def _check_hull(self, vmax: float, vel: np.ndarray, layer: int) -> None:
         """A breakdown when the velocity is far above what a density >= 0 can give: the

@@ -3,7 +3,7 @@
 One file per run, written by world rank 0 whatever the rank count, with arrays in an
 order that does not depend on the partition (cells sorted by their centroid), so that
 runs on 1 and P ranks write the same numbers up to rounding. It is read without dolfinx
-(:func:`pdeformer.commands.plot.read_snapshots`).
+(:func:`pdeformer.commands.run_files.read_snapshots`).
 
 Contents (``i`` the prompt's index in the config; the frames of the first PICTURE_PROMPTS
 prompts alone, those the pictures show):

@@ -473,12 +473,13 @@ class Trainer:
         if not all(np.all(np.isfinite(getattr(self.heads, n))) for n in PARAMS):
             what = "they are not finite"
         else:
-            now = max(fw.steps_bound(l) for l in range(self.heads.layers))
-            was = max(fw.steps_bound(l, before["V"][l]) for l in range(self.heads.layers))
-            if not (now > MAX_STEPS_PER_LAYER or (now > STEPS_WORTH_A_LOOK and now > HEADS_BLOWUP * max(was, 1.0))):
+            after = max(fw.steps_bound(l) for l in range(self.heads.layers))
+            start = max(fw.steps_bound(l, before["V"][l]) for l in range(self.heads.layers))
+            if not (after > MAX_STEPS_PER_LAYER or
+                    (after > STEPS_WORTH_A_LOOK and after > HEADS_BLOWUP * max(start, 1.0))):
                 return
-            what = (f"their velocity may now need up to {now:.3g} CFL steps per layer (before this "
-                    f"update {was:.3g})")
+            what = (f"their velocity may need up to {after:.3g} CFL steps per layer, where the heads the "
+                    f"update started from needed {start:.3g}")
         raise SolverBreakdown(f"train step {k}: the update blew the heads up: {what}{self._blame()}")
 
     def _is_test_step(self, k: int) -> bool:

@@ -43,6 +43,7 @@ import math
 import xml.etree.ElementTree as ET
 
 from .config import PARTICLE_STEPS_PER_LAYER
+from .datasets import teacher_given
 from .errors import ConfigError, InputError
 
 MB = 2**20
@@ -245,7 +246,7 @@ def estimate(cfg: dict, command: str, group_size: int, differentiable: bool = Fa
     coeffs = cells * dofs_per_cell(cell, disc["degree"], tdim)
     parts = {"base": BASE,
              "mesh": PER_COEFFICIENT * coeffs / group_size + PER_CELL_EVERYWHERE * cells}
-    teacher = cfg["data"]["teacher"] is not None or cfg["data"]["teacher_seed"] is not None
+    teacher = teacher_given(cfg["data"])
     parts["prompts"] = prompt_bytes(len(cfg["prompts"]), model["layers"] or 1,
                                     cfg["output"]["frames_per_layer"], coeffs / group_size, teacher)
     if cfg["attention"]["backend"] in ("laplace", "auto"):

@@ -18,7 +18,7 @@ a point cloud, its target the file of the same name in ``targets/``: :func:`read
 The drawn prompts are ordinary prompt tables: the checked configuration (summary.json)
 records every one of them. Their targets come from a teacher (``data.teacher``, a heads
 file, or ``data.teacher_seed``, random heads of the model's sizes): see
-:func:`pdeformer.solvers.forward.teacher_targets`.
+:func:`pdeformer.solvers.problem.teacher_targets`.
 """
 
 from __future__ import annotations
