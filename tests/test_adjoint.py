@@ -162,8 +162,8 @@ def assert_exact_gradient(adj, g, fd_step: float) -> None:
     2) and central differences with ``fd_step`` agree to 1e-5 relative, along a random
     direction; the risk of the frozen plan repeats the gradient's to 1e-13."""
     rng = np.random.default_rng(1)
-    direction = {n: rng.normal(size=getattr(g, "d" + n).shape) for n in "QKV"}
-    slope = sum(np.sum(getattr(g, "d" + n) * direction[n]) for n in "QKV")
+    direction = {n: rng.normal(size=g.params["attention"][n].shape) for n in "QKV"}
+    slope = sum(np.sum(g.params["attention"][n] * direction[n]) for n in "QKV")
     R0 = adj.risk()[0]
     assert R0 == pytest.approx(g.risk, rel=1e-13)
     eps = np.array([4e-3, 2e-3, 1e-3])
@@ -185,8 +185,8 @@ def test_gradient_through_the_laplace_table(tmp_path):
     assert adj.forward.velocity_field.stats["laplace"] > 0
     assert adj.forward.velocity_field.stats["direct"] == 0
     rng = np.random.default_rng(1)
-    direction = {n: rng.normal(size=getattr(g, "d" + n).shape) for n in "QKV"}
-    slope = sum(np.sum(getattr(g, "d" + n) * direction[n]) for n in "QKV")
+    direction = {n: rng.normal(size=g.params["attention"][n].shape) for n in "QKV"}
+    slope = sum(np.sum(g.params["attention"][n] * direction[n]) for n in "QKV")
     R0 = adj.risk()[0]
     eps = np.array([4e-3, 2e-3, 1e-3])
     rem = np.array([abs(perturbed_risk(adj, direction, e) - R0 - e * slope) for e in eps])
@@ -194,7 +194,7 @@ def test_gradient_through_the_laplace_table(tmp_path):
     assert np.all(np.abs(orders - 2) < 0.15), (rem, orders)
     exact = gradient_problem(tmp_path, "moments").gradient()
     for n in "QKV":
-        a, b = getattr(g, "d" + n), getattr(exact, "d" + n)
+        a, b = g.params["attention"][n], exact.params["attention"][n]
         assert np.abs(a - b).max() <= 1e-6 * np.abs(b).max(), n
 
 
@@ -230,7 +230,7 @@ def test_tables_kept_on_the_tape_give_the_rebuilt_gradient(tmp_path, tape_mb, mo
     assert rebuilt == len(entries) - kept
     assert (kept == 0) if tape_mb == 0 else (0 < kept < len(entries)), kept
     for n in "QKV":
-        assert np.array_equal(getattr(g, "d" + n), getattr(other, "d" + n)), n
+        assert np.array_equal(g.params["attention"][n], other.params["attention"][n]), n
 
 
 @requires_dolfinx
@@ -242,8 +242,8 @@ def test_frozen_step_plan_without_steps_per_layer(tmp_path):
     counts = {k: [list(s) for s in plan.segments] for k, plan in adj.forward.step_counts.items()}
     assert counts and all(plan.steps >= 1 for plan in adj.forward.step_counts.values())
     rng = np.random.default_rng(2)
-    direction = {n: rng.normal(size=getattr(g, "d" + n).shape) for n in "QKV"}
-    slope = sum(np.sum(getattr(g, "d" + n) * direction[n]) for n in "QKV")
+    direction = {n: rng.normal(size=g.params["attention"][n].shape) for n in "QKV"}
+    slope = sum(np.sum(g.params["attention"][n] * direction[n]) for n in "QKV")
     fd = (perturbed_risk(adj, direction, 1e-4) - perturbed_risk(adj, direction, -1e-4)) / 2e-4
     assert {k: plan.segments for k, plan in adj.forward.step_counts.items()} == counts
     assert abs(fd - slope) < 1e-5 * abs(slope), (fd, slope)
@@ -265,9 +265,9 @@ def test_uniform_attention_closed_form_gradient(tmp_path):
         adj = gradient_problem(tmp_path, "moments", cells=n, heads=heads, means=[list(m0)],
                                covs=[C0.tolist()], disc={"steps_per_layer": spl})
         g = adj.gradient()
-        assert np.all(g.dK == 0)                               # dK = Q dA^T = 0 at Q = 0
+        assert np.all(g.params["attention"]["K"] == 0)                               # dK = Q dA^T = 0 at Q = 0
         errors.append([np.abs(a - b).max() / np.abs(b).max()
-                       for a, b in ((g.dQ, exact[0]), (g.dV, exact[2]))])
+                       for a, b in ((g.params["attention"]["Q"], exact[0]), (g.params["attention"]["V"], exact[2]))])
     errors = np.array(errors)
     assert np.all(errors[1] < 0.02), errors                   # 1.1% (dQ), 4e-5 (dV) at 32^2
     assert np.all(errors[0] / errors[1] > 3.0), errors         # order > 1.6 (2.0 and 1.8 seen)
@@ -369,7 +369,7 @@ def test_gradient_at_a_switching_point_of_the_limiter(tmp_path):
     def slope(eps):
         move(eps)
         g = adj.gradient()
-        return sum(np.sum(getattr(g, "d" + n) * direction[n]) for n in "QKV"), g.risk
+        return sum(np.sum(g.params["attention"][n] * direction[n]) for n in "QKV"), g.risk
 
     try:
         lo, hi = 0.0, 1e-3
@@ -410,8 +410,8 @@ def test_frozen_plans_are_made_again_when_the_velocity_grows(tmp_path, caplog):
     assert adj.risk()[0] == pytest.approx(g.risk, rel=1e-13)
     for seed in (3, 4):
         rng = np.random.default_rng(seed)
-        direction = {n: rng.normal(size=getattr(g, "d" + n).shape) for n in "QKV"}
-        slope = sum(np.sum(getattr(g, "d" + n) * direction[n]) for n in "QKV")
+        direction = {n: rng.normal(size=g.params["attention"][n].shape) for n in "QKV"}
+        slope = sum(np.sum(g.params["attention"][n] * direction[n]) for n in "QKV")
         fd = (perturbed_risk(adj, direction, 1e-6) - perturbed_risk(adj, direction, -1e-6)) / 2e-6
         assert abs(fd - slope) < 1e-5 * abs(slope), (fd, slope)
     assert {k: p.segments for k, p in adj.forward.step_counts.items()} == plans

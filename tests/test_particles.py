@@ -66,7 +66,7 @@ def test_particle_moments_agree_with_the_eulerian_solver(tmp_path):
 def assert_taylor_order_two(adj, g, heads, rng):
     """|R(theta + eps d) - R - eps <g, d>| falls as eps^2 (g is exact for the risk)."""
     d = {n: rng.normal(size=getattr(heads, n).shape) for n in "QKV"}
-    slope = sum(np.sum(getattr(g, "d" + n) * d[n]) for n in "QKV")
+    slope = sum(np.sum(g.params["attention"][n] * d[n]) for n in "QKV")
     base = {n: getattr(heads, n).copy() for n in "QKV"}
 
     def R(eps):
@@ -85,7 +85,7 @@ def test_particle_gradient_is_exact_and_approaches_the_eulerian_one(tmp_path):
     from pdeformer.model.particles import ParticleAdjoint, ParticleSolver
     p = problem(tmp_path)
     ge = AdjointSolver(ForwardSolver(p), p.objective, p.targets).gradient()
-    ref = np.concatenate([ge.dQ.ravel(), ge.dK.ravel(), ge.dV.ravel()])
+    ref = np.concatenate([ge.params["attention"]["Q"].ravel(), ge.params["attention"]["K"].ravel(), ge.params["attention"]["V"].ravel()])
     errors = {}
     for N in (250, 2000):
         errors[N] = []
@@ -93,7 +93,7 @@ def test_particle_gradient_is_exact_and_approaches_the_eulerian_one(tmp_path):
             pp = problem(tmp_path, tokens=N, seed=seed)
             adj = ParticleAdjoint(ParticleSolver(pp, backend="direct"), pp.objective, pp.targets)
             g = adj.gradient()
-            v = np.concatenate([g.dQ.ravel(), g.dK.ravel(), g.dV.ravel()])
+            v = np.concatenate([g.params["attention"]["Q"].ravel(), g.params["attention"]["K"].ravel(), g.params["attention"]["V"].ravel()])
             errors[N].append(np.linalg.norm(v - ref) / np.linalg.norm(ref))
     # Monte Carlo error ~ N^-1/2: about 0.4 at N = 250 and 0.15 at N = 2000 here
     assert np.mean(errors[2000]) < 0.6 * np.mean(errors[250]), errors
@@ -115,7 +115,7 @@ def test_particle_gradient_through_the_laplace_table(tmp_path):
     assert stats["laplace"] > 0 and stats["direct"] == 0, stats
     exact = ParticleAdjoint(ParticleSolver(pp, backend="direct"), pp.objective, pp.targets).gradient()
     for n in "QKV":
-        a, b = getattr(g, "d" + n), getattr(exact, "d" + n)
+        a, b = g.params["attention"][n], exact.params["attention"][n]
         assert np.abs(a - b).max() <= 1e-6 * np.abs(b).max(), (n, np.abs(a - b).max() / np.abs(b).max())
     assert_taylor_order_two(adj, g, pp.heads, np.random.default_rng(5))
 
@@ -261,7 +261,7 @@ def test_an_overflowing_objective_is_named(tmp_path):
         AdjointSolver(ForwardSolver(p), p.objective, p.targets).gradient()
     p = problem_with(1e305)
     g = AdjointSolver(ForwardSolver(p), p.objective, p.targets).gradient()
-    parts = np.concatenate([g.dQ.ravel(), g.dK.ravel(), g.dV.ravel()])
+    parts = np.concatenate([g.params["attention"]["Q"].ravel(), g.params["attention"]["K"].ravel(), g.params["attention"]["V"].ravel()])
     assert np.all(np.isfinite(parts)) and np.isfinite(g.norm())
     assert g.norm() == pytest.approx(1e305 * np.linalg.norm(parts / 1e305), rel=1e-14)
 

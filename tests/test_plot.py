@@ -413,7 +413,7 @@ def test_plot_bad_input_is_one_line(runs, tmp_path):
     with np.load(other / "gradient.npz") as g:
         np.savez(other / "gradient.npz", **{k: g[k] for k in g.files if k != "dQ"})
     check_one_line_error(run_cli(["plot", str(other)], check=False),
-                         f"{other / 'gradient.npz'}: not as pdeformer writes it (KeyError")
+                         f"{other / 'gradient.npz'}: not a gradient file (no whole block of derivatives)")
     with open(other / "diagnostics.csv") as f:
         text = f.read()
     with open(other / "diagnostics.csv", "w") as f:

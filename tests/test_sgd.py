@@ -85,24 +85,29 @@ def test_every_epoch_visits_every_training_prompt_once_in_a_seeded_order():
 
 
 def test_penalty_gradient_and_noise():
-    """P = (lambda/2) mean_heads |theta|^2: its gradient against central differences; the
-    noise is standard normal, the same for the same (seed, step), other for others."""
+    """P = (lambda/2) sum_blocks mean_particles |theta|^2 (each block over its own L W):
+    its gradient against central differences; the noise is standard normal, the same for
+    the same (seed, step), other for others."""
+    from pdeformer.model.params import leaves, tree_map
     rng = np.random.default_rng(0)
-    params = {"Q": rng.normal(size=(2, 3, 2, 2)), "K": rng.normal(size=(2, 3, 2, 2)),
-              "V": rng.normal(size=(2, 3, 2, 2))}
+    params = {"heads": {"Q": rng.normal(size=(2, 3, 2, 2)), "K": rng.normal(size=(2, 3, 2, 2)),
+                        "V": rng.normal(size=(2, 3, 2, 2))},
+              "neurons": {"a": rng.normal(size=(2, 5, 2)), "b": rng.normal(size=(2, 5))}}
     P, dP = weight_penalty(params, 0.3)
-    assert P == pytest.approx(0.15 * sum(np.sum(a ** 2) for a in params.values()) / 6, rel=1e-14)
-    d = {n: rng.normal(size=a.shape) for n, a in params.items()}
+    squares = {b: sum(np.sum(a ** 2) for a in arrays.values()) for b, arrays in params.items()}
+    assert P == pytest.approx(0.15 * (squares["heads"] / 6 + squares["neurons"] / 10), rel=1e-14)
+    d = tree_map(lambda a: rng.normal(size=a.shape), params)
     eps = 1e-6
-    plus = weight_penalty({n: params[n] + eps * d[n] for n in params}, 0.3)[0]
-    minus = weight_penalty({n: params[n] - eps * d[n] for n in params}, 0.3)[0]
-    assert (plus - minus) / (2 * eps) == pytest.approx(sum(np.sum(dP[n] * d[n]) for n in params), rel=1e-8)
-    shapes = {n: a.shape for n, a in params.items()}
+    plus = weight_penalty(tree_map(lambda a, b: a + eps * b, params, d), 0.3)[0]
+    minus = weight_penalty(tree_map(lambda a, b: a - eps * b, params, d), 0.3)[0]
+    slope = sum(np.sum(a * b) for (_, a), (_, b) in zip(leaves(dP), leaves(d)))
+    assert (plus - minus) / (2 * eps) == pytest.approx(slope, rel=1e-8)
+    shapes = tree_map(np.shape, params)
     a, b = langevin_noise(7, 3, shapes), langevin_noise(7, 3, shapes)
-    assert all(np.array_equal(a[n], b[n]) for n in a)
-    assert not np.array_equal(langevin_noise(7, 4, shapes)["Q"], a["Q"])
-    assert not np.array_equal(langevin_noise(8, 3, shapes)["Q"], a["Q"])
-    xi = np.concatenate([langevin_noise(1, k, shapes)[n].ravel() for k in range(200) for n in shapes])
+    assert all(np.array_equal(x, y) for (_, x), (_, y) in zip(leaves(a), leaves(b)))
+    assert not np.array_equal(langevin_noise(7, 4, shapes)["heads"]["Q"], a["heads"]["Q"])
+    assert not np.array_equal(langevin_noise(8, 3, shapes)["neurons"]["b"], a["neurons"]["b"])
+    xi = np.concatenate([x.ravel() for k in range(200) for _, x in leaves(langevin_noise(1, k, shapes))])
     assert abs(xi.mean()) < 5 / np.sqrt(xi.size) and abs(xi.std() - 1) < 5 / np.sqrt(2 * xi.size)
 
 
@@ -218,9 +223,9 @@ def test_the_minibatch_gradient_is_the_mean_of_per_prompt_gradients(tmp_path):
     g = adj.gradient(prompts=batch)
     ones = [adj.gradient(prompts=[s]) for s in batch]
     assert g.prompts == batch and g.risks == [o.risk for o in ones]
-    for n in ("dQ", "dK", "dV"):
-        mean = np.mean([getattr(o, n) for o in ones], axis=0)
-        np.testing.assert_allclose(getattr(g, n), mean, rtol=0, atol=1e-14 * np.abs(mean).max())
+    for n in ("Q", "K", "V"):
+        mean = np.mean([o.params["attention"][n] for o in ones], axis=0)
+        np.testing.assert_allclose(g.params["attention"][n], mean, rtol=0, atol=1e-14 * np.abs(mean).max())
     whole = adj.gradient()
     assert whole.prompts == p.training and len(whole.risks) == 8
     assert adj.risk([8, 9])[0] == pytest.approx(np.mean([adj.gradient(prompts=[s]).risk for s in (8, 9)]), rel=1e-13)
@@ -245,11 +250,11 @@ def test_a_training_step_is_the_langevin_step_of_the_batch_gradient(tmp_path):
     batch = Batches(p.training, 3, seed=5)(0)
     g = AdjointSolver(ForwardSolver(p), p.objective, p.targets).gradient(prompts=batch)
     theta0 = {n: getattr(p.heads, n).copy() for n in ("Q", "K", "V")}
-    xi = langevin_noise(5, 0, {n: a.shape for n, a in theta0.items()})
+    xi = langevin_noise(5, 0, {"attention": {n: a.shape for n, a in theta0.items()}})["attention"]
     theta1 = np.load(tmp_path / "out" / "params_0001.npz")
     lr, LH, lam, T = 0.5, 4, 0.01, 1e-5
     for n in ("Q", "K", "V"):
-        want = theta0[n] - lr * (LH * getattr(g, f"d{n}") + lam * theta0[n]) + np.sqrt(2 * lr * T) * xi[n]
+        want = theta0[n] - lr * (LH * g.params["attention"][n] + lam * theta0[n]) + np.sqrt(2 * lr * T) * xi[n]
         np.testing.assert_allclose(theta1[n], want, rtol=0, atol=1e-13)
     rows = history(tmp_path / "out")
     objective = json.loads((tmp_path / "fw" / "summary.json").read_text())["objective"]
@@ -259,7 +264,7 @@ def test_a_training_step_is_the_langevin_step_of_the_batch_gradient(tmp_path):
     assert rows[0]["train_risk"] == pytest.approx(objective["risk"], rel=1e-12)
     assert rows[0]["test_risk"] == pytest.approx(objective["test_risk"], rel=1e-12)
     assert objective["test_risk"] == pytest.approx(np.mean([risks[names[s]] for s in (8, 9)]), rel=1e-14)
-    assert rows[0]["penalty"] == pytest.approx(weight_penalty(theta0, lam)[0], rel=1e-14)
+    assert rows[0]["penalty"] == pytest.approx(weight_penalty({"attention": theta0}, lam)[0], rel=1e-14)
 
 
 @requires_dolfinx

@@ -179,10 +179,10 @@ def test_restart_refuses_checkpoints_of_another_shape_or_without_metadata(tmp_pa
     cfg = load_config(write_config(tmp_path, CONFIG))
     cfg["train"]["optimizer"] = "adam"
     heads = HeadMeasure.random(2, 2, 2, 2, seed=0)
-    opt = train.make_optimizer(options(cfg).train, heads)
-    like = {n: getattr(heads, n) for n in "QKV"} | opt.state()
+    opt = train.make_optimizer(options(cfg).train, {"attention": heads.params})
+    like = heads.params | opt.state()
     good = str(tmp_path / "checkpoint.npz")
-    train.write_checkpoint(good, heads, opt, 4, rows(4), np.random.default_rng(0), cfg)
+    train.write_checkpoint(good, {"attention": heads.params}, opt, 4, rows(4), np.random.default_rng(0), cfg)
     assert train.read_checkpoint(good, cfg, like)["meta"]["step"] == 4
     bad = str(tmp_path / "bad.npz")
     cases = [
@@ -231,10 +231,10 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     from pdeformer.solvers import train
     cfg = load_config(write_config(tmp_path, CONFIG))
     heads = HeadMeasure.random(2, 2, 2, 2, seed=0)
-    opt = train.make_optimizer(options(cfg).train, heads)
+    opt = train.make_optimizer(options(cfg).train, {"attention": heads.params})
     rng = np.random.default_rng(0)
     path = str(tmp_path / "checkpoint.npz")
-    train.write_checkpoint(path, heads, opt, 4, rows(4), rng, cfg)
+    train.write_checkpoint(path, {"attention": heads.params}, opt, 4, rows(4), rng, cfg)
 
     def killed(fd):
         raise KeyboardInterrupt
@@ -243,7 +243,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     saved = heads.V.copy()
     heads.V += 1.0
     with pytest.raises(KeyboardInterrupt):
-        train.write_checkpoint(path, heads, opt, 6, rows(6), rng, cfg)
+        train.write_checkpoint(path, {"attention": heads.params}, opt, 6, rows(6), rng, cfg)
     data = train.read_checkpoint(path, cfg)
     assert data["meta"]["step"] == 4
     assert np.array_equal(data["V"], saved)

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..model.heads import HeadMeasure
+from ..model.heads import ARRAYS, BLOCK, HeadMeasure
+from ..model.params import copy
 from ..tools.errors import ConfigError
 
 
@@ -95,18 +96,10 @@ class Transformer:
     beta: float = 1.0
 
     def __post_init__(self):
-        block = self.params.get("attention") if isinstance(self.params, dict) else None
-        if not isinstance(block, dict) or set(block) != {"Q", "K", "V"}:
-            raise ConfigError("model.params", "expected {'attention': {'Q': ..., 'K': ..., 'V': ...}}")
-        arrays = {n: np.array(block[n], dtype=float) for n in "QKV"}
-        Q, K, V = arrays["Q"], arrays["K"], arrays["V"]
-        if Q.ndim != 4 or K.shape != Q.shape or V.shape != Q.shape[:2] + (Q.shape[3],) * 2 or 0 in Q.shape:
-            raise ConfigError("model.params", f"Q {Q.shape}, K {K.shape}, V {V.shape}: expected Q and K "
-                              "(L, H, k, d) and V (L, H, d, d)")
-        for n, a in arrays.items():
-            if not np.all(np.isfinite(a)):
-                raise ConfigError("model.params", f"{n} has non-finite entries")
-        self.params = {"attention": arrays}
+        if not isinstance(self.params, dict) or set(self.params) != {BLOCK}:
+            raise ConfigError("model.params", f"expected {{{BLOCK!r}: {{{', '.join(map(repr, ARRAYS))}}}}}")
+        self._heads = HeadMeasure.checked_block(self.params[BLOCK], "model.params")
+        self.params = {BLOCK: self._heads.params}
 
     @classmethod
     def random(cls, layers: int, heads: int, dim: int, seed: int = 0, key_dim: int | None = None,
@@ -117,28 +110,27 @@ class Transformer:
         "iid"``) or linear in depth (``"smooth"``); the same heads on any rank count."""
         h = HeadMeasure.random(layers, heads, key_dim or dim, dim, seed=seed, scale=init_scale,
                                query_scale=query_scale, depth=depth)
-        return cls({"attention": {"Q": h.Q, "K": h.K, "V": h.V}}, beta)
+        return cls({BLOCK: h.params}, beta)
 
     @property
     def layers(self) -> int:
-        return self.params["attention"]["Q"].shape[0]
+        return self._heads.layers
 
     @property
     def heads(self) -> int:
-        return self.params["attention"]["Q"].shape[1]
+        return self._heads.heads
 
     @property
     def key_dim(self) -> int:
-        return self.params["attention"]["Q"].shape[2]
+        return self._heads.key_dim
 
     @property
     def dim(self) -> int:
-        return self.params["attention"]["Q"].shape[3]
+        return self._heads.dim
 
     def head_measure(self) -> HeadMeasure:
         """The heads as the solvers hold them (copies: solving never changes the model)."""
-        a = self.params["attention"]
-        return HeadMeasure(a["Q"].copy(), a["K"].copy(), a["V"].copy())
+        return HeadMeasure.from_params(copy(self.params)[BLOCK])
 
 
 # ------------------------------------------------------------------ prompts

@@ -217,4 +217,4 @@ def value_and_grad(objective: Objective, model: Transformer, prompts, disc, *, f
     else:
         g = AdjointSolver(solver, problem.objective, problem.targets,
                           problem.opts.objective.quadrature_degree).gradient()
-    return g.risk, {"attention": {"Q": g.dQ, "K": g.dK, "V": g.dV}}
+    return g.risk, g.params

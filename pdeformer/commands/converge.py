@@ -159,8 +159,7 @@ class Case:
         return rule.points, rule.measure, rule.values()
 
     def gradient_vector(self):
-        g = self.grad
-        return np.concatenate([g.dQ.ravel(), g.dK.ravel(), g.dV.ravel()])
+        return self.grad.vector()
 
 
 def _exact(case: Case, kind: str):
@@ -170,7 +169,7 @@ def _exact(case: Case, kind: str):
     from ..model.exact import uniform_attention_mean
     from ..model.prompts import GaussianMixture
     p = case.problem
-    if kind == "exact" and np.any(p.heads.Q != 0):
+    if kind == "exact" and not p.heads.uniform():
         raise ConfigError("study.reference", "'exact' needs uniform attention (Q = 0: model.query_scale = 0)")
     if kind == "expectation" and (case.cfg["model"]["params"] is not None
                                   or case.cfg["model"]["init"] != "random"):

@@ -28,6 +28,7 @@ import xml.etree.ElementTree as ET
 
 import numpy as np
 
+from ..model import params as tree
 from ..tools.errors import InputError
 from ..tools.files import TEXT_FILE, read_bytes
 from ..tools.output import atomic_write
@@ -36,6 +37,12 @@ from .run_files import read_npz, read_params, read_summary
 SCRIPT_NAME = "paraview.py"
 SERIES = re.compile(r"(density|velocity|adjoint|tokens)_(.+)\.(pvd|bp)")
 ARRAYS = {"density": "density", "velocity": "velocity", "adjoint": "adjoint", "tokens": None}
+
+
+def particle_colour(kind: str) -> str:
+    """The point data a block's particles (``kind``: "heads") are coloured by."""
+    tree.registered()
+    return {tree.PARTICLES[b]: tree.COLOURS[b] for b in tree.PARTICLES}[kind]
 
 
 def field_series(folder: str) -> dict:
@@ -70,7 +77,8 @@ def prompt_order(folder: str, prompts, names: list[str] | None = None) -> list:
 
 def recorded_ranges(folder: str) -> dict:
     """{array: (low, high)} over all frames and prompts: density and velocity (|v|)
-    from fields.npz, norm_A (the heads' |K^T Q|) from the params files."""
+    from fields.npz; each block's colour array (the heads' norm_A = |K^T Q|) from the
+    params files."""
     ranges: dict = {}
 
     def widen(name, low, high):
@@ -85,10 +93,10 @@ def recorded_ranges(folder: str) -> dict:
         pattern = re.compile(r"(density|velocity)_range_\d+")
         for key, a in read_npz(path, pattern.fullmatch).items():   # the ranges alone
             widen(pattern.fullmatch(key)[1], a[0], a[1])
-    for _, p in read_params(folder):
-        A = np.einsum("lhkd,lhke->lhde", p["K"], p["Q"])   # A = K^T Q per head
-        norms = np.linalg.norm(A.reshape(A.shape[0] * A.shape[1], -1), axis=1)
-        widen("norm_A", norms.min(), norms.max())
+    for _, params in read_params(folder):
+        for block, arrays in params.items():
+            norms = tree.POINTS[block](arrays)[1][tree.COLOURS[block]]
+            widen(tree.COLOURS[block], norms.min(), norms.max())
     return ranges
 
 
@@ -153,7 +161,7 @@ def session(folder: str, data_dir: str = ".", names: list[str] | None = None) ->
         time = "step" if prompt is None else "t"
         for kind in ("density", "velocity", "adjoint", "tokens", "heads"):
             if kind in found:
-                array = "norm_A" if kind == "heads" else ARRAYS[kind]
+                array = ARRAYS[kind] if kind in ARRAYS else particle_colour(kind)
                 entries.append({"file": os.path.join(data_dir, found[kind]).replace(os.sep, "/"),
                                 "kind": kind, "array": array,
                                 "range": list(ranges[array]) if array in ranges else None})

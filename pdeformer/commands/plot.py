@@ -35,6 +35,7 @@ import os
 
 import numpy as np
 
+from ..model import params as tree
 from ..tools.charts import chart
 from ..tools.errors import InputError, OutputError
 from ..tools.output import PICTURE_PROMPTS, save_figure
@@ -484,8 +485,15 @@ def _log_ticks(ax) -> None:
 # ------------------------------------------------------------------ heads
 
 def head_vectors(params: dict, layer: int) -> np.ndarray:
-    """theta = (Q, K, V) of each head of a layer, flattened: (H, entries)."""
-    return np.concatenate([params[n][layer].reshape(params[n].shape[1], -1) for n in ("Q", "K", "V")], axis=1)
+    """theta of each particle of a layer of a parameter tree, every block's arrays
+    flattened: (particles, entries)."""
+    blocks = [tree.particle_vectors(arrays, layer) for arrays in params.values()]
+    out = np.zeros((sum(len(b) for b in blocks), sum(b.shape[1] for b in blocks)))
+    row = col = 0
+    for b in blocks:   # several blocks: one cloud, each block's entries in its own columns
+        out[row:row + len(b), col:col + b.shape[1]] = b
+        row, col = row + len(b), col + b.shape[1]
+    return out
 
 
 def principal_coordinates(points: np.ndarray) -> np.ndarray:
@@ -506,7 +514,7 @@ def heads_figure(params: list[tuple[int, dict]]):
     if not params:
         return None
     (first_step, first), (last_step, last) = params[0], params[-1]
-    layers = first["Q"].shape[0]
+    layers = max(tree.layers_width(arrays)[0] for arrays in first.values())
     columns = min(layers, 4)
     fig, axes = _figure(columns, -(-layers // columns), width=2.0, height=2.0)
     for l, ax in enumerate(axes.ravel()):
@@ -526,24 +534,26 @@ def heads_figure(params: list[tuple[int, dict]]):
         if l % columns == 0:
             ax.set_ylabel("θ · e₂", fontsize=8)
     axes[0, 0].legend(fontsize=7)
-    fig.suptitle("heads θ = (Q, K, V) per layer, two leading principal directions", fontsize=10)
+    names = " and ".join(tree.PARTICLES[block] for block in first)
+    fig.suptitle(f"{names} θ per layer, two leading principal directions", fontsize=10)
     return fig
 
 
 def gradient_figure(gradient: dict):
-    """|dR/dtheta_{l,h}| (Q, K and V together) per layer and head."""
-    norms = np.sqrt(sum(np.sum(gradient[n].reshape(gradient[n].shape[0], gradient[n].shape[1], -1) ** 2,
-                               axis=2) for n in ("dQ", "dK", "dV")))
+    """|dR/dtheta_{l,w}| (all arrays of a particle together) per layer and particle,
+    the blocks side by side."""
+    norms = np.concatenate([tree.particle_norms(arrays) for arrays in gradient["params"].values()], axis=1)
     layers, heads = norms.shape
+    what = tree.PARTICLES[next(iter(gradient["params"]))][:-1] if len(gradient["params"]) == 1 else "particle"
     fig, axes = _figure(1, 1, width=max(2.4, 0.35 * heads + 1), height=max(2.0, 0.3 * layers + 1))
     ax = axes[0, 0]
     image = ax.imshow(norms, origin="lower", cmap=CMAP, aspect="auto")
-    ax.set_xlabel("head", fontsize=8)
+    ax.set_xlabel(what, fontsize=8)
     ax.set_ylabel("layer", fontsize=8)
     ax.tick_params(labelsize=7)
     risk = f" (risk {float(gradient['risk']):.4g})" if "risk" in gradient else ""
-    ax.set_title(f"|dR/dθ| per head{risk}", fontsize=9)
-    fig.colorbar(image, ax=ax, label="|dR/dθ| of head (l, h)")
+    ax.set_title(f"|dR/dθ| per {what}{risk}", fontsize=9)
+    fig.colorbar(image, ax=ax, label=f"|dR/dθ| of {what} (l, {what[0]})")
     return fig
 
 

@@ -6,7 +6,7 @@ RUN.toml`` without the command line. Every run writes into ``[output] dir``
 commit, wall time per phase, results) besides its own files:
 
 * forward:  diagnostics.csv, density/velocity field series (and the risk, with an objective)
-* gradient: gradient.npz (dQ, dK, dV: derivatives of the discrete risk)
+* gradient: gradient.npz (dR/dtheta of the discrete risk: "d" + each parameter array's key)
 * train:    history.csv, params_XXXX.npz, heads_XXXX.vtu + heads.pvd, checkpoint.npz
 * ntk:      ntk.json (both injectivity tests), ntk.png (their spectra)
 
@@ -19,7 +19,7 @@ Prompt groups (``[parallel] prompt_groups``, ``--prompt-groups``; see
 pdeformer.tools.parallel.PromptGroups): every group builds the mesh on its own communicator and
 solves its block of the prompts; the groups meet (agree on failure, then combine) after
 the set-up, after the forward pass (diagnostics rows, risks, field file names), inside
-every gradient (risks, the world-wide sum of dQ, dK, dV) and in the summary (prompt info,
+every gradient (risks, the world-wide sum of the parameters' cotangents) and in the summary (prompt info,
 stats summed over groups, timings, the ``parallel`` accounting). World rank 0 logs and
 writes the tables and JSON files; each prompt's field series is written by its group.
 ``converge`` and ``ntk`` run as one group (prompt_groups > 1 is refused there).
@@ -40,6 +40,7 @@ from ..tools.blas import describe_choice
 from ..tools.budget import check_memory, peak_memory, room_for_tape
 from ..tools.config import input_files
 from ..tools.errors import ConfigError, PdeformerError, SolverBreakdown, status_of
+from ..model import params as tree
 from ..solvers.forward import ForwardSolver, Tracker
 from ..solvers.problem import build_problem, teacher_pass
 from ..tools.outdir import TRAINING_STATE, OutputFolder
@@ -161,8 +162,9 @@ class Run:
                                        self.cfg["output"]["plot_format"], self.groups.names)}
 
     def write_gradient(self, g) -> None:
-        """gradient.npz: dQ, dK, dV and the risk (rank 0 writes; a failed write ends every rank)."""
-        on_root(self.comm, write_npz, self.path("gradient.npz"), dQ=g.dQ, dK=g.dK, dV=g.dV,
+        """gradient.npz: dR/dtheta ("d" + each array's key in the params files) and the
+        risk (rank 0 writes; a failed write ends every rank)."""
+        on_root(self.comm, write_npz, self.path("gradient.npz"), **tree.to_files(g.params, "d"),
                 risk=np.array(g.risk))
 
     @contextmanager
@@ -340,7 +342,7 @@ class FinalStates(Tracker):
 
 
 def run_gradient(cfg: dict, comm=None) -> dict:
-    """Risk and its exact derivatives dR/dQ, dR/dK, dR/dV -> gradient.npz, summary.json."""
+    """Risk and its exact derivatives dR/dtheta -> gradient.npz, summary.json."""
     from ..solvers.adjoint import AdjointSolver
     run = Run("gradient", cfg, comm or MPI.COMM_WORLD, differentiable=True)
     p = run.problem

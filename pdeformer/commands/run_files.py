@@ -14,6 +14,7 @@ import re
 
 import numpy as np
 
+from ..model import params as tree
 from ..tools.errors import InputError
 from ..tools.files import TEXT_FILE, load_npz, npz_names, read_text
 
@@ -91,25 +92,33 @@ def read_diagnostics_table(path: str) -> list[dict]:
 
 
 def read_params(folder: str) -> list[tuple[int, dict]]:
-    """(step, {Q, K, V}) of every params_XXXX.npz of a training run, by step;
-    InputError naming a file that is not one, or whose Q, K or V is not finite."""
+    """(step, parameter tree) of every params_XXXX.npz of a training run, by step;
+    InputError naming a file that is not one (it holds no whole block of parameters),
+    or whose parameters are not finite."""
     out = []
     for path in glob.glob(os.path.join(folder, "params_*.npz")):
         m = re.fullmatch(r"params_(\d+)\.npz", os.path.basename(path))
         if m:
             data = read_npz(path)
-            if not {"Q", "K", "V"} <= set(data):
-                raise InputError(f"{path}: not a parameter file (no Q, K, V)")
-            check_finite(path, data, ("Q", "K", "V"))
-            out.append((int(m[1]), data))
+            keys = tree.blocks_in(data)
+            if not keys:
+                raise InputError(f"{path}: not a parameter file (no whole block of parameters)")
+            check_finite(path, data, [k for block in keys.values() for k in block.values()])
+            out.append((int(m[1]), tree.read_tree(data)))
     return sorted(out, key=lambda p: p[0])
 
 
 def read_gradient(path: str) -> dict:
-    """gradient.npz, its dR/dtheta (and risk) finite; InputError naming the file."""
+    """gradient.npz as a tree of dR/dtheta (and ``risk``, where it holds one), finite;
+    InputError naming the file."""
     data = read_npz(path)
-    check_finite(path, data, [n for n in ("dQ", "dK", "dV", "risk") if n in data])
-    return data
+    keys = tree.blocks_in(k[1:] for k in data if k.startswith("d"))
+    if not keys:
+        raise InputError(f"{path}: not a gradient file (no whole block of derivatives)")
+    check_finite(path, data, ["d" + k for block in keys.values() for k in block.values()]
+                 + (["risk"] if "risk" in data else []))
+    grads = tree.read_tree({k[1:]: a for k, a in data.items() if k.startswith("d")})
+    return {"params": grads, **({"risk": data["risk"]} if "risk" in data else {})}
 
 
 def run_inputs(folder: str) -> dict:

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..attention.softmax import attention_matrices
-from ..tools.errors import InputError
+from ..tools.errors import ConfigError, InputError
 from ..tools.files import load_npz, npz_names
+from .params import register_block
 
+BLOCK = "attention"         # the heads' block of the model's parameter tree
 ARRAYS = ("Q", "K", "V")    # what a parameter file (model.params, data.teacher) holds
 # why arrays a user may expect to work are refused
 UNSUPPORTED = {"weights": " (heads are averaged with weight 1/H)"}
@@ -27,6 +29,39 @@ class HeadMeasure:
     Q: np.ndarray  # (L, H, k, d)
     K: np.ndarray  # (L, H, k, d)
     V: np.ndarray  # (L, H, d, d)
+
+    block = BLOCK
+
+    @property
+    def params(self) -> dict:
+        """{"Q": Q, "K": K, "V": V}: the heads' block of the parameter tree (the arrays
+        themselves: an update in place moves the heads)."""
+        return {"Q": self.Q, "K": self.K, "V": self.V}
+
+    @classmethod
+    def from_params(cls, arrays: dict) -> "HeadMeasure":
+        return cls(arrays["Q"], arrays["K"], arrays["V"])
+
+    @classmethod
+    def checked_block(cls, block, key: str) -> "HeadMeasure":
+        """The heads of a block {"Q", "K", "V"} of arrays (copied as floats); ConfigError
+        naming ``key`` where the block lacks one, their shapes disagree or an entry is
+        not finite."""
+        if not isinstance(block, dict) or set(block) != set(ARRAYS):
+            raise ConfigError(key, f"expected the arrays {', '.join(map(repr, ARRAYS))}")
+        arrays = {n: np.array(block[n], dtype=float) for n in ARRAYS}
+        Q, K, V = arrays["Q"], arrays["K"], arrays["V"]
+        if Q.ndim != 4 or K.shape != Q.shape or V.shape != Q.shape[:2] + (Q.shape[3],) * 2 or 0 in Q.shape:
+            raise ConfigError(key, f"Q {Q.shape}, K {K.shape}, V {V.shape}: expected Q and K "
+                              "(L, H, k, d) and V (L, H, d, d)")
+        for n, a in arrays.items():
+            if not np.all(np.isfinite(a)):
+                raise ConfigError(key, f"{n} has non-finite entries")
+        return cls.from_params(arrays)
+
+    def uniform(self) -> bool:
+        """Whether every head attends uniformly (Q = 0, so A_h = 0)."""
+        return not np.any(self.Q != 0)
 
     @property
     def layers(self) -> int:
@@ -159,34 +194,29 @@ def read_arrays(filename: str, key: str) -> dict:
         raise InputError(f"{key}: {filename}: an array is not numeric ({e})") from None
 
 
-@dataclass
-class Gradient:
-    """R = the mean of F_s over the prompts s it was taken over (``prompts``: all, the
-    training prompts or a minibatch) and its derivatives."""
-    risk: float
-    risks: list[float]       # per prompt of ``prompts``
-    dQ: np.ndarray           # (L, H, k, d): dR/dQ
-    dK: np.ndarray
-    dV: np.ndarray           # (L, H, d, d)
-    tape_bytes: int = 0      # largest forward tape held (per rank)
-    prompts: list = None     # the prompt indices (None: all)
-
-    def norm(self) -> float:
-        """The Euclidean norm of (dQ, dK, dV), scaled so that huge entries do not overflow."""
-        scale = max(float(np.abs(a).max(initial=0.0)) for a in (self.dQ, self.dK, self.dV))
-        if not 0 < scale < np.inf:
-            return scale
-        return scale * float(np.sqrt(sum(np.sum((a / scale) ** 2) for a in (self.dQ, self.dK, self.dV))))
-
-    @classmethod
-    def of_heads(cls, heads, risks: list, dA: np.ndarray, dV: np.ndarray,
-                 tape_bytes: int = 0, prompts: list | None = None) -> "Gradient":
-        """From dR/dA and dR/dV (:func:`query_key_derivatives`); ``risks``: F_s of ``prompts``."""
-        dQ, dK = query_key_derivatives(heads, dA)
-        return cls(float(np.mean(risks)), risks, dQ, dK, dV, tape_bytes, prompts)
-
-
 def query_key_derivatives(heads: "HeadMeasure", dA: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """dR/dQ, dR/dK from dR/dA (..., L, H, d, d; leading axes: one derivative per output):
     A = K^T Q, so dR/dQ = K dR/dA and dR/dK = Q (dR/dA)^T."""
     return (np.einsum("lhki,...lhij->...lhkj", heads.K, dA), np.einsum("lhki,...lhji->...lhkj", heads.Q, dA))
+
+
+def head_points(arrays: dict) -> tuple[np.ndarray, dict]:
+    """The head measure as VTK points: one point per head at (t_l, tr(V)/d, tr(A)/d),
+    t_l the centre of its layer, with point data layer, head, Q, K, V, A (flattened
+    row-major) and their Frobenius norms."""
+    Q, K, V = arrays["Q"], arrays["K"], arrays["V"]
+    L, H, k, d = Q.shape
+    A = np.stack([attention_matrices(Q[l], K[l]) for l in range(L)])
+    t = (np.arange(L) + 0.5) / L
+    n = L * H
+    pts = np.stack([np.repeat(t, H), np.trace(V, axis1=2, axis2=3).ravel() / d,
+                    np.trace(A, axis1=2, axis2=3).ravel() / d], axis=1)
+    data = {"layer": np.repeat(np.arange(L), H).astype(float), "head": np.tile(np.arange(H), L).astype(float)}
+    for name, arr in (("Q", Q), ("K", K), ("V", V), ("A", A)):
+        flat = arr.reshape(n, -1)
+        data[name] = flat
+        data[f"norm_{name}"] = np.linalg.norm(flat, axis=1)
+    return pts, data
+
+
+register_block(BLOCK, ARRAYS, prefix="", particles="heads", points=head_points, colour="norm_A")

@@ -42,7 +42,7 @@ from ..tools.config import PARTICLE_STEPS_PER_LAYER
 from ..tools.datasets import chosen_prompts, readdressed
 from ..tools.errors import ConfigError, InputError, SolverBreakdown
 from ..integrator.frames import Frame, Tracker, located
-from .heads import Gradient
+from .params import Gradient, leaves, tree_map
 from ..integrator.march import FixedSteps, march, sweep_back, tape_nbytes
 from .objectives import OBJECTIVES
 from ..tools.parallel import Timer, allgather_rows, any_rank, moment_sums, on_root
@@ -286,12 +286,10 @@ class ParticleAdjoint:
         """The particle risk over ``prompts`` (default: the training prompts) and its
         gradient."""
         sv = self.solver
-        heads = sv.problem.heads
         groups = sv.problem.groups
         chosen = chosen_prompts(sv.problem, prompts)
         wanted = set(chosen)   # (a set: data sets have 10^5 prompts)
-        dA = np.zeros((heads.layers, heads.heads, heads.dim, heads.dim))
-        dV = np.zeros_like(heads.V)
+        acc = sv.velocity_field.zero_cotangent()
         local, tape_bytes = {}, 0
         sv.velocity_field.refreeze()
         with groups.combined():
@@ -306,13 +304,15 @@ class ParticleAdjoint:
                 local[s] = F
 
                 def step_vjp(lam, layer, dt, stages):
-                    return self._step_vjp(lam, w, layer, dt, stages, dA, dV)
+                    return self._step_vjp(lam, w, layer, dt, stages, acc)
                 sweep_back(tape, lam, step_vjp)
         risks = groups.gather_prompts(local)
-        for a in (dA, dV):   # every rank's share, summed over all groups
+        for _, a in leaves(acc):   # every rank's share, summed over all groups
             groups.world.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
         S = len(chosen)
-        return Gradient.of_heads(heads, [risks[s] for s in chosen], dA / S, dV / S, tape_bytes, chosen)
+        grads = sv.velocity_field.parameter_gradient(tree_map(lambda a: a / S, acc))
+        return Gradient(float(np.mean([risks[s] for s in chosen])), [risks[s] for s in chosen],
+                        grads, tape_bytes, chosen)
 
     def _finite(self, index: int, value_gradient):
         """(F, dF/dx) of prompt ``index``; a breakdown where F (the same on every rank)
@@ -323,15 +323,15 @@ class ParticleAdjoint:
                                   f"{self.solver.problem.prompts[index][0]!r} at t = 1 is {F}")
         return value_gradient
 
-    def _step_vjp(self, lam, w, layer, dt, stages, dA, dV):
+    def _step_vjp(self, lam, w, layer, dt, stages, acc):
         radius = self.solver.radius
         renormalise_vjp = None if radius is None else \
             (lambda i, Ybar: projection_vjp(stages[i - 1][4], radius, Ybar))   # stage i from rhs i-1
         return ssp_step_vjp(self.solver.scheme, lam, dt,
-                            lambda j, Lbar: self._rate_vjp(stages[j], w, layer, Lbar, dA, dV),
+                            lambda j, Lbar: self._rate_vjp(stages[j], w, layer, Lbar, acc),
                             renormalise_vjp)
 
-    def _rate_vjp(self, stage, w, layer, g, dA, dV):
+    def _rate_vjp(self, stage, w, layer, g, acc):
         """Cotangent of the positions for the cotangent g of v(x) (targets and sources
         are the same tokens: both parts add up), through the sum the forward stage made
         (its laplace plan, or direct summation)."""
@@ -339,8 +339,7 @@ class ParticleAdjoint:
         sv = self.solver
         with sv.timer.phase("adjoint velocity"):
             ct = sv.velocity_field.vjp(x, w, layer, g, plan, targets=x, positions=True)
-        dA[layer] += ct.A
-        dV[layer] += ct.V
+        sv.velocity_field.add_cotangent(acc, layer, ct)
         xbar = ct.targets + ct.points
         if sv.radius is not None:       # the projection P_x moves with the targets
             xbar = xbar + tangential_position_vjp(x, v, radial, g)

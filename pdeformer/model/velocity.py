@@ -30,9 +30,9 @@ import numpy as np
 from mpi4py import MPI
 
 from ..attention.softmax import (Sources, VelocityCotangent, attention_velocity, attention_velocity_vjp,
-                        partial_sums)
+                        partial_sums, value_gain)
 from ..tools.errors import ConfigError, SolverBreakdown
-from .heads import HeadMeasure
+from .heads import HeadMeasure, query_key_derivatives
 from ..attention.laplace import (LaplaceTable, TablePlan, TablePlanner, direct_seconds,
                                 exact_pair_vjp, laplace_seconds, largest_size, panel_nodes,
                                 source_extent, table_sizes)
@@ -388,6 +388,38 @@ class AttentionVelocity:
         if self.beta != 1:              # d/dA of <g, v(beta A)>
             ct.A = self.beta * ct.A
         return ct
+
+    # ------------------------------------------------------------------ parameters
+    @property
+    def params(self) -> dict:
+        """The term's block of the parameter tree: {"attention": {"Q", "K", "V"}}."""
+        return {self.heads.block: self.heads.params}
+
+    def gain(self, layer: int, params: dict | None = None) -> float:
+        """(1/H) sum_h |V_h|_2 of ``layer``: |v(x)| <= gain max_y |y| for a density >= 0
+        (``params``: a parameter tree to bound instead of the heads')."""
+        V = self.heads.V if params is None else params[self.heads.block]["V"]
+        return value_gain(V[layer])
+
+    def zero_cotangent(self, lead: tuple = ()) -> dict:
+        """Accumulators of the cotangents of every layer's A_h and V_h (what :meth:`vjp`
+        gives), with ``lead`` axes in front (one per output of a Jacobian)."""
+        h = self.heads
+        return {h.block: {"A": np.zeros(lead + (h.layers, h.heads, h.dim, h.dim)),
+                          "V": np.zeros(lead + h.V.shape)}}
+
+    def add_cotangent(self, acc: dict, layer: int, ct: VelocityCotangent, at: tuple = ()) -> None:
+        """acc[at][layer] += the parameter cotangents of one :meth:`vjp`."""
+        block = acc[self.heads.block]
+        block["A"][at + (layer,)] += ct.A
+        block["V"][at + (layer,)] += ct.V
+
+    def parameter_gradient(self, acc: dict) -> dict:
+        """The cotangents of the parameters from accumulated ones: A = K^T Q, so
+        dQ = K dA and dK = Q dA^T (:func:`~pdeformer.model.heads.query_key_derivatives`)."""
+        block = acc[self.heads.block]
+        dQ, dK = query_key_derivatives(self.heads, block["A"])
+        return {self.heads.block: {"Q": dQ, "K": dK, "V": block["V"]}}
 
     def _vjp(self, points, weights, x, A, V, g, plan, positions) -> VelocityCotangent:
         if plan is None:

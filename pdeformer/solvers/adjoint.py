@@ -32,7 +32,7 @@ from mpi4py import MPI
 from ..tools.datasets import chosen_prompts
 from ..tools.errors import SolverBreakdown
 from .forward import ForwardSolver, located
-from ..model.heads import Gradient, query_key_derivatives
+from ..model.params import Gradient, flatten, leaves, tree_map
 from ..integrator.march import sweep_back, tape_nbytes
 from ..model.objectives import default_quadrature_degree
 from ..tools.parallel import any_rank
@@ -112,7 +112,7 @@ class AdjointSolver:
 
     # ------------------------------------------------------------ gradient
     def gradient(self, refreeze: bool = True, prompts: list[int] | None = None) -> Gradient:
-        """Risk and dR/dQ, dR/dK, dR/dV, R the mean of F_s over ``prompts`` (default: the
+        """Risk and dR/dtheta (a tree like the model's parameters), R the mean of F_s over ``prompts`` (default: the
         training prompts; a minibatch in SGD). Without steps_per_layer the step counts are
         frozen during this evaluation's forward passes (``refreeze``) and kept for
         later :meth:`risk` calls, which then see the same discrete map; so are the
@@ -121,16 +121,14 @@ class AdjointSolver:
 
         With prompt groups every group sweeps its own prompts on its communicator; the
         groups then agree on failure, and one Allreduce over the world sums every rank's
-        share of dA, dV (the same on every rank, so all ranks hold identical gradients)."""
+        share of the parameters' cotangents (the same on every rank, so all ranks hold identical gradients)."""
         fw = self.forward
         if refreeze:
             fw.plan_afresh()
-        heads = fw.problem.heads
         groups = fw.problem.groups
         chosen = chosen_prompts(fw.problem, prompts)
         wanted = set(chosen)   # (a set: data sets have 10^5 prompts)
-        dA = np.zeros((heads.layers, heads.heads, heads.dim, heads.dim))
-        dV = np.zeros_like(heads.V)
+        acc = fw.velocity_field.zero_cotangent()
         local, tape_bytes = {}, 0
         with groups.combined():
             for s in groups.owned:
@@ -146,68 +144,70 @@ class AdjointSolver:
 
                 def step_vjp(lam, layer, dt, stages, limits):
                     with located(f"adjoint of prompt {name!r}, layer {layer}"):
-                        return self._step_vjp(lam, layer, dt, stages, limits, dA, dV)
+                        return self._step_vjp(lam, layer, dt, stages, limits, acc)
                 sweep_back(tape, lam, step_vjp)
         risks = groups.gather_prompts(local)
-        for a in (dA, dV):
+        for _, a in leaves(acc):
             groups.world.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
         S = len(chosen)
-        return Gradient.of_heads(heads, [risks[s] for s in chosen], dA / S, dV / S, tape_bytes, chosen)
+        grads = fw.velocity_field.parameter_gradient(tree_map(lambda a: a / S, acc))
+        return Gradient(float(np.mean([risks[s] for s in chosen])), [risks[s] for s in chosen],
+                        grads, tape_bytes, chosen)
 
     def output_jacobian(self, prompts: list[int] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The model's outputs y_s (the objective's ``outputs``: the moments of rho_1^s)
         for ``prompts`` (default: the training prompts), their targets y*_s and the
-        Jacobian dy/dtheta, theta = (Q, K, V) of every head flattened in that order: one
+        Jacobian dy/dtheta, theta every parameter flattened in the tree's order: one
         forward pass per prompt and one backward sweep of its tape per output. Returns
         (y, y*, J) stacked prompt by prompt: shapes (N,), (N,), (N, P), the same on every
         rank. Prompt groups sweep their own prompts; one Allreduce combines."""
         fw = self.forward
         fw.plan_afresh()
-        heads, groups = fw.problem.heads, fw.problem.groups
+        groups = fw.problem.groups
         chosen = chosen_prompts(fw.problem, prompts)
         owned = set(groups.owned)   # (a set: data sets have 10^5 prompts)
-        m = len(self.objective.output_names(heads.dim))
+        m = len(self.objective.output_names(fw.problem.dim))
         y = np.zeros((len(chosen), m))
         ystar = np.array([self.objective.target_outputs(self.targets[s]) for s in chosen])
-        dA = np.zeros((len(chosen), m, heads.layers, heads.heads, heads.dim, heads.dim))
-        dV = np.zeros((len(chosen), m) + heads.V.shape)
-        tr = fw.transport
+        acc = fw.velocity_field.zero_cotangent((len(chosen), m))
         with groups.combined():
             for row, s in enumerate(chosen):
-                if s not in owned:
-                    continue
-                tape = []
-                coeffs, _ = fw.solve_prompt(s, tape=tape)
-                tr.set_state(coeffs)
-                values, dy = self.objective.outputs(self.rule.points, self.rule.measure, self.rule.values(),
-                                                    tr.comm)
-                if groups.lead:   # (summed over the world below: one rank per group gives y)
-                    y[row] = values
-                per_rho = dy / np.where(self.rule.measure > 0, self.rule.measure, 1.0)   # as _dF
-                self.start = fw.comm.allreduce(float(np.abs(per_rho).max(initial=0.0)), op=MPI.MAX)
-                name = fw.problem.prompts[s][0]
-                for j in range(m):
-                    lam = self.rule.transpose(dy[j], tr.cell_dofs, tr.n_owned)
-
-                    def step_vjp(lam, layer, dt, stages, limits, j=j):
-                        with located(f"adjoint of output {j} of prompt {name!r}, layer {layer}"):
-                            return self._step_vjp(lam, layer, dt, stages, limits, dA[row, j], dV[row, j])
-                    sweep_back(tape, lam, step_vjp)
-        for a in (y, dA, dV):
+                if s in owned:
+                    y[row] = self._output_rows(s, row, m, acc)
+        for a in (y, *(a for _, a in leaves(acc))):
             groups.world.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
-        dQ, dK = query_key_derivatives(heads, dA)
-        J = np.concatenate([a.reshape(len(chosen) * m, -1) for a in (dQ, dK, dV)], axis=1)
+        J = flatten(fw.velocity_field.parameter_gradient(acc), lead=2).reshape(len(chosen) * m, -1)
         return y.ravel(), ystar.ravel(), J
 
-    def _step_vjp(self, lam, layer, dt, stages, limits, dA, dV) -> np.ndarray:
+    def _output_rows(self, s: int, row: int, m: int, acc: dict) -> np.ndarray:
+        """The outputs of prompt s (on a group's lead rank, zeros elsewhere: summed over
+        the world) and, into ``acc[row, j]``, the cotangents of each output j."""
+        fw, tr = self.forward, self.forward.transport
+        tape = []
+        coeffs, _ = fw.solve_prompt(s, tape=tape)
+        tr.set_state(coeffs)
+        values, dy = self.objective.outputs(self.rule.points, self.rule.measure, self.rule.values(), tr.comm)
+        per_rho = dy / np.where(self.rule.measure > 0, self.rule.measure, 1.0)   # as _dF
+        self.start = fw.comm.allreduce(float(np.abs(per_rho).max(initial=0.0)), op=MPI.MAX)
+        name = fw.problem.prompts[s][0]
+        for j in range(m):
+            lam = self.rule.transpose(dy[j], tr.cell_dofs, tr.n_owned)
+
+            def step_vjp(lam, layer, dt, stages, limits, j=j):
+                with located(f"adjoint of output {j} of prompt {name!r}, layer {layer}"):
+                    return self._step_vjp(lam, layer, dt, stages, limits, acc, (row, j))
+            sweep_back(tape, lam, step_vjp)
+        return values if fw.problem.groups.lead else np.zeros(m)
+
+    def _step_vjp(self, lam, layer, dt, stages, limits, acc, at=()) -> np.ndarray:
         """Cotangent of a step's start from that of its end (Shu-Osher form reversed,
         through the limiter's Jacobian at every limited stage)."""
         tr = self.forward.transport
         limit_vjp = (lambda i, bar: tr.limit_vjp(limits[i - 1], bar)) if limits else None
         return ssp_step_vjp(self.forward.scheme, lam, dt,
-                            lambda j, Lbar: self._rate_vjp(*stages[j], layer, Lbar, dA, dV), limit_vjp)
+                            lambda j, Lbar: self._rate_vjp(*stages[j], layer, Lbar, acc, at), limit_vjp)
 
-    def _rate_vjp(self, Y, vel, plan, ghosts, layer, Lbar, dA, dV) -> np.ndarray:
+    def _rate_vjp(self, Y, vel, plan, ghosts, layer, Lbar, acc, at) -> np.ndarray:
         fw = self.forward
         tr = fw.transport
         tr.set_state(Y, ghosts=ghosts[0])        # the ghost copies the forward pass read:
@@ -220,6 +220,5 @@ class AdjointSolver:
         wbar = ct.weights
         if any_rank(tr.comm, not (np.all(np.isfinite(wbar)) and np.all(np.isfinite(Ybar)))):
             raise SolverBreakdown(f"the adjoint is NaN or overflows: {adjoint_cause(self.start, self.objective)}")
-        dA[layer] += ct.A
-        dV[layer] += ct.V
+        fw.velocity_field.add_cotangent(acc, layer, ct, at)
         return Ybar + tr.sources.transpose(wbar * tr.sources.measure, tr.cell_dofs, tr.n_owned)

@@ -27,7 +27,6 @@ from mpi4py import MPI
 from ..tools.errors import ConfigError, InputError, SolverBreakdown
 from ..integrator.frames import Frame, Tracker, located  # noqa: F401  (Tracker: the base of the trackers)
 from ..integrator.march import march, tape_nbytes
-from ..attention.softmax import value_gain
 from ..fem.mesh import bounding_box, shortest_edge
 from ..tools.datasets import data_errors, prompt_label
 from ..tools.parallel import Timer, any_rank
@@ -387,20 +386,21 @@ class ForwardSolver:
         self.stats["steps"] += steps
         return prompt.state[0], self._outflow(prompt.state)
 
-    def velocity_bound(self, layer: int, V: np.ndarray | None = None) -> float:
-        """(1/H) sum_h |V_h|_2 max_y |y|: the largest |v| a density >= 0 can give with the
-        values V (default: the heads' of ``layer``)."""
+    def velocity_bound(self, layer: int, params: dict | None = None) -> float:
+        """The largest |v| a density >= 0 can give in ``layer``: the velocity's gain
+        times max_y |y| over the sources (``params``: a parameter tree to bound instead
+        of the model's)."""
         if self._reach is None:   # max |y| over the attention sources (collective, once)
             pts = self.transport.sources.points
             local = float(np.max(np.linalg.norm(pts, axis=1))) if len(pts) else 0.0
             self._reach = self.comm.allreduce(local, op=MPI.MAX)
-        return value_gain(self.problem.heads.V[layer] if V is None else V) * self._reach
+        return self.velocity_field.gain(layer, params) * self._reach
 
-    def steps_bound(self, layer: int, V: np.ndarray | None = None) -> float:
-        """The most CFL steps a layer can need with values V (default: the heads'):
+    def steps_bound(self, layer: int, params: dict | None = None) -> float:
+        """The most CFL steps a layer can need (with ``params``, default the model's):
         (2k + 1) |v|max / (L cfl l_min), |v|max from :meth:`velocity_bound`."""
         k, L = self.disc.degree, self.problem.heads.layers
-        return (2 * k + 1) * self.velocity_bound(layer, V) / (L * self.disc.cfl * self.scheme.cfl_factor * self.cell)
+        return (2 * k + 1) * self.velocity_bound(layer, params) / (L * self.disc.cfl * self.scheme.cfl_factor * self.cell)
 
     def _check_hull(self, vmax: float, vel: np.ndarray, layer: int) -> None:
         """A breakdown when the velocity is far above what a density >= 0 can give: the

@@ -1,11 +1,14 @@
 r"""Training: the gradient flow of the head measure, one Euler step at a time.
 
-Each head particle theta_{l,h} = (Q, K, V) of every layer moves by
+Each particle theta_{l,w} of every block of the model's parameter tree (a head
+(Q, K, V) of attention) moves by
 
-    gd:    theta <- theta - lr * L * H * dR/dtheta      (explicit Euler step of the
+    gd:    theta <- theta - lr * L * W * dR/dtheta      (explicit Euler step of the
                                                          conditional-Wasserstein flow,
                                                          mean-field scaling, design §2)
-    adam:  Adam on the same scaled gradient L * H * dR/dtheta.
+    adam:  Adam on the same scaled gradient L * W * dR/dtheta,
+
+W the block's particles per layer (H heads).
 
 Iteration k computes R and dR/dtheta at theta_k (a row of history.csv) and, for k < steps,
 moves to theta_{k+1}. R is the mean of F_s over the training prompts (all but the
@@ -47,14 +50,13 @@ from ..tools.config import batches_per_epoch, options
 from ..tools.datasets import data_set_given, teacher_given
 from ..tools.errors import ConfigError, InputError, PdeformerError, SolverBreakdown, reworded
 from ..tools.files import load_npz, open_regular
-from ..model.heads import HeadMeasure
-from ..tools.output import write_csv, write_head_points, write_npz, write_pvd
+from ..model import params as tree
+from ..tools.output import write_csv, write_npz, write_points, write_pvd
 from ..tools.parallel import on_root
 from .forward import MAX_STEPS_PER_LAYER
 
 log = logging.getLogger("pdeformer")
 
-PARAMS = ("Q", "K", "V")
 HEADS_BLOWUP = 100.0        # an update that multiplies the steps a forward pass needs by this ...
 STEPS_WORTH_A_LOOK = 1000   # ... to more than this many per layer is a blow-up of the heads
 HISTORY = ["step", "risk", "grad_norm", "step_size", "displacement", "wall_time"]
@@ -101,35 +103,47 @@ class Batches:
 
 
 def weight_penalty(params: dict, weight_decay: float) -> tuple[float, dict]:
-    """P = (weight_decay / 2) (1/(L H)) sum_{l,h} |Q_lh|^2 + |K_lh|^2 + |V_lh|^2 -- the
-    L2 penalty (lambda/2) int |theta|^2 dmu of the head measure -- and dP/dtheta =
-    weight_decay theta / (L H), so that the gd step moves every head by -lr lambda theta."""
-    L, H = params["V"].shape[:2]
-    P = 0.5 * weight_decay * sum(float(np.sum(params[n] ** 2)) for n in PARAMS) / (L * H)
-    return P, {n: weight_decay * params[n] / (L * H) for n in PARAMS}
+    """P = (weight_decay / 2) sum_blocks (1/(L W)) sum_{l,w} |theta_lw|^2 -- the L2 penalty
+    (lambda/2) int |theta|^2 dmu of each block's measure -- and dP/dtheta =
+    weight_decay theta / (L W), so that the gd step moves every particle by -lr lambda theta."""
+    P = 0.0
+    for arrays in params.values():
+        LW = tree.mean_field_scale(arrays)
+        P += 0.5 * weight_decay * sum(float(np.sum(a ** 2)) for a in arrays.values()) / LW
+    return P, {block: {n: weight_decay * a / tree.mean_field_scale(arrays) for n, a in arrays.items()}
+               for block, arrays in params.items()}
 
 
 def langevin_noise(seed: int, k: int, shapes: dict) -> dict:
-    """xi ~ N(0, I) for every head parameter at step k: drawn from
-    ``default_rng([seed, 1, k])``, the same on every rank and after a restart."""
+    """xi ~ N(0, I) for every parameter at step k (a tree of ``shapes``): drawn from
+    ``default_rng([seed, 1, k])`` in the tree's order, the same on every rank and after
+    a restart."""
     rng = np.random.default_rng([seed, 1, k])
-    return {n: rng.standard_normal(shapes[n]) for n in PARAMS}
+    return {block: {n: rng.standard_normal(shape) for n, shape in names.items()}
+            for block, names in shapes.items()}
 
 
 class GradientDescent:
+    """theta <- theta - lr L W dR/dtheta, L W per block (:func:`params.mean_field_scale`)."""
+
     name = "gd"
 
-    def __init__(self, lr: float, layers: int, heads: int):
+    def __init__(self, lr: float, params: dict):
         self.lr = lr
-        self.scale = lr * layers * heads
+        self.scales = {block: lr * tree.layers_width(arrays)[0] * tree.layers_width(arrays)[1]
+                       for block, arrays in params.items()}
 
     @property
     def step_size(self) -> float:
-        return self.scale
+        return max(self.scales.values())
 
     def step(self, params: dict, grads: dict) -> None:
-        for n in PARAMS:
-            params[n] -= self.scale * grads[n]
+        for (block, n), p in tree.leaves(params):
+            p -= self.scales[block] * grads[block][n]
+
+    def scaled(self, grads: dict) -> dict:
+        """The step's part of each array: lr L W dR/dtheta."""
+        return {block: {n: self.scales[block] * g for n, g in arrays.items()} for block, arrays in grads.items()}
 
     def state(self) -> dict:
         return {}
@@ -139,14 +153,16 @@ class GradientDescent:
 
 
 class Adam:
+    """Adam on L W dR/dtheta (per block), its moments a tree like the parameters."""
+
     name = "adam"
 
-    def __init__(self, lr, layers, heads, beta1=0.9, beta2=0.999, eps=1e-8, shapes=None):
+    def __init__(self, lr, params: dict, beta1=0.9, beta2=0.999, eps=1e-8):
         self.lr, self.beta1, self.beta2, self.eps = lr, beta1, beta2, eps
-        self.mf = layers * heads
+        self.mf = {block: tree.mean_field_scale(arrays) for block, arrays in params.items()}
         self.t = 0
-        self.m = {n: np.zeros(s) for n, s in shapes.items()}
-        self.v = {n: np.zeros(s) for n, s in shapes.items()}
+        self.m = tree.zeros_like(params)
+        self.v = tree.zeros_like(params)
 
     @property
     def step_size(self) -> float:
@@ -154,34 +170,29 @@ class Adam:
 
     def step(self, params: dict, grads: dict) -> None:
         self.t += 1
-        for n in PARAMS:
-            g = self.mf * grads[n]
-            self.m[n] = self.beta1 * self.m[n] + (1 - self.beta1) * g
-            self.v[n] = self.beta2 * self.v[n] + (1 - self.beta2) * g * g
-            mhat = self.m[n] / (1 - self.beta1**self.t)
-            vhat = self.v[n] / (1 - self.beta2**self.t)
-            params[n] -= self.lr * mhat / (np.sqrt(vhat) + self.eps)
+        for (block, n), p in tree.leaves(params):
+            g = self.mf[block] * grads[block][n]
+            m, v = self.m[block], self.v[block]
+            m[n] = self.beta1 * m[n] + (1 - self.beta1) * g
+            v[n] = self.beta2 * v[n] + (1 - self.beta2) * g * g
+            mhat = m[n] / (1 - self.beta1**self.t)
+            vhat = v[n] / (1 - self.beta2**self.t)
+            p -= self.lr * mhat / (np.sqrt(vhat) + self.eps)
 
     def state(self) -> dict:
-        out = {"adam_t": np.array(self.t)}
-        for n in PARAMS:
-            out[f"adam_m_{n}"] = self.m[n]
-            out[f"adam_v_{n}"] = self.v[n]
-        return out
+        return {"adam_t": np.array(self.t), **tree.to_files(self.m, "adam_m_"), **tree.to_files(self.v, "adam_v_")}
 
     def load_state(self, state: dict) -> None:
         self.t = int(state["adam_t"])
-        for n in PARAMS:
-            self.m[n] = np.array(state[f"adam_m_{n}"])
-            self.v[n] = np.array(state[f"adam_v_{n}"])
+        self.m = tree.tree_map(np.array, tree.from_files(state, self.m, "adam_m_"))
+        self.v = tree.tree_map(np.array, tree.from_files(state, self.v, "adam_v_"))
 
 
-def make_optimizer(train, heads: HeadMeasure):
-    """The optimizer of the ``[train]`` options for these heads."""
+def make_optimizer(train, params: dict):
+    """The optimizer of the ``[train]`` options for a parameter tree."""
     if train.optimizer == "adam":
-        return Adam(train.lr, heads.layers, heads.heads, train.beta1, train.beta2,
-                    train.eps, {n: getattr(heads, n).shape for n in PARAMS})
-    return GradientDescent(train.lr, heads.layers, heads.heads)
+        return Adam(train.lr, params, train.beta1, train.beta2, train.eps)
+    return GradientDescent(train.lr, params)
 
 
 # ------------------------------------------------------------------ fingerprints
@@ -242,13 +253,12 @@ def fingerprint(opts) -> dict:
 
 # ------------------------------------------------------------------ checkpoints
 
-def write_checkpoint(filename: str, heads: HeadMeasure, optimizer, step: int, history: list,
+def write_checkpoint(filename: str, params: dict, optimizer, step: int, history: list,
                      rng: np.random.Generator, opts) -> None:
     """Atomic: written next to the target, flushed to disk, then renamed over it."""
     meta = {"step": step, "history": history, "optimizer": optimizer.name,
             "rng": rng.bit_generator.state, "fingerprint": fingerprint(opts)}
-    write_npz(filename, sync=True, Q=heads.Q, K=heads.K, V=heads.V,
-              meta=np.array(json.dumps(meta)), **optimizer.state())
+    write_npz(filename, sync=True, **tree.to_files(params), meta=np.array(json.dumps(meta)), **optimizer.state())
 
 
 CHECKPOINT_META = {"step": int, "history": list, "optimizer": str, "rng": dict, "fingerprint": dict}
@@ -259,7 +269,7 @@ def read_checkpoint(filename: str, opts, like: dict | None = None, columns: list
     pdeformer wrote (not a regular file, metadata missing or of the wrong type, an RNG
     state numpy does not take, history rows that are not steps 0..step-1 with a number
     in every column of ``columns``), was made for another problem (fingerprint), or its
-    arrays differ from this run's (``like``: name -> array, the heads' Q, K, V and the
+    arrays differ from this run's (``like``: name -> array, the parameters and the
     optimizer's state) in shape or kind (float, integer), or are not finite. Run on rank 0."""
     if not os.path.lexists(filename):
         raise InputError(f"--restart: no checkpoint at {filename}")
@@ -323,7 +333,7 @@ def _check_history(filename: str, history: list, step: int, columns: list | None
 # ------------------------------------------------------------------ the loop
 
 class Trainer:
-    """Gradient-flow training of the heads of an :class:`AdjointSolver`'s problem."""
+    """Gradient-flow training of the parameters of an :class:`AdjointSolver`'s problem."""
 
     def __init__(self, adjoint, opts, outdir: str, walltime: float | None = None,
                  started: float | None = None):
@@ -334,13 +344,13 @@ class Trainer:
         self.opts = options(opts)
         self.train = self.opts.train
         self.outdir = outdir
-        self.heads = adjoint.forward.problem.heads
+        self.params = adjoint.forward.velocity_field.params   # the arrays: updated in place
         self.comm = adjoint.forward.problem.groups.world   # all ranks of all groups
-        self.optimizer = make_optimizer(self.train, self.heads)
+        self.optimizer = make_optimizer(self.train, self.params)
         self.rng = np.random.default_rng(self.opts.model.seed)
         self.history: list[dict] = []
         self.start = 0
-        self.frames: list[tuple[float, str]] = []
+        self.frames = {block: [] for block in self.params}   # block -> [(step, .vtu file)]
         self.checkpoint_file = os.path.join(outdir, "checkpoint.npz")
         self.walltime = walltime
         self.started = started
@@ -351,94 +361,100 @@ class Trainer:
         self.columns = history_columns(self.train, not self.batches.full, bool(self.held_out))
 
     def restart(self) -> None:
-        like = {n: getattr(self.heads, n) for n in PARAMS} | self.optimizer.state()
+        like = tree.to_files(self.params) | self.optimizer.state()
         data = on_root(self.comm, read_checkpoint, self.checkpoint_file, self.opts, like, self.columns)
         meta = data.pop("meta")
-        for n in PARAMS:
-            getattr(self.heads, n)[:] = data.pop(n)
+        for (block, n), a in tree.leaves(self.params):
+            a[:] = data.pop(tree.file_key(block, n))
         self.optimizer.load_state(data)
         self.rng.bit_generator.state = meta["rng"]
         self.history = meta["history"]
         self.start = meta["step"]
-        self.frames = [(float(r["step"]), f"heads_{int(r['step']):04d}.vtu") for r in self.history
-                       if self._is_output_step(int(r["step"]))]
+        steps = [int(r["step"]) for r in self.history if self._is_output_step(int(r["step"]))]
+        self.frames = {block: [(float(k), points_file(block, k)) for k in steps] for block in self.params}
 
     def _is_output_step(self, k: int) -> bool:
         return k % self.train.output_every == 0 or k == self.train.steps
 
     def run(self) -> list[dict]:
-        steps = self.train.steps
-        params = {n: getattr(self.heads, n) for n in PARAMS}  # views: updated in place
         t0 = time.perf_counter() - (self.history[-1]["wall_time"] if self.history else 0.0)
         started, last = self.started or time.perf_counter(), 0.0
-        for k in range(self.start, steps + 1):
+        for k in range(self.start, self.train.steps + 1):
             if self.walltime is not None and k > self.start and self._out_of_time(started, last):
-                # the walltime guard: stop with a checkpoint at theta_k (restart continues)
-                self.status = "walltime"
-                if self.comm.rank == 0:   # one line, not one per rank
-                    log.warning("warning: walltime guard: stopping before step %d (%.0f s of %.0f s "
-                                "used); continue with --restart", k, time.perf_counter() - started,
-                                self.walltime)
-                on_root(self.comm, write_checkpoint, self.checkpoint_file, self.heads, self.optimizer,
-                        k, self.history, self.rng, self.opts)
+                self._stop_for_walltime(k, started)
                 break
             step_start = time.perf_counter()
-            batch = self.batches(k)
-            with self._step_context(k):
-                g = self.adjoint.gradient(prompts=batch)
-            row = {"step": k, "risk": g.risk}
-            if not self.batches.full:
-                row["epoch"] = self.batches.epoch(k)
-            dP = None
-            if self.train.weight_decay > 0:
-                row["penalty"], dP = weight_penalty(params, self.train.weight_decay)
-                g = dataclasses.replace(g, **{f"d{n}": getattr(g, f"d{n}") + dP[n] for n in PARAMS})
-            with self._step_context(k):
-                row.update(self._evaluate(g, batch) if self._is_test_step(k) else
-                           {c: None for c in ("train_risk", "test_risk") if c in self.columns})
-            grads = {"Q": g.dQ, "K": g.dK, "V": g.dV}
-            before = {n: p.copy() for n, p in params.items()} if k < steps else None
-            if k < steps:
-                self.optimizer.step(params, grads)
-                noise = 0.0
-                if self.train.temperature > 0:   # Euler-Maruyama: + sqrt(2 lr T) xi
-                    xi = langevin_noise(self.train.seed, k, {n: p.shape for n, p in params.items()})
-                    sigma = np.sqrt(2 * self.train.lr * self.train.temperature)
-                    for n in PARAMS:
-                        params[n] += sigma * xi[n]
-                    noise = sigma * float(np.sqrt(sum(np.sum(xi[n] ** 2) for n in PARAMS)))
-                self.last_update = self._update_parts(grads, dP, noise)
-            disp = float(np.sqrt(sum(np.sum((params[n] - before[n]) ** 2) for n in PARAMS))) \
-                if before is not None else 0.0
-            row.update(grad_norm=g.norm(), step_size=self.optimizer.step_size, displacement=disp,
-                       wall_time=time.perf_counter() - t0)
-            self.history.append(row)
-            log.info("train step %4d  risk=%.10e%s  |grad|=%.3e  step=%.3g  %7.1f s", k, g.risk,
-                     "".join(f"  {c}={row[c]:.6e}" for c in ("train_risk", "test_risk", "penalty")
-                             if row.get(c) is not None), row["grad_norm"], disp, row["wall_time"])
-            on_root(self.comm, self._write, k, before)   # a full disk ends every rank
-            if before is not None:
-                self._check_heads(k, before, disp)
-            if k < steps and ((k + 1) % self.train.checkpoint_every == 0 or k + 1 == steps):
-                on_root(self.comm, write_checkpoint, self.checkpoint_file, self.heads, self.optimizer,
-                        k + 1, self.history, self.rng, self.opts)
-            self.last_gradient = g
+            self._step(k, t0)
             last = time.perf_counter() - step_start
         return self.history
+
+    def _stop_for_walltime(self, k: int, started: float) -> None:
+        """The walltime guard: stop with a checkpoint at theta_k (restart continues)."""
+        self.status = "walltime"
+        if self.comm.rank == 0:   # one line, not one per rank
+            log.warning("warning: walltime guard: stopping before step %d (%.0f s of %.0f s "
+                        "used); continue with --restart", k, time.perf_counter() - started, self.walltime)
+        on_root(self.comm, write_checkpoint, self.checkpoint_file, self.params, self.optimizer,
+                k, self.history, self.rng, self.opts)
+
+    def _step(self, k: int, t0: float) -> None:
+        """Iteration k: R and dR/dtheta at theta_k (history row k), the files of step k,
+        and for k < steps the update to theta_{k+1} and its checkpoint."""
+        steps = self.train.steps
+        batch = self.batches(k)
+        with self._step_context(k):
+            g = self.adjoint.gradient(prompts=batch)
+        row = {"step": k, "risk": g.risk}
+        if not self.batches.full:
+            row["epoch"] = self.batches.epoch(k)
+        dP = None
+        if self.train.weight_decay > 0:
+            row["penalty"], dP = weight_penalty(self.params, self.train.weight_decay)
+            g = dataclasses.replace(g, params=tree.tree_map(np.add, g.params, dP))
+        with self._step_context(k):
+            row.update(self._evaluate(g, batch) if self._is_test_step(k) else
+                       {c: None for c in ("train_risk", "test_risk") if c in self.columns})
+        before = tree.copy(self.params) if k < steps else None
+        if k < steps:
+            self._update(k, g.params, dP)
+        disp = math.sqrt(tree.sum_squares(tree.tree_map(np.subtract, self.params, before))) \
+            if before is not None else 0.0
+        row.update(grad_norm=g.norm(), step_size=self.optimizer.step_size, displacement=disp,
+                   wall_time=time.perf_counter() - t0)
+        self.history.append(row)
+        log.info("train step %4d  risk=%.10e%s  |grad|=%.3e  step=%.3g  %7.1f s", k, g.risk,
+                 "".join(f"  {c}={row[c]:.6e}" for c in ("train_risk", "test_risk", "penalty")
+                         if row.get(c) is not None), row["grad_norm"], disp, row["wall_time"])
+        on_root(self.comm, self._write, k, before)   # a full disk ends every rank
+        if before is not None:
+            self._check_heads(k, before)
+        if k < steps and ((k + 1) % self.train.checkpoint_every == 0 or k + 1 == steps):
+            on_root(self.comm, write_checkpoint, self.checkpoint_file, self.params, self.optimizer,
+                    k + 1, self.history, self.rng, self.opts)
+        self.last_gradient = g
+
+    def _update(self, k: int, grads: dict, dP: dict | None) -> None:
+        """theta_k -> theta_{k+1}: the optimiser's step, then (gd) the Langevin noise
+        sqrt(2 lr T) xi (Euler-Maruyama)."""
+        self.optimizer.step(self.params, grads)
+        noise = 0.0
+        if self.train.temperature > 0:
+            xi = langevin_noise(self.train.seed, k, tree.shapes(self.params))
+            sigma = np.sqrt(2 * self.train.lr * self.train.temperature)
+            for (block, n), p in tree.leaves(self.params):
+                p += sigma * xi[block][n]
+            noise = sigma * math.sqrt(tree.sum_squares(xi))
+        self.last_update = self._update_parts(grads, dP, noise)
 
     # ------------------------------------------------------------------ blow-ups of the heads
     def _update_parts(self, grads: dict, dP: dict | None, noise: float) -> dict:
         """{key: size of its part of the last update}: the gradient's (train.lr), the weight
         decay's (train.weight_decay) and the Langevin noise's (train.temperature); for adam
         the whole step is train.lr's (its steps are normalised)."""
-        def norm(arrays):
-            return float(np.sqrt(sum(np.sum(np.asarray(a) ** 2) for a in arrays.values())))
         if not isinstance(self.optimizer, GradientDescent):
-            return {"train.lr": self.train.lr * math.sqrt(sum(g.size for g in grads.values())),
-                    "train.temperature": noise}
-        scale = self.optimizer.scale
-        decay = scale * norm(dP) if dP is not None else 0.0
-        risk = scale * norm({n: grads[n] - (dP[n] if dP is not None else 0.0) for n in PARAMS})
+            return {"train.lr": self.train.lr * math.sqrt(tree.size(grads)), "train.temperature": noise}
+        decay = tree.norm(self.optimizer.scaled(dP)) if dP is not None else 0.0
+        risk = tree.norm(self.optimizer.scaled(grads if dP is None else tree.tree_map(np.subtract, grads, dP)))
         return {"train.lr": risk, "train.weight_decay": decay, "train.temperature": noise}
 
     def _blame(self) -> str:
@@ -463,18 +479,20 @@ class Trainer:
                 raise
             raise reworded(e, f"train step {k}: {e}{self._blame() if k > self.start else ''}") from None
 
-    def _check_heads(self, k: int, before: dict, disp: float) -> None:
-        """A breakdown right after an update that blew the heads up: to NaN or infinity,
-        or to a velocity whose next forward pass needs more than MAX_STEPS_PER_LAYER CFL
-        steps per layer, or HEADS_BLOWUP times the steps it needed before (and more than
-        STEPS_WORTH_A_LOOK): a gradient flow's Euler step moves the velocity a little, an
-        update that multiplies it is a blow-up (too much noise, decay or lr)."""
+    def _check_heads(self, k: int, before: dict) -> None:
+        """A breakdown right after an update that blew the parameters up: to NaN or
+        infinity, or to a velocity whose next forward pass needs more than
+        MAX_STEPS_PER_LAYER CFL steps per layer, or HEADS_BLOWUP times the steps it
+        needed before (and more than STEPS_WORTH_A_LOOK): a gradient flow's Euler step
+        moves the velocity a little, an update that multiplies it is a blow-up (too much
+        noise, decay or lr)."""
         fw = self.adjoint.forward
-        if not all(np.all(np.isfinite(getattr(self.heads, n))) for n in PARAMS):
+        layers = fw.problem.heads.layers
+        if not all(np.all(np.isfinite(a)) for _, a in tree.leaves(self.params)):
             what = "they are not finite"
         else:
-            after = max(fw.steps_bound(l) for l in range(self.heads.layers))
-            start = max(fw.steps_bound(l, before["V"][l]) for l in range(self.heads.layers))
+            after = max(fw.steps_bound(l) for l in range(layers))
+            start = max(fw.steps_bound(l, before) for l in range(layers))
             if not (after > MAX_STEPS_PER_LAYER or
                     (after > STEPS_WORTH_A_LOOK and after > HEADS_BLOWUP * max(start, 1.0))):
                 return
@@ -508,14 +526,21 @@ class Trainer:
         return bool(self.comm.bcast(late if self.comm.rank == 0 else None, root=0))
 
     def _write(self, k: int, before) -> None:
-        """history.csv every step; params and head points of theta_k on output steps."""
+        """history.csv every step; the parameters (params_XXXX.npz) and each block's
+        particles as VTK points (:func:`points_file`) of theta_k on output steps."""
         write_csv(os.path.join(self.outdir, "history.csv"), self.columns,
                   [[float("nan") if r.get(c) is None else r[c] for c in self.columns] for r in self.history])
         if not self._is_output_step(k):
             return
-        current = HeadMeasure(*(before[n] for n in PARAMS)) if before is not None else self.heads
-        current.save(os.path.join(self.outdir, f"params_{k:04d}.npz"))
-        name = f"heads_{k:04d}.vtu"
-        write_head_points(os.path.join(self.outdir, name), current)
-        self.frames = [f for f in self.frames if f[0] != k] + [(float(k), name)]
-        write_pvd(os.path.join(self.outdir, "heads.pvd"), self.frames)
+        current = before if before is not None else self.params
+        write_npz(os.path.join(self.outdir, f"params_{k:04d}.npz"), **tree.to_files(current))
+        for block, arrays in current.items():
+            name = points_file(block, k)
+            write_points(os.path.join(self.outdir, name), *tree.POINTS[block](arrays))
+            self.frames[block] = [f for f in self.frames[block] if f[0] != k] + [(float(k), name)]
+            write_pvd(os.path.join(self.outdir, f"{tree.PARTICLES[block]}.pvd"), self.frames[block])
+
+
+def points_file(block: str, k: int) -> str:
+    """The VTK points of a block's particles at step k: heads_XXXX.vtu for attention."""
+    return f"{tree.PARTICLES[block]}_{k:04d}.vtu"

@@ -257,24 +257,6 @@ def write_points(filename: str, points: np.ndarray, data: dict) -> None:
     _atomic_text(filename, "\n".join(xml) + "\n")
 
 
-def write_head_points(filename: str, heads) -> None:
-    """The head measure as a VTK point set: one point per head at (t_l, tr(V)/d,
-    tr(A)/d), t_l the centre of its layer, with point data layer, head, Q, K, V, A
-    (flattened row-major) and their Frobenius norms."""
-    L, H, k, d = heads.Q.shape
-    A = np.stack([heads.attention_matrices(l) for l in range(L)])
-    t = (np.arange(L) + 0.5) / L
-    n = L * H
-    pts = np.stack([np.repeat(t, H), np.trace(heads.V, axis1=2, axis2=3).ravel() / d,
-                    np.trace(A, axis1=2, axis2=3).ravel() / d], axis=1)
-    data = {"layer": np.repeat(np.arange(L), H).astype(float), "head": np.tile(np.arange(H), L).astype(float)}
-    for name, arr in (("Q", heads.Q), ("K", heads.K), ("V", heads.V), ("A", A)):
-        flat = arr.reshape(n, -1)
-        data[name] = flat
-        data[f"norm_{name}"] = np.linalg.norm(flat, axis=1)
-    write_points(filename, pts, data)
-
-
 def write_pvd(filename: str, entries: list[tuple[float, str]]) -> None:
     """A .pvd collection: (time, file relative to the .pvd) per frame."""
     lines = ['<?xml version="1.0"?>', '<VTKFile type="Collection" version="1.0">', "<Collection>"]
