@@ -41,7 +41,7 @@ _LAZY = {
     **{name: ("api", name) for name in (
         "BoxMesh", "CircleMesh", "SphereMesh", "MeshFile", "Transformer", "GaussianMixture", "Uniform",
         "Points", "DensityFile", "VonMisesFisher", "Harmonics", "DG", "Particles", "Moments", "Potential",
-        "Interaction", "L2", "MMD", "solve", "value_and_grad", "Solution")},
+        "Interaction", "L2", "MMD", "solve", "value_and_grad", "Solution", "train", "Training")},
 }
 
 

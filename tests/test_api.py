@@ -178,3 +178,33 @@ def test_pictures_files_and_bad_objects(tmp_path):
     with pytest.raises(ConfigError, match="model.params: Q"):
         pf.Transformer({"attention": {"Q": np.zeros((1, 1, 2, 2)), "K": np.zeros((1, 1, 2, 2)),
                                       "V": np.zeros((1, 1, 3, 3))}})
+
+
+def test_train_takes_the_steps_of_the_train_command(tmp_path):
+    """pf.train and ``pdeformer train`` on the equivalent TOML (gd with weight decay and
+    Langevin noise, fixed steps per layer) give the same history and trained heads to
+    1e-12 (one Trainer); the given model is left as it was."""
+    import pdeformer as pf
+    model = pf.Transformer.random(layers=2, heads=3, dim=2, seed=0, init_scale=0.8)
+    before = {n: a.copy() for n, a in model.params["attention"].items()}
+    prompt = pf.GaussianMixture(weights=[0.5, 0.5], means=[[-1, 0], [1, 0.5]], covs=[0.3, 0.2], name="a")
+    disc = pf.DG(pf.BoxMesh(lower=[-4, -4], upper=[4, 4], cells=[12, 12]), degree=1, limiter=True,
+                 steps_per_layer=8)
+    objective = pf.Moments(mean=[0, 0], cov=[[0.5, 0], [0, 0.5]])
+    trained = pf.train(objective, model, [prompt], disc, steps=3, lr=0.05, weight_decay=0.1,
+                       temperature=1e-6, seed=4, frames_per_layer=2)
+    assert trained.risk.shape == (4,) and trained.risk[-1] < trained.risk[0]
+    for n, a in model.params["attention"].items():
+        np.testing.assert_array_equal(a, before[n])
+    np.savez(tmp_path / "heads.npz", **before)
+    cfg = write_config(tmp_path, toml_of({}, 8) + "[train]\nsteps = 3\nlr = 0.05\nweight_decay = 0.1\n"
+                       "temperature = 1e-6\nseed = 4\n")
+    run_cli(["train", cfg], cwd=str(tmp_path))
+    with open(tmp_path / "out" / "history.csv") as f:
+        rows = [line.split(",") for line in f.read().split()]
+    cli = {c: np.array([float(r[i]) for r in rows[1:]]) for i, c in enumerate(rows[0])}
+    for c in ("risk", "penalty", "grad_norm", "displacement"):
+        np.testing.assert_allclose(trained.history[c], cli[c], rtol=1e-12, atol=1e-15, err_msg=c)
+    last = np.load(tmp_path / "out" / "params_0003.npz")
+    for n, a in trained.model.params["attention"].items():
+        np.testing.assert_allclose(a, last[n], rtol=0, atol=1e-13 * np.abs(a).max())

@@ -11,6 +11,8 @@
     risk, grad = pf.value_and_grad(pf.Moments(mean=[0, 0], cov=[[0.5, 0], [0, 0.5]]),
                                    model, [prompt], pf.DG(mesh))
     grad["attention"]["Q"].shape                   # (4, 8, 2, 2), like model.params
+    trained = pf.train(pf.Moments(mean=[0, 0], cov=0.5), model, [prompt], pf.DG(mesh), steps=10, lr=0.05)
+    trained.risk, trained.model                    # R over the steps, the trained model
 
 Runs unchanged under ``mpirun -n P python script.py``.
 """
@@ -19,7 +21,8 @@ from .objects import (DG, L2, MMD, BoxMesh, CircleMesh, DensityFile, GaussianMix
                       MeshFile, Moments, Particles, Points, Potential, SphereMesh, Transformer, Uniform,
                       VonMisesFisher)
 from .solve import Solution, solve, value_and_grad
+from .train import Training, train
 
 __all__ = ["BoxMesh", "CircleMesh", "SphereMesh", "MeshFile", "Transformer", "GaussianMixture", "Uniform",
            "Points", "DensityFile", "VonMisesFisher", "Harmonics", "DG", "Particles", "Moments", "Potential",
-           "Interaction", "L2", "MMD", "solve", "value_and_grad", "Solution"]
+           "Interaction", "L2", "MMD", "solve", "value_and_grad", "Solution", "train", "Training"]

@@ -38,7 +38,7 @@ def _prompt_list(prompts) -> tuple[list, bool]:
 
 def problem_config(model: Transformer, prompts: list, disc, objective: Objective | None = None, *,
                    frames_per_layer: int = 1, backend: str = "auto", tol: float = 1e-8,
-                   attention: dict | None = None) -> dict:
+                   attention: dict | None = None, train: dict | None = None) -> dict:
     """The checked run configuration the objects stand for (its errors name the
     configuration key an argument stands for: prompts[i].covs, discretisation.degree)."""
     tables = []
@@ -55,6 +55,8 @@ def problem_config(model: Transformer, prompts: list, disc, objective: Objective
            "prompts": tables}
     if objective is not None:
         raw["objective"] = objective.section()
+    if train is not None:
+        raw["train"] = train
     return check_config(raw, os.getcwd(), "api")
 
 

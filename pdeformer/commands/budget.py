@@ -65,6 +65,7 @@ import os
 
 import numpy as np
 
+from ..fem import _dolfinx as dfx
 from ..tools.config import Key, integer, load_config, path, positive_int_list, string
 from .converge import COLUMNS, ensemble_matrix, error_rows, run_ensemble
 from .study import (check_members_differ, describe_reference, override_strings, prepare, read_study_file, size_of,
@@ -225,7 +226,7 @@ def run_budget(b: dict, comm=None) -> dict:
     points = [list(b["transformer"])] + [list(c) for c in b["checks"]]
     checks = [check_study(b, c, i) for i, c in enumerate(points)]
     outdir = b["output_dir"]
-    info = provenance(world) if world.rank == 0 else {}
+    info = provenance(world, dfx.versions()) if world.rank == 0 else {}
 
     def on_error(e):
         on_root(world, write_json, os.path.join(outdir, "summary.json"), {

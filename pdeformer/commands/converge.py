@@ -72,6 +72,7 @@ import time
 import numpy as np
 import ufl
 
+from ..fem import _dolfinx as dfx
 from ..tools.budget import check_memory
 from ..tools.errors import ConfigError, InputError, PdeformerError, status_of, within
 from ..tools.output import atomic_write, provenance, save_figure, write_csv, write_json
@@ -225,7 +226,6 @@ def _density_error(case, ref, exact, s, q):
     """L2 or L1 norm of rho_case - rho_ref: against the exact translated prompt on the
     case's mesh, or on the reference's quadrature with rho_case evaluated there."""
     from mpi4py import MPI
-    from ..fem import _dolfinx as dfx
     if exact:
         tr = case.solver.transport
         tr.set_state(case.coeffs[s])
@@ -293,7 +293,7 @@ def run_study(study: dict, comm=None, walltime: float | None = None) -> dict:
     cfgs, reference_cfgs, sets = prepare(study)
     groups = PromptGroups(world, study["groups"], [f"member {j}" for j in range(n)], "study.groups")
     outdir = study["output_dir"]
-    info = provenance(world) if world.rank == 0 else {}
+    info = provenance(world, dfx.versions()) if world.rank == 0 else {}
 
     def on_error(e):   # agreed on every rank: the summary says how the study ended
         on_root(world, write_json, os.path.join(outdir, "summary.json"), {

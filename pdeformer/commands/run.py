@@ -135,7 +135,7 @@ class Run:
         if differentiable and isinstance(self.solver, ForwardSolver):   # a tape past it is a breakdown
             self.solver.tape_limit = room_for_tape(self.memory, cfg, self.comm)
         self.outdir = out["dir"]
-        self.info = provenance(self.comm) if self.comm.rank == 0 else {}
+        self.info = provenance(self.comm, dfx.versions()) if self.comm.rank == 0 else {}
         self.summarised = False
 
     def path(self, name: str) -> str:
@@ -287,9 +287,8 @@ def run_forward(cfg: dict, comm=None) -> dict:
 
     After a breakdown (NaN, overflow) the diagnostics so far and a summary with
     ``"status": "breakdown"`` and the error are still written, then the error is raised."""
-    from ..solvers.adjoint import check_on_mesh
     run = Run("forward", cfg, comm or MPI.COMM_WORLD,   # the objective's risk comes at the end
-              check=lambda p: check_on_mesh(p.objective, p.comm, p.mesh))
+              check=lambda p: p.check_on_mesh())
     out = cfg["output"]
     table = DiagnosticsTable(run.path("diagnostics.csv"))
     trackers = [ProgressLog(), table]

@@ -255,8 +255,7 @@ class ParticleAdjoint:
             raise ConfigError("objective.kind", f"{objective.kind!r} needs a density; tokens support "
                               f"{', '.join(tokens)}")
         if objective.checks_mesh:   # e.g. an mmd bandwidth on the scale of the tokens' domain
-            from ..solvers.adjoint import check_on_mesh
-            check_on_mesh(objective, solver.comm, solver.problem.mesh)
+            solver.problem.check_on_mesh(objective)
 
     def _prepare(self, target, index):
         """Density targets of mmd become tokens sampled like the prompts' (seeded)."""

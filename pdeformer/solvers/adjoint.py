@@ -54,17 +54,6 @@ def adjoint_cause(start: float, objective) -> str:
             "attention is too sharp (lower model.init_scale) or the steps too long")
 
 
-def check_on_mesh(objective, comm, mesh) -> None:
-    """Bad input that needs the mesh (``Objective.check_mesh``, e.g. an mmd bandwidth
-    degenerate on its scale; built-in boxes are checked with the configuration already).
-    Collective over ``comm``."""
-    if not getattr(objective, "checks_mesh", False):
-        return
-    from ..fem.mesh import bounding_box, shortest_edge
-    lo, hi = bounding_box(comm, mesh)
-    objective.check_mesh(float(np.linalg.norm(hi - lo)), shortest_edge(comm, mesh))
-
-
 class AdjointSolver:
     """Risk and its gradient for the heads of a :class:`ForwardSolver`'s problem."""
 
@@ -74,7 +63,7 @@ class AdjointSolver:
         self.targets = targets
         tr = forward.transport
         degree = quadrature_degree or default_quadrature_degree(objective.kind, tr.degree)
-        check_on_mesh(objective, forward.comm, tr.mesh)
+        forward.problem.check_on_mesh(objective)
         self.rule = CellQuadrature(tr.mesh, degree, tr.u)
         forward.freeze_plans()
         self.start = 0.0   # the largest |dF/drho| at t = 1 of the prompt being swept (all ranks)

@@ -13,7 +13,7 @@ from ..tools.config import Options, options
 from ..tools.errors import ConfigError, PdeformerError, within
 from ..attention.costs import machine_costs
 from ..model.heads import HeadMeasure
-from ..fem.mesh import bounding_box, is_manifold, make_mesh, sphere_radius, token_dim
+from ..fem.mesh import bounding_box, is_manifold, make_mesh, shortest_edge, sphere_radius, token_dim
 from ..tools.datasets import data_errors, split_prompts, teacher_given
 from ..tools.parallel import PromptGroups, moment_sums, on_root
 from ..model.objectives import make_objective, make_target
@@ -62,6 +62,16 @@ class Problem:
     @property
     def dim(self) -> int:
         return token_dim(self.mesh)
+
+    def check_on_mesh(self, objective=None) -> None:
+        """Bad input that needs the mesh (``Objective.check_mesh``, e.g. an mmd bandwidth
+        degenerate on the mesh's scale; built-in boxes are checked with the configuration
+        already) of ``objective`` (default: the problem's). Collective over ``comm``."""
+        objective = self.objective if objective is None else objective
+        if not getattr(objective, "checks_mesh", False):
+            return
+        lo, hi = bounding_box(self.comm, self.mesh)
+        objective.check_mesh(float(np.linalg.norm(hi - lo)), shortest_edge(self.comm, self.mesh))
 
 
 def build_heads(comm, model, d: int) -> HeadMeasure:
@@ -178,18 +188,18 @@ def build_targets(tables: tuple, d: int, radius: float | None, data) -> list:
 
 
 def near_teacher(student: HeadMeasure, teacher: HeadMeasure, model) -> None:
-    """``[model] init = "teacher"``: the student's Q, K, V become the teacher's plus
-    init_noise N(0, 1) per entry, drawn from (model.seed, 1) -- the same on every rank.
-    The teacher must have the student's sizes (model.layers, heads, key_dim)."""
-    for name in ("Q", "K", "V"):
-        have, want = getattr(teacher, name).shape, getattr(student, name).shape
-        if have != want:
-            raise ConfigError("model.init", f"the teacher's {name} has shape {have}, the model's "
-                              f"{want}: give the model the teacher's sizes")
+    """``[model] init = "teacher"``: the student's parameters become the teacher's plus
+    init_noise N(0, 1) per entry, drawn from (model.seed, 1) in the parameters' order --
+    the same on every rank. The teacher must have the student's sizes (model.layers,
+    heads, key_dim)."""
+    mine, theirs = student.params, teacher.params
+    for name, value in theirs.items():
+        if value.shape != mine[name].shape:
+            raise ConfigError("model.init", f"the teacher's {name} has shape {value.shape}, the model's "
+                              f"{mine[name].shape}: give the model the teacher's sizes")
     rng = np.random.default_rng([model.seed, 1])
-    for name in ("Q", "K", "V"):
-        value = getattr(teacher, name)
-        getattr(student, name)[:] = value + model.init_noise * rng.standard_normal(value.shape)
+    for name, value in theirs.items():
+        mine[name][:] = value + model.init_noise * rng.standard_normal(value.shape)
 
 
 def teacher_heads(comm, opts: Options, student: HeadMeasure, d: int) -> HeadMeasure:

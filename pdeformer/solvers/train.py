@@ -337,7 +337,8 @@ class Trainer:
 
     def __init__(self, adjoint, opts, outdir: str, walltime: float | None = None,
                  started: float | None = None):
-        """``opts``: the run's :class:`Options` (or its checked config); ``walltime``:
+        """``opts``: the run's :class:`Options` (or its checked config); ``outdir``: the
+        folder of the run's files (None: no files, no checkpoints); ``walltime``:
         seconds from ``started`` (a perf_counter time; default: when training starts), so
         that set-up counts against the batch job's limit."""
         self.adjoint = adjoint
@@ -351,7 +352,7 @@ class Trainer:
         self.history: list[dict] = []
         self.start = 0
         self.frames = {block: [] for block in self.params}   # block -> [(step, .vtu file)]
-        self.checkpoint_file = os.path.join(outdir, "checkpoint.npz")
+        self.checkpoint_file = os.path.join(outdir, "checkpoint.npz") if outdir is not None else None
         self.walltime = walltime
         self.started = started
         self.status = "completed"
@@ -425,10 +426,12 @@ class Trainer:
         log.info("train step %4d  risk=%.10e%s  |grad|=%.3e  step=%.3g  %7.1f s", k, g.risk,
                  "".join(f"  {c}={row[c]:.6e}" for c in ("train_risk", "test_risk", "penalty")
                          if row.get(c) is not None), row["grad_norm"], disp, row["wall_time"])
-        on_root(self.comm, self._write, k, before)   # a full disk ends every rank
+        if self.outdir is not None:
+            on_root(self.comm, self._write, k, before)   # a full disk ends every rank
         if before is not None:
             self._check_heads(k, before)
-        if k < steps and ((k + 1) % self.train.checkpoint_every == 0 or k + 1 == steps):
+        if self.outdir is not None and k < steps and ((k + 1) % self.train.checkpoint_every == 0
+                                                      or k + 1 == steps):
             on_root(self.comm, write_checkpoint, self.checkpoint_file, self.params, self.optimizer,
                     k + 1, self.history, self.rng, self.opts)
         self.last_gradient = g

@@ -136,11 +136,11 @@ def git_commit() -> dict:
         return {"commit": None, "dirty": None}
 
 
-def provenance(comm) -> dict:
-    """Who ran what where: versions, ranks, host, commit, time."""
-    from ..fem._dolfinx import versions
+def provenance(comm, versions: dict) -> dict:
+    """Who ran what where: versions (pdeformer's, Python's and ``versions``: the
+    finite-element stack's), ranks, host, commit, time."""
     from .blas import blas_record
-    return {"pdeformer": __version__, "python": sys.version.split()[0], **versions(),
+    return {"pdeformer": __version__, "python": sys.version.split()[0], **versions,
             "blas": blas_record(), "ranks": comm.size, "host": socket.gethostname(),
             "platform": platform.platform(),
             "git": git_commit(), "argv": sys.argv,
