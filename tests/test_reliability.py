@@ -301,7 +301,7 @@ def test_velocity_nodes_of_the_estimate_against_dolfinx(name):
     from mpi4py import MPI
     from pdeformer.fem import _dolfinx as dfx
     from pdeformer.fem.mesh import box_mesh, circle_mesh, read_mesh, sphere_mesh
-    from pdeformer.tools.budget import lagrange_nodes, mesh_size
+    from pdeformer.solvers.budget import lagrange_nodes, mesh_size
     spec = MESHES[name]
     comm = MPI.COMM_SELF
     if spec["file"] is not None:
@@ -328,7 +328,7 @@ def test_an_inline_point_cloud_counts_its_own_points():
     """Particles: a prompt of 5 inline points with [particles] tokens = 2 has the largest
     tape, ceil(5 / 2) = 3 tokens on the busier of 2 ranks, x and v (d = 1) per stage."""
     from pdeformer.integrator.schemes import SCHEMES
-    from pdeformer.tools.budget import estimate
+    from pdeformer.solvers.budget import estimate
     from pdeformer.tools.config import load_config
     cfg = load_config(os.path.join(ROOT, "runs", "ntk", "prompts.toml"),
                       ["particles.tokens=2", "particles.steps_per_layer=3",
@@ -900,7 +900,8 @@ def test_prompt_checks_scale_and_the_estimate_counts_the_prompts():
     """Duplicate names are found with a set (the check was quadratic: minutes at 10^5
     prompts); the memory estimate counts every prompt (10^6 drawn prompts are refused
     by it, on every rank alike: tests/test_reliability's table, benchmarks/bad_inputs.py)."""
-    from pdeformer.tools import budget, config
+    from pdeformer.solvers import budget
+    from pdeformer.tools import config
     prompts = [{"name": f"p{i}", "kind": "gaussian_mixture", "means": [[0.0]], "covs": [1.0]} for i in range(3)]
     with pytest.raises(ConfigError, match=r"prompts\[2\].name: 'p0' is used twice"):
         config._check_prompts(prompts[:2] + [dict(prompts[2], name="p0")])

@@ -400,7 +400,7 @@ def test_a_manifold_mesh_file_must_be_a_sphere(tmp_path):
            "prompts": [{"kind": "uniform"}]}
     mesh = make_mesh(comm, options(check_config(raw, str(tmp_path))).mesh)
     assert token_dim(mesh) == 3 and mesh.topology.dim == 2
-    from pdeformer.tools.budget import mesh_size, token_dimension
+    from pdeformer.solvers.budget import mesh_size, token_dimension
     cells, tdim, _ = mesh_size(check_config(raw, str(tmp_path))["mesh"])
     assert (cells, tdim, token_dimension(check_config(raw, str(tmp_path))["mesh"], tdim)) == (80, 2, 3)
     raw["mesh"]["file"] = str(tmp_path / "stretched.xdmf")

@@ -73,7 +73,7 @@ import numpy as np
 import ufl
 
 from ..fem import _dolfinx as dfx
-from ..tools.budget import check_memory
+from ..solvers.budget import check_memory
 from ..tools.errors import ConfigError, InputError, PdeformerError, status_of, within
 from ..tools.output import atomic_write, provenance, save_figure, write_csv, write_json
 from ..tools.parallel import (METER, PromptGroups, Timer, allgather_rows, describe_parallel, metered,

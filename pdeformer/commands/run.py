@@ -37,7 +37,8 @@ from mpi4py import MPI
 from ..fem import _dolfinx as dfx
 from ..attention.costs import costs_record, machine_costs
 from ..tools.blas import describe_choice
-from ..tools.budget import check_memory, peak_memory, room_for_tape
+from ..solvers.budget import check_memory, room_for_tape
+from ..tools.machine import peak_memory
 from ..tools.config import input_files
 from ..tools.errors import ConfigError, PdeformerError, SolverBreakdown, status_of
 from ..model import params as tree

@@ -21,7 +21,7 @@ entries (so that the adjoint sets them without communication), and the limiter's
 of the cells it limited: steps x stages x (DG dofs + d values per velocity node + up to
 4 + 2 x dofs per cell for the limiter) doubles per prompt, and the tables up to
 ``[attention] tape_mb`` (measured: :func:`~pdeformer.integrator.march.tape_nbytes`;
-estimated: :func:`~pdeformer.tools.budget.dg_tape_bytes`).
+estimated: :func:`~pdeformer.solvers.budget.dg_tape_bytes`).
 """
 
 from __future__ import annotations

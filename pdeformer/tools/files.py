@@ -107,7 +107,7 @@ def read_text(path: str, what: str, max_bytes: float = SMALL_RECORD) -> str:
 def array_budget() -> float:
     """The most bytes an array file may unpack to: the node's available memory (its
     MemAvailable; 64 GB where that is unknown)."""
-    from .budget import available_memory
+    from .machine import available_memory
     return available_memory() or 64.0 * 2**30
 
 

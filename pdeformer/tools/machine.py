@@ -111,3 +111,30 @@ def cpu_flags() -> set:
     """The CPU's instruction-set flags (x86 ``flags``, Arm ``features``)."""
     fields = cpu_fields()
     return set((fields.get("flags") or fields.get("features") or "").split())
+
+
+def _proc_bytes(path: str, field: str) -> float | None:
+    """A "Field:  N kB" line of a /proc file, in bytes (None where there is none)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def peak_memory() -> float:
+    """This process's peak resident memory in bytes: VmHWM of /proc/self/status (the
+    program's own; getrusage's maxrss also counts the process it was forked from)."""
+    peak = _proc_bytes("/proc/self/status", "VmHWM")
+    if peak is None:
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
+    return peak
+
+
+def available_memory() -> float | None:
+    """MemAvailable of this node in bytes (None where /proc/meminfo has none)."""
+    return _proc_bytes("/proc/meminfo", "MemAvailable")

@@ -42,9 +42,11 @@ from __future__ import annotations
 import math
 import xml.etree.ElementTree as ET
 
-from .config import PARTICLE_STEPS_PER_LAYER
-from .datasets import teacher_given
-from .errors import ConfigError, InputError
+from ..integrator.schemes import SCHEMES
+from ..tools.config import PARTICLE_STEPS_PER_LAYER
+from ..tools.datasets import teacher_given
+from ..tools.errors import ConfigError, InputError
+from ..tools.machine import available_memory
 
 MB = 2**20
 BASE = 160 * MB
@@ -83,7 +85,7 @@ SIMPLICES_PER_BOX_CELL = {"interval": 1, "triangle": 2, "quadrilateral": 1, "tet
 def _xdmf_grid(mesh: dict):
     """The mesh file's XDMF Grid of the configured name (only the header is read), or
     None where the file cannot say."""
-    from .files import XDMF_BYTES, read_bytes
+    from ..tools.files import XDMF_BYTES, read_bytes
     try:
         root = ET.fromstring(read_bytes(mesh["file"], "mesh.file", XDMF_BYTES))
         return next(g for g in root.iter("Grid") if g.get("Name") == mesh["name"])
@@ -230,9 +232,7 @@ def particle_tape_bytes(cfg: dict, d: int, manifold: bool, ranks: int) -> float:
 
 
 def scheme_stages(name: str) -> int:
-    """Stages of an SSP scheme (the registry in pdeformer.integrator.schemes, imported
-    when an estimate is made: tools sit below the integrator)."""
-    from ..integrator.schemes import SCHEMES
+    """Stages of an SSP scheme (pdeformer.integrator.schemes)."""
     return SCHEMES[name].stages
 
 
@@ -277,33 +277,6 @@ def prompt_bytes(prompts: int, layers: int, frames_per_layer: int, coeffs: float
     coefficients (a teacher's pass holds a second copy)."""
     frames = layers * frames_per_layer + 1
     return prompts * (PER_PROMPT + PER_FRAME_ROW * frames + (1 + teacher) * 8 * coeffs)
-
-
-def _proc_bytes(path: str, field: str) -> float | None:
-    """A "Field:  N kB" line of a /proc file, in bytes (None where there is none)."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def peak_memory() -> float:
-    """This process's peak resident memory in bytes: VmHWM of /proc/self/status (the
-    program's own; getrusage's maxrss also counts the process it was forked from)."""
-    peak = _proc_bytes("/proc/self/status", "VmHWM")
-    if peak is None:
-        import resource
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
-    return peak
-
-
-def available_memory() -> float | None:
-    """MemAvailable of this node in bytes (None where /proc/meminfo has none)."""
-    return _proc_bytes("/proc/meminfo", "MemAvailable")
 
 
 def check_memory(cfg: dict, command: str, comm, world=None, differentiable: bool = False) -> dict:
