@@ -3,7 +3,7 @@
 The table's Chebyshev interpolant is sampled on a uniform nf^d grid (its rows divided
 over ranks and all-gathered) and interpolated locally by degree-5 Lagrange polynomials
 (:class:`FineGrid`; a compiled loop where a C compiler is at hand, kernels/fine_loops.h
-and kernels/fine3_loops.h), so the cost per point no longer grows with n. Its size is
+and kernels/fine3_loops.h), so the cost per point does not grow with n. Its size is
 chosen so that its error against the Chebyshev interpolant meets tol (:func:`fine_grid`).
 """
 

@@ -44,6 +44,9 @@ class LaplaceTable(TableSums, SourceCotangents, HeadSums):
     :class:`SourceLayout` of these points for this box (built if not given, with panels
     accurate to ``eps``)."""
 
+    assessment = None     # its errors, where assessed (:func:`~.accuracy.assess`)
+    _group_scales = None  # group_scales, once found
+
     def __init__(self, points, weights, lo, hi, n: int, comm, signed: bool | None = None,
                  layout: SourceLayout | None = None, lib=EVERY_RANK, eps: float = PANEL_EPS):
         self.d = points.shape[1]
@@ -91,9 +94,6 @@ class LaplaceTable(TableSums, SourceCotangents, HeadSums):
         """Index ranges of the values whose errors are judged together: m; or mu, zeta."""
         d = self.d
         return [slice(0, d)] if not self.signed else [slice(0, d), slice(d, d + 1)]
-
-    assessment = None     # its errors, where assessed (:func:`assess`)
-    _group_scales = None  # group_scales, once found
 
     # ------------------------------------------------------------------ evaluation
     CHUNK = 2048  # points per block: the (chunk x n) weights stay in cache

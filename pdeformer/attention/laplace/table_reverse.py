@@ -25,11 +25,11 @@ class SourceCotangents:
 
     def _gathered(self, tile, E, E0, grids: list, factor):
         """G_i = E_1^T (X_i factor) E_2 on this rank's panel nodes (ngrids, window), the
-        transpose of :meth:`_through` and divided the same way (in the tile's ``lead``
-        orientation): Z_i = E_1^T X_i on each rank's share of the lead axis's nodes, all of
-        them gathered (one Allgatherv), then Z E_2 on the blocks this rank's sources touch
-        (the rest of G is left unset: no source reads it). Collective; None where this
-        rank has no sources in the tile."""
+        transpose of :meth:`~.table_sums.TableSums._through` and divided the same way (in
+        the tile's ``lead`` orientation): Z_i = E_1^T X_i on each rank's share of the lead
+        axis's nodes, all of them gathered (one Allgatherv), then Z E_2 on the blocks this
+        rank's sources touch (the rest of G is left unset: no source reads it). Collective;
+        None where this rank has no sources in the tile."""
         n, ni, lead = self.n, len(grids), tile.lead
         X = np.empty((ni, n, n))
         for i, grid in enumerate(grids):
@@ -104,7 +104,8 @@ class SourceCotangents:
     def _gathered3(self, panels, pts, E, grids: list) -> np.ndarray:
         """out[j, i] = the grids X_i (n^3) taken to this rank's panel nodes,
         G_i = E_0^T X_i E_1 E_2 per axis, and interpolated at its sources (one panel
-        triple at a time): the transpose of :meth:`_spread3` and :meth:`_through` in 3-D."""
+        triple at a time): the transpose of :meth:`~.table_sums.TableSums._spread3` and
+        :meth:`~.table_sums.TableSums._through` in 3-D."""
         n, ni, q = self.n, len(grids), panels[0].q
         X = np.asarray(grids).reshape(ni, n, n * n)
         G = np.matmul(E[0].T, X).reshape(ni, -1, n, n)
