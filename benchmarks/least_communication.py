@@ -32,6 +32,8 @@ different evaluations.
 """
 
 import atexit
+import importlib
+import pkgutil
 import sys
 from collections import Counter
 
@@ -95,8 +97,7 @@ def add_table_pipeline(comm) -> None:
     """Patch the laplace backend's sums and gathers over its group (one rank: no
     messages) to also make the same-sized collective over ``comm`` on scratch arrays, and
     the right-hand side to end in a barrier (the ghost exchange)."""
-    from pdeformer.attention import laplace
-    from pdeformer.tools.parallel import reduce_scatter_sum
+    from pdeformer.tools.parallel import allgather_shares, reduce_scatter_sum, reduce_shares, share_counts
     scratch: dict = {}
 
     def buffer(size: int) -> np.ndarray:
@@ -104,11 +105,8 @@ def add_table_pipeline(comm) -> None:
             scratch[size] = np.ones(size)
         return scratch[size]
 
-    reduce_shares, allreduce, allgather = (laplace.reduce_shares, laplace.allreduce_sum,
-                                           laplace.allgather_shares)
-
     def reduce_shares_too(group, full):
-        counts, _ = laplace._share_counts(full.shape[0], comm, full.size // full.shape[0])
+        counts, _ = share_counts(full.shape[0], comm, full.size // full.shape[0])
         reduce_scatter_sum(comm, buffer(full.size), counts)
         ADDED["reduce-scatters"] += 1
         return reduce_shares(group, full)
@@ -116,20 +114,31 @@ def add_table_pipeline(comm) -> None:
     def allreduce_too(group, array):
         allreduce_sum(comm, buffer(array.size))
         ADDED["table sums"] += 1
-        return allreduce(group, array)
+        return allreduce_sum(group, array)
 
     def allgather_too(group, local, count):
-        counts, displs = laplace._share_counts(count, comm, local.size // count)
+        counts, displs = share_counts(count, comm, local.size // count)
         # the receive buffer one entry longer: never the send buffer, even where a rank's
         # share is all the rows
         comm.Allgatherv(buffer(int(counts[comm.rank])),
                         [buffer(local.size + 1), counts, displs, MPI.DOUBLE])
         ADDED["gathers"] += 1
-        return allgather(group, local, count)
+        return allgather_shares(group, local, count)
 
-    laplace.reduce_shares, laplace.allreduce_sum, laplace.allgather_shares = (
-        reduce_shares_too, allreduce_too, allgather_too)
+    patch_laplace({reduce_shares: reduce_shares_too, allreduce_sum: allreduce_too,
+                   allgather_shares: allgather_too})
     barrier_after_rate(comm)
+
+
+def patch_laplace(patches: dict) -> None:
+    """Replace each function of ``patches`` (its keys) by its patch in every module of the
+    laplace backend that calls it."""
+    from pdeformer.attention import laplace
+    for info in pkgutil.iter_modules(laplace.__path__):
+        module = importlib.import_module(f"{laplace.__name__}.{info.name}")
+        for function, patch in patches.items():
+            if getattr(module, function.__name__, None) is function:
+                setattr(module, function.__name__, patch)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ LAYERS = {   # subpackages by layer; the core (CORE) does not import the finite-
 }
 CORE = ("tools", "integrator", "attention", "model")
 FEM_STACK = ("dolfinx", "petsc4py", "ufl", "basix", "ffcx")
+SPLIT_BY_CONCERN = ("attention.laplace", "tools.parallel")   # packages of one module per concern
+MAX_LINES = 600                                              # ... each at most this long
 PACKAGE = os.path.join(ROOT, "pdeformer")
 
 
@@ -75,6 +77,15 @@ def test_modules_import_only_their_layer_or_lower(module):
     assert not above, f"{module} ({sub}, layer {LAYERS[sub]}) imports {above} at its top"
     if sub in CORE:
         assert not outside & set(FEM_STACK), f"{module} is core but imports {outside & set(FEM_STACK)}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith(tuple(
+    p + "." for p in SPLIT_BY_CONCERN))))
+def test_packages_split_by_concern_keep_their_modules_short(module):
+    path = os.path.join(PACKAGE, *module.split(".")) + ".py"
+    with open(path) as f:
+        count = sum(1 for _ in f)
+    assert count <= MAX_LINES, f"{module} has {count} lines (at most {MAX_LINES}): split it by concern"
 
 
 def test_the_layer_check_sees_a_violation(tmp_path, monkeypatch):

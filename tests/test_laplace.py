@@ -666,9 +666,9 @@ def test_panel_tables_are_the_direct_sums(d, loops, extent, monkeypatch):
     the spread and gather done by numpy and (d = 2) by the compiled loops, the products
     keeping either axis between their steps (the one with fewer panel nodes: axis 1 for
     sources wider along axis 0)."""
-    import pdeformer.attention.laplace as laplace
+    from pdeformer.attention import compiled
     if loops == "numpy":
-        monkeypatch.setattr(laplace, "kernels_on", lambda comm: None)
+        monkeypatch.setattr(compiled, "kernels_on", lambda comm: None)
     elif NO_COMPILED:
         pytest.skip("no C compiler, or PDEFORMER_NO_KERNEL set")
     rng = np.random.default_rng(31)
@@ -832,10 +832,10 @@ def test_signed_weights_meet_tol_against_direct(loops, tol, monkeypatch):
     """Negative weights: a table of m itself is refused (Z <= 0 at some grid nodes); the
     table of mu = S_y/N and zeta = Z/N (N = sum |w| e^{<b,y>}) with m = mu/zeta taken at
     each point meets tol against direct summation, with the compiled loops and numpy."""
-    import pdeformer.attention.laplace as laplace
+    from pdeformer.attention import compiled
     from pdeformer.model.velocity import AttentionVelocity
     if loops == "numpy":
-        monkeypatch.setattr(laplace, "kernels_on", lambda comm: None)
+        monkeypatch.setattr(compiled, "kernels_on", lambda comm: None)
     elif NO_COMPILED:
         pytest.skip("no C compiler, or PDEFORMER_NO_KERNEL set")
     x, y, w, heads = signed_case()
@@ -879,11 +879,11 @@ def test_signed_reverse_mode_is_the_derivative_and_near_direct(loops, monkeypatc
     """For signed weights the cotangents of <g, v> through the table -- weights (the
     nonlocal source term), A and V -- are the derivative of the table's map (central
     differences, plan fixed) and agree with those of direct summation to about tol."""
-    import pdeformer.attention.laplace as laplace
+    from pdeformer.attention import compiled
     from pdeformer.attention.softmax import attention_velocity_vjp
     from pdeformer.model.velocity import AttentionVelocity
     if loops == "numpy":
-        monkeypatch.setattr(laplace, "kernels_on", lambda comm: None)
+        monkeypatch.setattr(compiled, "kernels_on", lambda comm: None)
     elif NO_COMPILED:
         pytest.skip("no C compiler, or PDEFORMER_NO_KERNEL set")
     x, y, w, heads = signed_case()
