@@ -179,7 +179,7 @@ def draw_snapshots(folder: str, shape: str, betas: list, path: str, frames: int 
     longitude-latitude chart (fields.npz of each run)."""
     from matplotlib.colors import LogNorm
     from matplotlib.figure import Figure
-    from pdeformer.commands.plot import snapshot_frames, sphere_chart_triangles
+    from pdeformer.tools.figures import snapshot_frames, sphere_chart_triangles
     from pdeformer.commands.run_files import read_snapshots
     _, T, _, _ = SETTINGS[shape]
     fig = Figure(figsize=(2.4 * frames + 0.8, 1.9 * len(betas)), layout="constrained")

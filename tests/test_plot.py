@@ -247,7 +247,7 @@ def test_fields_file_is_the_same_on_one_and_two_ranks(runs):
 def test_density_picture_shows_the_file(runs):
     """Each 2-D row is coloured on the density's range over all frames; the panels'
     cells carry the file's cell means (as triangles); 1-D curves are the node values."""
-    from pdeformer.commands.plot import density_figure, snapshot_frames
+    from pdeformer.tools.figures import density_figure, snapshot_frames
     from pdeformer.commands.run_files import read_snapshots
     snap = read_snapshots(os.path.join(runs["forward_2d_1"], "fields.npz"))
     fig = density_figure(snap)
@@ -270,7 +270,7 @@ def test_density_picture_shows_the_file(runs):
 
 def test_risk_curve_is_history(runs):
     """The risk, gradient-norm and step-size lines are history.csv's columns."""
-    from pdeformer.commands.plot import training_figure
+    from pdeformer.tools.figures import training_figure
     from pdeformer.commands.run_files import read_table
     path = os.path.join(runs["train_1"], "history.csv")
     with open(path, newline="") as f:
@@ -286,7 +286,7 @@ def test_risk_curve_is_history(runs):
 def test_diagnostics_picture_is_the_table(runs):
     """Each prompt's lines are diagnostics.csv's columns against t: the mean's
     components, the covariance's entries, the mass change and the outflow."""
-    from pdeformer.commands.plot import diagnostics_figure
+    from pdeformer.tools.figures import diagnostics_figure
     from pdeformer.commands.run_files import read_diagnostics_table
     rows = read_diagnostics_table(os.path.join(runs["forward_2d_1"], "diagnostics.csv"))
     mean, cov, mass, outflow = diagnostics_figure(rows).axes[:4]

@@ -451,7 +451,7 @@ def test_shipped_manifold_configs_on_one_and_two_ranks(tmp_path, name, sets):
     for command in ("forward", "particles"):
         assert (tmp_path / "P1" / command / "densities.png").stat().st_size > 2000
     # the tokens are drawn on the chart: their angles (longitudes) spread over it
-    from pdeformer.commands.plot import density_figure
+    from pdeformer.tools.figures import density_figure
     from pdeformer.commands.run_files import read_snapshots
     fig = density_figure(read_snapshots(str(tmp_path / "P1" / "particles" / "fields.npz")))
     ax = fig.axes[0]
@@ -708,7 +708,7 @@ def test_the_sphere_chart_tiles_the_longitude_latitude_rectangle(r):
     no overlap; a cell across +-180 counts once); without the quadrilaterals the polar
     wedges are missing. (r >= 1: the poles are vertices; a cell with a pole inside, as
     on the bare icosahedron, has no place on the chart.)"""
-    from pdeformer.commands.plot import polar_quads
+    from pdeformer.tools.figures import polar_quads
     from pdeformer.fem.mesh import icosphere
     from pdeformer.tools.charts import chart
     x, tri = icosphere(r)

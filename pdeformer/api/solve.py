@@ -168,7 +168,7 @@ class Solution:
         """The densities picture a run draws (rows: the solve's first 12 prompts; columns:
         frames over depth) into ``filename`` (.png or .svg), by rank 0 (a collective
         call); the file name, or None without matplotlib."""
-        from ..commands.plot import density_figure
+        from ..tools.figures import density_figure
         from ..tools.output import save_figure
         arrays = self._pictures.arrays(self.problem)
         if self.solver.comm.rank != 0:
