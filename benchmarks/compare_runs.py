@@ -114,6 +114,7 @@ CASES = (
     Case("sphere-gradient", "gradient", "runs/sphere.toml", SPHERE + ("output.fields=false",)),
     Case("sphere-particles", "particles", "runs/sphere.toml",
          SPHERE + ("output.fields=false", "particles.tokens=400"), ("--gradient",)),
+    Case("sphere-gradient-np2", "gradient", "runs/sphere.toml", SPHERE + ("output.fields=false",), ranks=2),
     # runs/ntk/prompts.toml: closed forms, and after half the layers (mesh + particles)
     Case("ntk-prompts", "ntk", "runs/ntk/prompts.toml"),
     Case("ntk-prompts-depth-np2", "ntk", "runs/ntk/prompts.toml", ("ntk.depth=0.5",), ranks=2),

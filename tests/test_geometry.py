@@ -158,4 +158,8 @@ def test_a_mesh_or_a_config_gives_the_geometry():
     assert geometry_of_config({"shape": "circle", "cells": [8], "radius": 2.0}) == Sphere(2, 2.0)
     assert geometry_of_config({"shape": "sphere", "refinements": 1, "radius": 1.0}) == Sphere(3, 1.0)
     assert geometry_of_config({"file": "m.xdmf", "name": "mesh"}) is None
+    from pdeformer.api.objects import BoxMesh, CircleMesh, MeshFile, SphereMesh
+    assert BoxMesh([0, 0], [1, 1], [4, 4]).geometry == Flat(2)
+    assert CircleMesh(8, radius=2.0).geometry == Sphere(2, 2.0)
+    assert SphereMesh(1).geometry == Sphere(3, 1.0) and MeshFile("m.xdmf").geometry is None
     assert Sphere(2, 2.0).area == pytest.approx(4 * math.pi) and Sphere(3, 2.0).area == pytest.approx(16 * math.pi)

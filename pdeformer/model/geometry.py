@@ -6,7 +6,7 @@ output share (docs/sphere.md).
 Each geometry says how a point of R^d comes onto it (:meth:`~Geometry.project`), which
 part of a velocity moves along it (:meth:`~Geometry.tangential`), the reverse modes of
 both, the chart the pictures draw it in, uniform draws and its order parameter. The
-solvers call these and never ask which geometry they have; a mesh's geometry comes
+solvers call these rather than test which class they hold; a mesh's geometry comes
 from its points (:func:`geometry_of_points`), a built-in mesh's also from its
 ``[mesh]`` table (:func:`geometry_of_config`). A new geometry (e.g. a torus) is one
 class here, registered in :data:`MANIFOLDS` (recognised from a mesh's points) and, for a
