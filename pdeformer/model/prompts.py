@@ -271,7 +271,7 @@ def spd_matrix(key: str, value, d: int) -> np.ndarray:
     return a
 
 
-def _weights(key: str, given, n: int, what: str) -> np.ndarray:
+def checked_weights(key: str, given, n: int, what: str) -> np.ndarray:
     """The weights of n parts (default equal), checked: ConfigError naming ``key``."""
     w = np.ones(n) if given is None else (np.asarray(given, float) if is_rectangular(given) else None)
     if w is None or w.shape != (n,):
@@ -294,7 +294,7 @@ def _gaussian_mixture(spec: dict, d: int, key: str, geometry):
     if len(covs) != n:
         raise ConfigError(f"{key}.covs", f"expected {n} covariances (one per mean), got {len(covs)}")
     covs = np.array([spd_matrix(f"{key}.covs[{c}]", v, d) for c, v in enumerate(covs)])
-    w = _weights(f"{key}.weights", spec["weights"], n, "mean")
+    w = checked_weights(f"{key}.weights", spec["weights"], n, "mean")
     if np.any(w <= 0):
         raise ConfigError(f"{key}.weights", "weights must be positive")
     return GaussianMixture(w, means, covs)
@@ -320,14 +320,15 @@ def _file(spec: dict, d: int, key: str, geometry):
 
 
 def _points(spec: dict, d: int, key: str, geometry):
-    return _point_cloud(spec, d, key)
+    return point_cloud(spec, d, key)
 
 
-def _point_cloud(spec: dict, d: int, key: str) -> "PointCloud":
+def point_cloud(spec: dict, d: int, key: str) -> "PointCloud":
+    """A ``points`` table's cloud: its file, or its points and weights, checked."""
     if spec["path"] is not None:
         return PointCloud.read(spec["path"], d, f"{key}.path")
     points = vector_list(f"{key}.points", spec["points"], d)
-    w = _weights(f"{key}.weights", spec["weights"], len(points), "point")
+    w = checked_weights(f"{key}.weights", spec["weights"], len(points), "point")
     if np.any(w < 0) or not np.any(w > 0):
         raise ConfigError(f"{key}.weights", "weights must be >= 0 with a positive sum")
     if not (np.all(np.isfinite(points)) and np.all(np.isfinite(w))):

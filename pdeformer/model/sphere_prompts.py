@@ -24,8 +24,8 @@ import numpy as np
 from ..tools.errors import ConfigError, InputError
 from .geometry import Sphere
 from .prompt_files import normalised, read_point_data
-from .prompts import (MIN_SIGMA_CELLS, DensityParts, _point_cloud, _weights, balanced_sum,
-                      mixture_parts, narrowest, vector_list)
+from .prompts import (MIN_SIGMA_CELLS, DensityParts, balanced_sum, checked_weights, mixture_parts,
+                      narrowest, point_cloud, vector_list)
 
 
 class SpherePrompt:
@@ -360,10 +360,10 @@ def _von_mises_fisher(spec: dict, d: int, key: str, sphere: Sphere):
     n = len(means)
     if np.any(np.linalg.norm(means, axis=1) == 0):
         raise ConfigError(f"{key}.means", "a mean direction is the zero vector")
-    kappa = _weights(f"{key}.concentrations", spec["concentrations"], n, "mean")
+    kappa = checked_weights(f"{key}.concentrations", spec["concentrations"], n, "mean")
     if np.any(kappa < 0) or not np.all(np.isfinite(kappa)):
         raise ConfigError(f"{key}.concentrations", "concentrations must be >= 0")
-    w = _weights(f"{key}.weights", spec["weights"], n, "mean")
+    w = checked_weights(f"{key}.weights", spec["weights"], n, "mean")
     if np.any(w <= 0):
         raise ConfigError(f"{key}.weights", "weights must be positive")
     return VonMisesFisher(sphere, w, means, kappa)
@@ -435,7 +435,7 @@ def _file(spec: dict, d: int, key: str, sphere: Sphere):
 
 def _points(spec: dict, d: int, key: str, sphere: Sphere):
     """The point cloud's radial projections onto the sphere."""
-    cloud = _point_cloud(spec, d, key)
+    cloud = point_cloud(spec, d, key)
     norms = np.linalg.norm(cloud.points, axis=1)
     if np.any(norms == 0):
         which = f"{key}.path" if spec["path"] is not None else f"{key}.points"
