@@ -67,6 +67,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SMALL_2D = ("mesh.cells=[16,16]", "model.layers=2", "output.fields=false")
 TARGET = '{kind="gaussian_mixture",means=[[0.3,-0.2]],covs=[0.6]}'   # density target
+CIRCLE = ("mesh.cells=[64]", "model.layers=2")
+SPHERE = ("mesh.refinements=2", "model.layers=2")
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,17 @@ CASES = (
     Case("ball-forward", "forward", "runs/ball.toml", ("model.layers=1", "model.heads=2", "output.fields=false")),
     Case("interval-forward", "forward", "runs/interval.toml",
          ("mesh.cells=[50]", "model.layers=2", "model.heads=4", "output.fields=false")),
+    # runs/circle.toml and runs/sphere.toml (reduced): tokens on S^1 and S^2, the mesh
+    # model with fields.npz (the charts), its gradient, and the particles' gradient
+    Case("circle-forward", "forward", "runs/circle.toml", CIRCLE),
+    Case("circle-gradient", "gradient", "runs/circle.toml", CIRCLE + ("output.fields=false",)),
+    Case("circle-particles", "particles", "runs/circle.toml",
+         CIRCLE + ("output.fields=false", "particles.tokens=400"), ("--gradient",)),
+    Case("sphere-forward", "forward", "runs/sphere.toml", SPHERE),
+    Case("sphere-gradient", "gradient", "runs/sphere.toml", SPHERE + ("output.fields=false",)),
+    Case("sphere-particles", "particles", "runs/sphere.toml",
+         SPHERE + ("output.fields=false", "particles.tokens=400"), ("--gradient",)),
+    Case("sphere-gradient-np2", "gradient", "runs/sphere.toml", SPHERE + ("output.fields=false",), ranks=2),
     # runs/ntk/prompts.toml: closed forms, and after half the layers (mesh + particles)
     Case("ntk-prompts", "ntk", "runs/ntk/prompts.toml"),
     Case("ntk-prompts-depth-np2", "ntk", "runs/ntk/prompts.toml", ("ntk.depth=0.5",), ranks=2),

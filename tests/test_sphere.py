@@ -11,7 +11,8 @@ import os
 import numpy as np
 import pytest
 
-from pdeformer.model.prompts import fourier_mode, real_harmonic
+from pdeformer.model.geometry import Sphere
+from pdeformer.model.sphere_prompts import fourier_mode, real_harmonic
 from pdeformer.tools.config import check_config
 from pdeformer.tools.errors import ConfigError
 
@@ -92,7 +93,7 @@ def test_real_spherical_harmonics_are_orthonormal():
 def sphere_prompt(kind: str, d: int, radius: float = 1.0, **keys):
     from pdeformer.model.prompts import make_prompt
     return make_prompt({"kind": kind, "weights": None, "lower": None, "upper": None, **keys}, d, 0,
-                       radius=radius)
+                       geometry=Sphere(d, radius))
 
 
 @pytest.mark.parametrize("d", [2, 3])
@@ -141,7 +142,7 @@ def test_sphere_prompts_need_a_sphere_and_flat_ones_a_flat_mesh():
                      "weights": None}, 2, 0)
     with pytest.raises(ConfigError, match=r"^prompts\[0\]\.kind: 'gaussian_mixture' is a density on R\^d"):
         make_prompt({"kind": "gaussian_mixture", "means": [[1.0, 0.0]], "covs": [0.1], "weights": None},
-                    2, 0, radius=1.0)
+                    2, 0, geometry=Sphere(2, 1.0))
 
 
 @pytest.mark.parametrize("d", [2, 3])
@@ -155,9 +156,9 @@ def test_a_density_file_on_the_sphere_interpolates_on_the_sphere(tmp_path, d):
     rng = np.random.default_rng(4)
     R = 2.0
     vmf = sphere_prompt("von_mises_fisher", d, R, means=[[0.3, 1.0, 0.2][:d]], concentrations=[3.0])
-    pts = vmf.radius * sphere_prompt("uniform", d, 1.0).sample(2000 if d == 3 else 400, rng)
+    pts = R * sphere_prompt("uniform", d, 1.0).sample(2000 if d == 3 else 400, rng)
     np.savez(tmp_path / "rho.npz", points=pts, density=vmf.density(pts))
-    f = make_prompt({"kind": "file", "path": str(tmp_path / "rho.npz")}, d, 0, radius=R)
+    f = make_prompt({"kind": "file", "path": str(tmp_path / "rho.npz")}, d, 0, geometry=Sphere(d, R))
     x = R * sphere_prompt("uniform", d, 1.0).sample(500, rng)
     top = vmf.density(x).max()
     assert np.abs(f.density(x) - vmf.density(x)).max() < (2e-2 if d == 3 else 5e-3) * top
@@ -168,7 +169,7 @@ def test_a_density_file_on_the_sphere_interpolates_on_the_sphere(tmp_path, d):
     if d == 3:
         np.savez(tmp_path / "half.npz", points=pts[pts[:, 2] > 0], density=vmf.density(pts[pts[:, 2] > 0]))
         with pytest.raises(InputError, match=r"^prompts\[0\]\.path: .*half.npz: the points do not surround"):
-            make_prompt({"kind": "file", "path": str(tmp_path / "half.npz")}, d, 0, radius=R)
+            make_prompt({"kind": "file", "path": str(tmp_path / "half.npz")}, d, 0, geometry=Sphere(d, R))
 
 
 @pytest.mark.parametrize("mesh, key", [

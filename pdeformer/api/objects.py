@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..model.geometry import Geometry, geometry_of_config
 from ..model.heads import ARRAYS, BLOCK, HeadMeasure
 from ..model.params import copy
 from ..tools.errors import ConfigError
@@ -29,6 +30,12 @@ class Mesh:
 
     def section(self) -> dict:
         raise NotImplementedError
+
+    @property
+    def geometry(self) -> Geometry | None:
+        """The tokens' space the mesh states (:mod:`pdeformer.model.geometry`: flat R^d,
+        a circle or a sphere); None for a mesh file, whose points decide."""
+        return geometry_of_config(self.section())
 
 
 @dataclass(frozen=True)

@@ -159,7 +159,7 @@ class Solution:
             return x, w
         tr = self.solver.transport
         if self._cells is None:
-            self._cells = MeshCells(self.problem.mesh, comm)
+            self._cells = MeshCells(self.problem.mesh, comm, self.problem.geometry)
         means = self._cells.gather(np.einsum("ck,ck->c", tr.mean_weights, f.coeffs[tr.cell_dofs]))
         centroids = self._cells.centroids if comm.rank == 0 else None
         return comm.bcast((centroids, means), root=0)

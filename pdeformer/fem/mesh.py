@@ -25,7 +25,7 @@ import dolfinx.io
 import dolfinx.mesh
 
 from . import _dolfinx as dfx
-from ..model.sphere import common_radius
+from ..model.geometry import Geometry, geometry_of_points
 from ..tools.errors import InputError
 from ..tools.files import XDMF_BYTES, open_regular, read_bytes
 from ..tools.parallel import on_root
@@ -107,10 +107,12 @@ def sphere_mesh(comm, refinements: int, radius: float):
     return dfx.manifold_mesh(comm, cells, x, "triangle")
 
 
-def sphere_radius(comm, mesh) -> float | None:
-    """The radius R of the sphere |x| = R about the origin that every vertex of a
-    manifold mesh lies on (to 1e-8 relative), None if they do not."""
-    return common_radius(comm, mesh.geometry.x[:, :mesh.geometry.dim])
+def mesh_geometry(comm, mesh) -> Geometry | None:
+    """The space of the mesh's tokens (:func:`pdeformer.model.geometry.geometry_of_points`):
+    flat R^d for a flat mesh; for a curve or surface the sphere about the origin its
+    vertices lie on (to 1e-8 relative), None if they lie on none (collective on a
+    manifold mesh)."""
+    return geometry_of_points(comm, mesh.geometry.x[:, :token_dim(mesh)], is_manifold(mesh))
 
 
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
@@ -262,7 +264,7 @@ def make_mesh(comm, opts):
     if tdim < 1 or tdim > 3:
         raise InputError(f"{where}: {tdim}-D meshes are not supported")
     if gdim != tdim and (dfx.cell_type_name(mesh) not in ("interval", "triangle") or gdim != tdim + 1
-                         or sphere_radius(comm, mesh) is None):
+                         or mesh_geometry(comm, mesh) is None):
         raise InputError(f"{where}: geometry has {gdim} coordinates for a {tdim}-D mesh: a flat "
                          f"mesh needs {tdim} coordinates per point, a manifold one must be a "
                          "circle (intervals in 2-D) or sphere (triangles in 3-D) about the origin")

@@ -39,7 +39,6 @@ import dolfinx.fem.petsc
 
 from . import _dolfinx as dfx
 from .mesh import is_manifold, token_dim
-from ..model.sphere import sphere_moments
 from ..tools.errors import ConfigError, InputError, SolverBreakdown
 from ..tools.parallel import any_rank, ghost_update_add, moment_sums, scatter_forward
 
@@ -525,15 +524,13 @@ class DGTransport:
             cov = m2 / mass - np.outer(first, first)
         return {"mass": float(mass), "negative_mass": float(neg), "mean": centre + first, "cov": cov}
 
-    def sphere_summary(self, coeffs: np.ndarray) -> dict:
-        """On a circle or sphere, the order parameter and Fourier amplitudes of the
-        density (:func:`pdeformer.model.sphere.sphere_moments`, by the moments' quadrature);
-        empty on a flat mesh."""
-        if not self.manifold:
-            return {}
+    def order_parameter(self, coeffs: np.ndarray, geometry) -> dict:
+        """What the tokens' geometry adds to the density's moments, by the moments'
+        quadrature (:meth:`pdeformer.model.geometry.Geometry.order_parameter`: on a circle
+        or sphere the order parameter and Fourier amplitudes; empty on a flat mesh)."""
         self.set_state(coeffs, ghosts=False)
         rule = self.moment_rule
-        return sphere_moments(rule.points, rule.values() * rule.measure, self.comm)
+        return geometry.order_parameter(rule.points, rule.values() * rule.measure, self.comm)
 
     def min_value(self, coeffs: np.ndarray) -> float:
         """min rho over all check points of all cells (see cell_minima)."""

@@ -462,10 +462,10 @@ def default_quadrature_degree(kind: str, degree: int) -> int:
     return OBJECTIVES[kind].quadrature_degree(degree)
 
 
-def make_target(spec: dict | None, d: int, index: int, radius: float | None = None):
+def make_target(spec: dict | None, d: int, index: int, geometry=None):
     """The target of ``prompts[index]`` for dimension d: {"kind": "moments", "mean", "cov"},
     {"kind": <density kind>, "density"} or {"kind": "points", "points", "weights"}
-    (``radius``: of the sphere the tokens live on, None on a flat mesh)."""
+    (``geometry``: the tokens' space, :mod:`pdeformer.model.geometry`; default flat)."""
     from ..tools.errors import ConfigError
     from .prompts import is_rectangular, spd_matrix, make_prompt
     if spec is None:
@@ -481,6 +481,6 @@ def make_target(spec: dict | None, d: int, index: int, radius: float | None = No
             cov = cov[0]
         return {"kind": kind, "mean": mean, "cov": spd_matrix(f"{key}.cov", cov, d)}
     if kind == "points":
-        cloud = make_prompt(spec, d, index, key, radius)
+        cloud = make_prompt(spec, d, index, key, geometry)
         return {"kind": kind, "points": cloud.points, "weights": cloud.weights}
-    return {"kind": kind, "density": make_prompt(spec, d, index, key, radius)}
+    return {"kind": kind, "density": make_prompt(spec, d, index, key, geometry)}

@@ -47,7 +47,6 @@ from ..integrator.march import FixedSteps, march, sweep_back, tape_nbytes
 from .objectives import OBJECTIVES
 from ..tools.parallel import Timer, allgather_rows, any_rank, moment_sums, on_root
 from ..integrator.schemes import SCHEMES, ssp_step, ssp_step_vjp
-from .sphere import on_sphere, projection_vjp, sphere_moments, tangential_position_vjp
 from .velocity import AttentionVelocity
 
 log = logging.getLogger("pdeformer")
@@ -75,7 +74,7 @@ class ParticleSolver:
         self.comm = problem.comm
         self.timer = timer or Timer()
         opts = problem.opts
-        self.radius = problem.radius     # tokens on the sphere the mesh discretises (None: flat)
+        self.geometry = problem.geometry     # the space the mesh discretises (model/geometry.py)
         self.disc = opts.discretisation
         pc = opts.particles
         self.tokens = pc.tokens
@@ -88,7 +87,7 @@ class ParticleSolver:
                               f"layer ({self.steps_per_layer})")
         self.scheme = SCHEMES[self.disc.scheme]
         attention = dataclasses.replace(opts.attention, **({"backend": backend} if backend else {}))
-        self.velocity_field = AttentionVelocity(None, problem.heads, attention, self.comm, self.radius)
+        self.velocity_field = AttentionVelocity(None, problem.heads, attention, self.comm, self.geometry)
         self.stats = {"steps": 0, "velocity_evaluations": 0}
         self.current_prompt, self.evaluations = None, 0   # set per prompt (laplace plan keys)
         self.prompt_info = [{"name": n, "tokens": len(p.points) if p.kind == "points" else self.tokens}
@@ -118,8 +117,7 @@ class ParticleSolver:
                 raise readdressed(InputError(f"prompts[{index}]: {e}"), data, self.problem.opts.prompts,
                                   name) from None
             w = np.full(self.tokens, 1.0 / self.tokens)
-        if self.radius is not None:     # on the sphere exactly (point clouds too)
-            x = on_sphere(x, self.radius)
+        x = self.geometry.project(x)    # on the sphere exactly (point clouds too)
         block = np.array_split(np.arange(len(w)), self.comm.size)[self.comm.rank]
         return np.ascontiguousarray(x[block]), np.ascontiguousarray(w[block])
 
@@ -189,9 +187,9 @@ class ParticleSolver:
         def renormalise(Y):
             if tape is not None:
                 stages[-1].append(Y[0])
-            return [on_sphere(Y[0], self.radius)]
+            return [self.geometry.project(Y[0])]
 
-        new = ssp_step(self.scheme, [x], dt, rhs, renormalise if self.radius is not None else None)[0]
+        new = ssp_step(self.scheme, [x], dt, rhs, renormalise if self.geometry.projects else None)[0]
         if tape is not None:
             tape.append((layer, dt, stages))
         if any_rank(self.comm, not np.all(np.isfinite(new))):
@@ -203,7 +201,7 @@ class ParticleSolver:
         """The forward columns for tokens: weighted moments (mass 1, outflow 0, min_rho nan)."""
         mass, mean, cov = weighted_moments(self.comm, frame.coeffs, frame.extra["weights"],
                                            np.zeros(frame.coeffs.shape[1]))
-        extras = sphere_moments(frame.coeffs, frame.extra["weights"], self.comm) if self.radius else {}
+        extras = self.geometry.order_parameter(frame.coeffs, frame.extra["weights"], self.comm)
         return {"prompt": frame.prompt, "t": frame.t, "mass": mass, "outflow": 0.0,
                 "min_rho": math.nan, "mean": mean, "cov": cov, "extras": extras}
 
@@ -323,9 +321,9 @@ class ParticleAdjoint:
         return value_gradient
 
     def _step_vjp(self, lam, w, layer, dt, stages, acc):
-        radius = self.solver.radius
-        renormalise_vjp = None if radius is None else \
-            (lambda i, Ybar: projection_vjp(stages[i - 1][4], radius, Ybar))   # stage i from rhs i-1
+        geometry = self.solver.geometry
+        renormalise_vjp = (lambda i, Ybar: geometry.project_vjp(stages[i - 1][4], Ybar)) \
+            if geometry.projects else None      # stage i from rhs i-1
         return ssp_step_vjp(self.solver.scheme, lam, dt,
                             lambda j, Lbar: self._rate_vjp(stages[j], w, layer, Lbar, acc),
                             renormalise_vjp)
@@ -339,7 +337,5 @@ class ParticleAdjoint:
         with sv.timer.phase("adjoint velocity"):
             ct = sv.velocity_field.vjp(x, w, layer, g, plan, targets=x, positions=True)
         sv.velocity_field.add_cotangent(acc, layer, ct)
-        xbar = ct.targets + ct.points
-        if sv.radius is not None:       # the projection P_x moves with the targets
-            xbar = xbar + tangential_position_vjp(x, v, radial, g)
-        return xbar
+        # and through the projection P_x, which moves with the targets (flat: 0)
+        return ct.targets + ct.points + sv.geometry.tangential_position_vjp(x, v, radial, g)

@@ -3,7 +3,8 @@
 v_t[rho](x) = (1/H) sum_h V_h grad Lambda_rho(beta A_h x) (design §1; ``[attention] beta``,
 default 1), and on the sphere |x| = R (a circle or sphere mesh) its tangential part
 P_x v = v - <v, u> u, u = x / |x|, at the radial projections R u of the velocity nodes
-(the mesh's nodes lie on flat cells). Sources are rho's
+(the mesh's nodes lie on flat cells): the maps of the tokens' geometry
+(:mod:`pdeformer.model.geometry`). Sources are rho's
 quadrature points on every rank's owned cells; targets are the rank's own nodes of the
 Lagrange velocity space. Two ways to sum (``[attention] backend``):
 
@@ -38,7 +39,7 @@ from ..attention.laplace import (LaplaceTable, TablePlan, TablePlanner, direct_s
                                 source_extent, table_sizes)
 from ..attention.costs import machine_costs
 from ..tools.parallel import allgather_rows, any_rank
-from .sphere import on_sphere, tangential
+from .geometry import Flat, Geometry
 
 log = logging.getLogger("pdeformer")
 
@@ -199,12 +200,12 @@ class AttentionVelocity:
     """The attention velocity of a head measure at this rank's targets: the nodes of a
     velocity space (:meth:`on_space`), or points given per call (particles)."""
 
-    def __init__(self, targets, heads: HeadMeasure, attention, comm, radius: float | None = None):
+    def __init__(self, targets, heads: HeadMeasure, attention, comm, geometry: Geometry | None = None):
         """``attention``: the ``[attention]`` options (config.SECTIONS["attention"]);
-        ``radius``: tokens on the sphere (circle) of this radius about the origin, whose
-        velocity is projected onto its tangent space (None: flat)."""
-        self.radius = radius
-        self.targets = targets if targets is None or radius is None else on_sphere(targets, radius)
+        ``geometry``: the space of the tokens (default flat R^d), on which the targets
+        are projected and whose tangent space the velocity is projected onto."""
+        self.geometry = Flat(heads.dim) if geometry is None else geometry
+        self.targets = targets if targets is None else self.geometry.project(targets)
         self.beta = attention.beta
         self.heads = heads  # read at every call: training updates it in place
         self.backend = attention.backend
@@ -219,7 +220,7 @@ class AttentionVelocity:
         self._limits = {}      # key -> (A, points, targets, n_max): the auto cost model
         self.misses = {}       # key -> (evaluations still to sum directly, misses in a row): auto
         self.last_sum = None    # how the last velocity was summed: None (direct) or a TableSum
-        self.last_radial = None  # on the sphere: <w, u> of the last unprojected velocity w
+        self.last_radial = None  # Geometry.radial of the last unprojected velocity (None: flat)
         self.last_finite = None  # whether it is finite on every rank, where already agreed
         # frozen plans (gradients): each evaluation's plan kept by its step and replayed
         # when that step comes again, so forward passes of a gradient evaluation and its
@@ -236,9 +237,9 @@ class AttentionVelocity:
         return None if self.last_sum is None else self.last_sum.plan
 
     @classmethod
-    def on_space(cls, W, heads: HeadMeasure, attention, comm=None, radius: float | None = None):
+    def on_space(cls, W, heads: HeadMeasure, attention, comm=None, geometry: Geometry | None = None):
         from ..fem._dolfinx import owned_node_coordinates   # the finite-element layer, only here
-        return cls(owned_node_coordinates(W), heads, attention, comm or W.mesh.comm, radius)
+        return cls(owned_node_coordinates(W), heads, attention, comm or W.mesh.comm, geometry)
 
     def matrices(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """beta A_h and V_h of ``layer``: the scores beta <A_h x, y>."""
@@ -246,13 +247,11 @@ class AttentionVelocity:
         return (A if self.beta == 1 else self.beta * A), self.heads.values(layer)
 
     def tangential(self, x: np.ndarray, v: np.ndarray) -> np.ndarray:
-        """P_x v on the sphere (:func:`pdeformer.model.sphere.tangential`; its radial part
-        <v, u> kept as :attr:`last_radial`, which the reverse mode through moving targets
-        needs), v on a flat mesh."""
-        if self.radius is None:
-            return v
-        self.last_radial = np.einsum("nd,nd->n", v, x) / np.linalg.norm(x, axis=1)
-        return tangential(x, v)
+        """P_x v (:meth:`Geometry.tangential <pdeformer.model.geometry.Geometry.tangential>`:
+        v on a flat mesh); what it leaves out (on the sphere the radial part <v, u>) kept
+        as :attr:`last_radial`, which the reverse mode through moving targets needs."""
+        self.last_radial = self.geometry.radial(x, v)
+        return self.geometry.tangential(x, v)
 
     # ------------------------------------------------------------------ helpers
     def _all_points(self, points):
@@ -374,15 +373,14 @@ class AttentionVelocity:
         and A, V of ``layer`` (this rank's share; the caller sums over ranks); with
         ``positions`` (particles) also the cotangents of this rank's targets and of its
         source points (on the sphere the targets' through the unprojected velocity only:
-        the caller adds the part through P_x, :func:`pdeformer.model.sphere.tangential_position_vjp`).
+        the caller adds the part through P_x, :meth:`Geometry.tangential_position_vjp`).
         ``plan`` is the forward evaluation's :attr:`last_plan`: the same sum
         is differentiated; its :attr:`last_sum` (a :class:`TableSum`) differentiates the
         forward evaluation's own table and interpolant, built for the same sources,
         targets and heads, without building them again."""
         x = self.targets if targets is None else targets
         A, V = self.matrices(layer)
-        if self.radius is not None:     # P_x is symmetric (the caller adds d/dx through P_x)
-            g = tangential(x, g)
+        g = self.geometry.tangential_vjp(x, g)     # (the caller adds d/dx through P_x)
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):   # checked by the adjoint
             ct = self._vjp(points, weights, x, A, V, g, plan, positions)
         if self.beta != 1:              # d/dA of <g, v(beta A)>

@@ -234,7 +234,7 @@ class ForwardSolver:
                                          disc.quadrature_degree, opts.petsc, comm=self.comm)
             self.velocity_field = AttentionVelocity.on_space(self.transport.W, problem.heads,
                                                              opts.attention, self.comm,
-                                                             radius=problem.radius)
+                                                             geometry=problem.geometry)
         self.scheme = SCHEMES[disc.scheme]
         # uniform steps per frame with counts frozen at the frame's start (gradients need
         # a step plan that does not move with the heads); step_counts can be preset
@@ -589,4 +589,4 @@ class ForwardSolver:
             return {"prompt": frame.prompt, "t": frame.t, "mass": s["mass"], "outflow": frame.outflow,
                     "min_rho": self.transport.min_value(frame.coeffs), "mean": s["mean"], "cov": s["cov"],
                     "negative_mass": s["negative_mass"],
-                    "extras": self.transport.sphere_summary(frame.coeffs)}
+                    "extras": self.transport.order_parameter(frame.coeffs, self.problem.geometry)}

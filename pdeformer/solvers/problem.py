@@ -12,8 +12,9 @@ import numpy as np
 from ..tools.config import Options, options
 from ..tools.errors import ConfigError, PdeformerError, within
 from ..attention.costs import machine_costs
+from ..model.geometry import Geometry
 from ..model.heads import HeadMeasure
-from ..fem.mesh import bounding_box, is_manifold, make_mesh, shortest_edge, sphere_radius, token_dim
+from ..fem.mesh import bounding_box, make_mesh, mesh_geometry, shortest_edge, token_dim
 from ..tools.datasets import data_errors, split_prompts, teacher_given
 from ..tools.parallel import PromptGroups, moment_sums, on_root
 from ..model.objectives import make_objective, make_target
@@ -39,13 +40,13 @@ class Problem:
     targets: list = None       # per prompt (None where the objective needs none)
     groups: PromptGroups = None  # default: one group of all ranks of comm
     opts: Options = None         # cfg as typed sections, what the solvers read (default: from cfg)
-    radius: float | None = None  # tokens on the sphere |x| = radius (the mesh's; None: flat)
+    geometry: Geometry = None    # the tokens' space (default: the mesh's, model/geometry.py)
     held_out: list = None        # indices of the held-out (test) prompts ([data] test_fraction)
     teacher: HeadMeasure = None  # a teacher whose targets are still to be computed (teacher_pass)
 
     def __post_init__(self):
-        if self.radius is None and is_manifold(self.mesh):   # every rank of comm constructs it
-            self.radius = sphere_radius(self.comm, self.mesh)
+        if self.geometry is None:           # every rank of comm constructs it
+            self.geometry = mesh_geometry(self.comm, self.mesh)
         if self.groups is None:
             self.groups = PromptGroups.single(self.comm, [n for n, _ in self.prompts])
         if self.opts is None:
@@ -104,14 +105,14 @@ def build_problem(cfg: dict, comm, differentiable: bool = False,
         raise ConfigError("objective.kind", "missing: gradient, train and gram need an [objective]")
     mesh = make_mesh(comm, opts.mesh)
     d = token_dim(mesh)
-    radius = sphere_radius(comm, mesh) if is_manifold(mesh) else None
+    geometry = mesh_geometry(comm, mesh)
     if heads is not None and heads.dim != d:
         raise ConfigError("model.params", f"the model's tokens are {heads.dim}-D, the mesh's {d}-D")
     heads = build_heads(comm, opts.model, d) if heads is None else heads
     # the record says what was run: the heads' sizes as read or resolved
     cfg["model"].update(layers=heads.layers, heads=heads.heads, key_dim=heads.key_dim)
-    prompts = on_root(comm, build_prompts, opts.prompts, d, radius, opts.data)
-    targets = on_root(comm, build_targets, opts.prompts, d, radius, opts.data)
+    prompts = on_root(comm, build_prompts, opts.prompts, d, geometry, opts.data)
+    targets = on_root(comm, build_targets, opts.prompts, d, geometry, opts.data)
     for key in ("center", "direction"):
         value = getattr(opts.objective, key)
         if value is not None and len(value) != d:
@@ -121,7 +122,7 @@ def build_problem(cfg: dict, comm, differentiable: bool = False,
     if spl is not None and spl % fpl:
         raise ConfigError("output.frames_per_layer",
                           f"{fpl} does not divide discretisation.steps_per_layer = {spl}")
-    problem = Problem(comm, cfg, mesh, heads, prompts, objective, targets, groups, options(cfg), radius)
+    problem = Problem(comm, cfg, mesh, heads, prompts, objective, targets, groups, options(cfg), geometry)
     teacher = teacher_heads(comm, opts, heads, d) if teacher_given(cfg["data"]) else None
     if opts.model.init == "teacher":
         near_teacher(heads, teacher, opts.model)
@@ -177,14 +178,14 @@ def _each_prompt(make, tables: tuple, data) -> list:
     return out
 
 
-def build_prompts(tables: tuple, d: int, radius: float | None, data) -> list:
+def build_prompts(tables: tuple, d: int, geometry: Geometry, data) -> list:
     """[(name, density object)] of the checked prompt tables."""
-    return _each_prompt(lambda i, p: (p["name"], make_prompt(p, d, i, radius=radius)), tables, data)
+    return _each_prompt(lambda i, p: (p["name"], make_prompt(p, d, i, geometry=geometry)), tables, data)
 
 
-def build_targets(tables: tuple, d: int, radius: float | None, data) -> list:
+def build_targets(tables: tuple, d: int, geometry: Geometry, data) -> list:
     """The prompts' targets (:func:`pdeformer.model.objectives.make_target`)."""
-    return _each_prompt(lambda i, p: make_target(p["target"], d, i, radius), tables, data)
+    return _each_prompt(lambda i, p: make_target(p["target"], d, i, geometry), tables, data)
 
 
 def near_teacher(student: HeadMeasure, teacher: HeadMeasure, model) -> None:

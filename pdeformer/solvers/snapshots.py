@@ -37,7 +37,6 @@ from mpi4py import MPI
 
 from ..fem import _dolfinx as dfx
 from ..integrator.frames import Tracker
-from ..tools.charts import CHART_BOX, chart
 from ..tools.output import PICTURE_PROMPTS, write_npz
 from ..tools.parallel import on_root
 from .trackers import frame_diagnostics
@@ -61,13 +60,16 @@ class MeshCells:
     """The owned cells of a mesh, gathered to rank 0 of ``comm`` in centroid order.
 
     Rank 0 holds ``points`` (n, d), ``cells`` (m, vertices) and ``centroids`` (m, d);
-    :meth:`gather` brings per-cell values of every rank there in the same order."""
+    :meth:`gather` brings per-cell values of every rank there in the same order.
+    ``geometry``: the tokens' space (:mod:`pdeformer.model.geometry`), whose chart the
+    cells are drawn in."""
 
-    def __init__(self, mesh, comm):
+    def __init__(self, mesh, comm, geometry):
         self.comm = comm
         self.dim = mesh.topology.dim
         g = mesh.geometry.dim
-        self.chart = "" if g == self.dim else ("circle" if g == 2 else "sphere")
+        self.geometry = geometry
+        self.chart = geometry.chart_name
         self.cell_type = dfx.cell_type_name(mesh)
         nv = VERTICES[self.cell_type]
         owned = dfx.owned_cells(mesh).size
@@ -80,14 +82,14 @@ class MeshCells:
 
     def _arrange(self, ambient: np.ndarray) -> None:
         """Cells sorted by centroid; vertices numbered in sorted order (rank 0). On a
-        circle or sphere the cells are drawn in the chart (:func:`chart`) and
+        circle or sphere the cells are drawn in the chart (:meth:`Geometry.chart`) and
         ``centroids`` stay in R^d (where targets are evaluated)."""
-        corners = chart(ambient, self.chart) if self.chart else ambient
+        corners = self.geometry.chart(ambient)
         m, nv, d = corners.shape
         flat = corners.reshape(-1, d)
         lower = flat.min(axis=0)
         scale = float(np.max(flat.max(axis=0) - lower)) or 1.0
-        self.box = np.stack([lower, flat.max(axis=0)])
+        self.box = self.geometry.chart_box(flat)
         self.order = sorted_rows(quantised(corners.mean(axis=1), lower, scale))
         corners = corners[self.order]
         keys = quantised(corners.reshape(-1, d), lower, scale)
@@ -95,8 +97,6 @@ class MeshCells:
         self.points = corners.reshape(-1, d)[first]
         self.cells = np.asarray(inverse).reshape(m, nv)
         self.centroids = ambient[self.order].mean(axis=1)
-        if self.chart:
-            self.box = CHART_BOX[self.chart]
 
     def gather(self, values: np.ndarray) -> np.ndarray | None:
         """Per-cell values of this rank's owned cells -> all cells in centroid order on
@@ -124,7 +124,7 @@ class Snapshots(Tracker):
 
     def start(self, solver):
         if self.mesh_cells is None:
-            self.mesh_cells = MeshCells(solver.problem.mesh, solver.comm)
+            self.mesh_cells = MeshCells(solver.problem.mesh, solver.comm, solver.problem.geometry)
 
     def frame(self, solver, frame):
         if frame.prompt_index >= PICTURE_PROMPTS:   # not drawn (the same on every rank of the group)
@@ -202,9 +202,8 @@ class FieldSnapshots(Snapshots):
         tr = solver.transport
         self.mean_weights, self.cell_dofs = tr.mean_weights, tr.cell_dofs
         if first and self.mesh_cells.dim == 1:
-            x = tr.V.tabulate_dof_coordinates()[self.cell_dofs, 0]
-            if self.mesh_cells.chart:
-                x = chart(tr.V.tabulate_dof_coordinates()[self.cell_dofs, :2], "circle")[..., 0]
+            geometry = self.mesh_cells.geometry     # (a line or a circle: one chart coordinate)
+            x = geometry.chart(tr.V.tabulate_dof_coordinates()[self.cell_dofs, :geometry.dim])[..., 0]
             self.node_order = np.argsort(x, axis=1)
             node_x = self.mesh_cells.gather(np.take_along_axis(x, self.node_order, axis=1))
             if node_x is not None:
