@@ -47,6 +47,7 @@ from ..integrator.march import FixedSteps, march, sweep_back, tape_nbytes
 from .objectives import OBJECTIVES
 from ..tools.parallel import Timer, allgather_rows, any_rank, moment_sums, on_root
 from ..integrator.schemes import SCHEMES, ssp_step, ssp_step_vjp
+from .terms import VelocityField
 from .velocity import AttentionVelocity
 
 log = logging.getLogger("pdeformer")
@@ -87,7 +88,8 @@ class ParticleSolver:
                               f"layer ({self.steps_per_layer})")
         self.scheme = SCHEMES[self.disc.scheme]
         attention = dataclasses.replace(opts.attention, **({"backend": backend} if backend else {}))
-        self.velocity_field = AttentionVelocity(None, problem.heads, attention, self.comm, self.geometry)
+        self.velocity_field = VelocityField(AttentionVelocity(None, problem.heads, attention, self.comm,
+                                                              self.geometry), problem.terms)
         self.stats = {"steps": 0, "velocity_evaluations": 0}
         self.current_prompt, self.evaluations = None, 0   # set per prompt (laplace plan keys)
         self.prompt_info = [{"name": n, "tokens": len(p.points) if p.kind == "points" else self.tokens}

@@ -198,7 +198,8 @@ class AutoBackend(LaplaceBackend):
 
 class AttentionVelocity:
     """The attention velocity of a head measure at this rank's targets: the nodes of a
-    velocity space (:meth:`on_space`), or points given per call (particles)."""
+    velocity space (this rank's own nodes, given once), or points given per call
+    (particles)."""
 
     def __init__(self, targets, heads: HeadMeasure, attention, comm, geometry: Geometry | None = None):
         """``attention``: the ``[attention]`` options (config.SECTIONS["attention"]);
@@ -235,11 +236,6 @@ class AttentionVelocity:
     def last_plan(self):
         """The plan of the last velocity (None: direct summation)."""
         return None if self.last_sum is None else self.last_sum.plan
-
-    @classmethod
-    def on_space(cls, W, heads: HeadMeasure, attention, comm=None, geometry: Geometry | None = None):
-        from ..fem._dolfinx import owned_node_coordinates   # the finite-element layer, only here
-        return cls(owned_node_coordinates(W), heads, attention, comm or W.mesh.comm, geometry)
 
     def matrices(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """beta A_h and V_h of ``layer``: the scores beta <A_h x, y>."""

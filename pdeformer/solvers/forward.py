@@ -32,6 +32,8 @@ from ..tools.datasets import data_errors, prompt_label
 from ..tools.parallel import Timer, any_rank
 from ..integrator.schemes import SCHEMES, ssp_step
 from ..fem.transport import DGTransport
+from ..fem import _dolfinx as dfx
+from ..model.terms import VelocityField
 from ..model.velocity import AttentionVelocity, TableSum
 from .problem import Problem
 
@@ -232,9 +234,9 @@ class ForwardSolver:
         with self.timer.phase("setup"):
             self.transport = DGTransport(problem.mesh, disc.degree, disc.velocity_degree,
                                          disc.quadrature_degree, opts.petsc, comm=self.comm)
-            self.velocity_field = AttentionVelocity.on_space(self.transport.W, problem.heads,
-                                                             opts.attention, self.comm,
-                                                             geometry=problem.geometry)
+            attention = AttentionVelocity(dfx.owned_node_coordinates(self.transport.W), problem.heads,
+                                          opts.attention, self.comm, geometry=problem.geometry)
+            self.velocity_field = VelocityField(attention, problem.terms)
         self.scheme = SCHEMES[disc.scheme]
         # uniform steps per frame with counts frozen at the frame's start (gradients need
         # a step plan that does not move with the heads); step_counts can be preset
@@ -387,14 +389,14 @@ class ForwardSolver:
         return prompt.state[0], self._outflow(prompt.state)
 
     def velocity_bound(self, layer: int, params: dict | None = None) -> float:
-        """The largest |v| a density >= 0 can give in ``layer``: the velocity's gain
-        times max_y |y| over the sources (``params``: a parameter tree to bound instead
-        of the model's)."""
+        """The largest |v| a density >= 0 can give in ``layer`` (:meth:`VelocityField.bound
+        <pdeformer.model.terms.VelocityField.bound>` at max_y |y| over the sources;
+        ``params``: a parameter tree to bound instead of the model's)."""
         if self._reach is None:   # max |y| over the attention sources (collective, once)
             pts = self.transport.sources.points
             local = float(np.max(np.linalg.norm(pts, axis=1))) if len(pts) else 0.0
             self._reach = self.comm.allreduce(local, op=MPI.MAX)
-        return self.velocity_field.gain(layer, params) * self._reach
+        return self.velocity_field.bound(layer, self._reach, params)
 
     def steps_bound(self, layer: int, params: dict | None = None) -> float:
         """The most CFL steps a layer can need (with ``params``, default the model's):

@@ -5,7 +5,7 @@ run gives a data set's targets."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -43,6 +43,7 @@ class Problem:
     geometry: Geometry = None    # the tokens' space (default: the mesh's, model/geometry.py)
     held_out: list = None        # indices of the held-out (test) prompts ([data] test_fraction)
     teacher: HeadMeasure = None  # a teacher whose targets are still to be computed (teacher_pass)
+    terms: list = field(default_factory=list)   # token-wise velocity terms (model/terms.py)
 
     def __post_init__(self):
         if self.geometry is None:           # every rank of comm constructs it
