@@ -173,6 +173,20 @@ def test_uniform_attention_velocity_read_back(tmp_path):
             np.testing.assert_allclose(means[t], expm((t - t_l) * Vbar) @ means[t_l], rtol=1e-3)
 
 
+@requires_dolfinx
+def test_forward_and_gradient_take_one_step_plan(tmp_path):
+    """With CFL steps (no steps_per_layer) ``forward`` takes the steps ``gradient`` takes,
+    a plan frozen per frame: the risk it reports is the gradient's, to round-off."""
+    cfg = write_config(tmp_path, CONFIG_2D.replace("[output]", "[objective]\nkind = \"moments\"\n\n[output]")
+                       .replace('name = "box"', 'name = "box"\ntarget = { mean = [0.0, 0.0], cov = 0.5 }')
+                       .replace('name = "blob"', 'name = "blob"\ntarget = { mean = [0.2, 0.0], cov = 0.4 }'))
+    run_cli(["forward", cfg, "--set", "output.dir=f", "output.fields=false"], cwd=str(tmp_path))
+    run_cli(["gradient", cfg, "--set", "output.dir=g"], cwd=str(tmp_path))
+    forward = json.loads((tmp_path / "f" / "summary.json").read_text())["objective"]["risk"]
+    gradient = float(np.load(tmp_path / "g" / "gradient.npz")["risk"])
+    assert forward == pytest.approx(gradient, rel=1e-13, abs=0)
+
+
 def test_petsc_options_reach_the_mass_solver(tmp_path):
     """An iterative mass solve (CG + Jacobi to 1e-14) gives the default direct solve's
     diagnostics; the options are recorded in summary.json."""

@@ -286,10 +286,13 @@ def risk_split(problem, risks: list) -> dict:
 def run_forward(cfg: dict, comm=None) -> dict:
     """Forward pass of every prompt; returns the summary (also written to summary.json).
 
-    After a breakdown (NaN, overflow) the diagnostics so far and a summary with
-    ``"status": "breakdown"`` and the error are still written, then the error is raised."""
+    The steps are a gradient's (a step plan frozen per frame, decided by the CFL condition
+    at its start): the risk a forward run reports is the one ``pdeformer gradient``
+    differentiates. After a breakdown (NaN, overflow) the diagnostics so far and a summary
+    with ``"status": "breakdown"`` and the error are still written, then the error is raised."""
     run = Run("forward", cfg, comm or MPI.COMM_WORLD,   # the objective's risk comes at the end
               check=lambda p: p.check_on_mesh())
+    run.solver.freeze_plans()
     out = cfg["output"]
     table = DiagnosticsTable(run.path("diagnostics.csv"))
     trackers = [ProgressLog(), table]
