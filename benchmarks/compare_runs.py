@@ -69,6 +69,11 @@ SMALL_2D = ("mesh.cells=[16,16]", "model.layers=2", "output.fields=false")
 TARGET = '{kind="gaussian_mixture",means=[[0.3,-0.2]],covs=[0.6]}'   # density target
 CIRCLE = ("mesh.cells=[64]", "model.layers=2")
 SPHERE = ("mesh.refinements=2", "model.layers=2")
+BUDGET = ("budget.seeds=3", "budget.groups=1", "budget.layers=[2,4]", "budget.layers_reference=8",
+          "budget.heads=[4,16]", "budget.tokens=[100,400]", "budget.checks=[[4,16,400]]",
+          "budget.cells=[[6,6],[8,8]]", "budget.cells_reference=[16,16]",
+          'budget.set=["model.depth=\\"smooth\\"","mesh.cells=[12,12]","output.fields=false",'
+          '"particles.steps_per_layer=2","discretisation.tail_tolerance=1"]')
 
 
 @dataclass(frozen=True)
@@ -115,12 +120,23 @@ CASES = (
     Case("sphere-particles", "particles", "runs/sphere.toml",
          SPHERE + ("output.fields=false", "particles.tokens=400"), ("--gradient",)),
     Case("sphere-gradient-np2", "gradient", "runs/sphere.toml", SPHERE + ("output.fields=false",), ranks=2),
+    # runs/box.toml (3-D tables) and runs/teacher.toml (a drawn data set, a teacher, SGD)
+    Case("box-forward", "forward", "runs/box.toml", ("mesh.cells=[6,6,6]", "model.layers=1", "model.heads=2",
+                                                     "output.fields=false")),
+    Case("teacher-train", "train", "runs/teacher.toml",
+         ("data.count=4", "train.batch_size=2", "mesh.cells=[12,12]", "model.layers=1", "train.steps=2")),
+    Case("teacher-gram", "gram", "runs/teacher.toml", ("data.count=3", "mesh.cells=[12,12]", "model.layers=1")),
     # runs/ntk/prompts.toml: closed forms, and after half the layers (mesh + particles)
     Case("ntk-prompts", "ntk", "runs/ntk/prompts.toml"),
     Case("ntk-prompts-depth-np2", "ntk", "runs/ntk/prompts.toml", ("ntk.depth=0.5",), ranks=2),
     # runs/studies/: the two base run configs, and the studies with fewer/smaller cases
     Case("studies-translation-forward", "forward", "runs/studies/translation.toml"),
     Case("studies-depth-forward", "forward", "runs/studies/depth.toml", ("mesh.cells=[16,16]", "model.layers=4")),
+    Case("studies-sgd-train", "train", "runs/studies/sgd.toml",
+         ("data.count=6", "train.batch_size=2", "mesh.cells=[12,12]", "model.layers=1", "train.steps=2")),
+    Case("studies-teacher-student-train", "train", "runs/studies/teacher_student.toml",
+         ("mesh.cells=[12,12]", "model.layers=2", "train.steps=2")),
+    Case("study-budget", "budget", "runs/studies/budget.toml", BUDGET),
     Case("study-mesh", "converge", "runs/studies/mesh.toml", ("study.values=[[8,8],[16,16],[32,32]]",)),
     Case("study-degree", "converge", "runs/studies/degree.toml", ("study.values=[1,2,3]",)),
     Case("study-layers", "converge", "runs/studies/layers.toml",
