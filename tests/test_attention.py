@@ -157,3 +157,37 @@ def test_reverse_mode_where_signed_weights_make_the_partition_function_negative(
     fd = (f(w + 1e-6 * dw, y + 1e-6 * dy, x + 1e-6 * dx) - f(w - 1e-6 * dw, y - 1e-6 * dy, x - 1e-6 * dx)) / 2e-6
     ad = ct.weights @ dw + np.sum(ct.points * dy) + np.sum(ct.targets * dx)
     assert abs(fd - ad) < 1e-6 * max(1.0, abs(fd)), (fd, ad)
+
+
+def test_the_kernel_is_apart_from_the_summation():
+    """What is summed (the kernel) and how (the backend) are two choices: a kernel whose
+    sums are no log-Laplace transform is refused by ``laplace`` with one line and summed
+    directly by ``auto``, giving the direct sum; softmax's table agrees with it to tol."""
+    from mpi4py import MPI
+    from pdeformer.model.heads import HeadMeasure
+    from pdeformer.model.kernels import Softmax
+    from pdeformer.model.velocity import AttentionVelocity
+    from pdeformer.tools.config import AttentionOptions
+    from pdeformer.tools.errors import ConfigError
+
+    class Untabulated(Softmax):
+        name = "untabulated"
+        tabulated = False
+
+    rng = np.random.default_rng(0)
+    x, y = rng.uniform(-2, 2, (200, 2)), rng.uniform(-2, 2, (300, 2))
+    w = rng.uniform(0.5, 1.0, 300) / 300
+    heads = HeadMeasure.random(1, 4, 2, 2, seed=2, scale=0.7)
+
+    def field(backend, kernel=None):
+        return AttentionVelocity(x, heads, AttentionOptions(backend=backend, tol=1e-9), MPI.COMM_WORLD,
+                                 kernel=kernel)
+    with pytest.raises(ConfigError, match="attention.backend: 'laplace' tabulates log-Laplace transforms"):
+        field("laplace", Untabulated(1.0))
+    direct = field("direct")(y, w, 0)
+    auto = field("auto", Untabulated(1.0))
+    np.testing.assert_array_equal(auto(y, w, 0), direct)
+    assert auto.stats["laplace"] == 0 and auto.stats["direct"] == 1
+    table = field("laplace")
+    np.testing.assert_allclose(table(y, w, 0), direct, rtol=0, atol=1e-7 * np.abs(direct).max())
+    assert table.stats["laplace"] == 1

@@ -30,10 +30,10 @@ from typing import NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-from ..attention.softmax import (Sources, VelocityCotangent, attention_velocity, attention_velocity_vjp,
-                        partial_sums, value_gain)
+from ..attention.softmax import Sources, VelocityCotangent, partial_sums, value_gain
 from ..tools.errors import ConfigError, SolverBreakdown
 from .heads import HeadMeasure, query_key_derivatives
+from .kernels import Softmax
 from ..attention.laplace import (LaplaceTable, TablePlan, TablePlanner, direct_seconds,
                                 exact_pair_vjp, laplace_seconds, largest_size, panel_nodes,
                                 source_extent, table_sizes)
@@ -113,8 +113,8 @@ class DirectBackend:
 
     name = "direct"
 
-    def check(self, dim: int) -> None:
-        """ConfigError where this way cannot sum tokens of dimension ``dim``."""
+    def check(self, dim: int, kernel) -> None:
+        """ConfigError where this way cannot sum ``kernel`` for tokens of dimension ``dim``."""
 
     def table_velocity(self, field, points, weights, x, A, V, key, signed):
         """(v, plan, bound) through a table, or None: direct summation does it."""
@@ -128,7 +128,10 @@ class LaplaceBackend:
 
     name = "laplace"
 
-    def check(self, dim: int) -> None:
+    def check(self, dim: int, kernel) -> None:
+        if not kernel.tabulated:
+            raise ConfigError("attention.backend", f"'laplace' tabulates log-Laplace transforms; the "
+                              f"{kernel.name} kernel is none: use 'direct' or 'auto'")
         if dim > 3:
             raise ConfigError("attention.backend", f"'laplace' is implemented for d = 1, 2 and 3, "
                               f"these tokens have d = {dim}: use 'auto' or 'direct'")
@@ -164,7 +167,7 @@ class AutoBackend(LaplaceBackend):
 
     name = "auto"
 
-    def check(self, dim: int) -> None:
+    def check(self, dim: int, kernel) -> None:
         pass
 
     def n_max(self, field, points, A, x, key) -> int | None:
@@ -176,7 +179,7 @@ class AutoBackend(LaplaceBackend):
         """After a key's table missed tol (or could not be built) the next 1, 3, 7, ...
         (up to MAX_SKIP) evaluations of that key go straight to direct summation: a failed
         search costs about as much as the direct sum it falls back to (in 3-D more)."""
-        if points.shape[1] > 3:
+        if points.shape[1] > 3 or not field.kernel.tabulated:
             return None
         skip, streak = field.misses.get(key, (0, 0))
         if skip > 0:
@@ -201,17 +204,20 @@ class AttentionVelocity:
     velocity space (this rank's own nodes, given once), or points given per call
     (particles)."""
 
-    def __init__(self, targets, heads: HeadMeasure, attention, comm, geometry: Geometry | None = None):
+    def __init__(self, targets, heads: HeadMeasure, attention, comm, geometry: Geometry | None = None,
+                 kernel=None):
         """``attention``: the ``[attention]`` options (config.SECTIONS["attention"]);
         ``geometry``: the space of the tokens (default flat R^d), on which the targets
-        are projected and whose tangent space the velocity is projected onto."""
+        are projected and whose tangent space the velocity is projected onto; ``kernel``:
+        what is summed (:mod:`pdeformer.model.kernels`; default softmax with the
+        options' beta), which the options' backend sums."""
         self.geometry = Flat(heads.dim) if geometry is None else geometry
         self.targets = targets if targets is None else self.geometry.project(targets)
-        self.beta = attention.beta
+        self.kernel = Softmax(attention.beta) if kernel is None else kernel
         self.heads = heads  # read at every call: training updates it in place
         self.backend = attention.backend
         self.summation = BACKENDS[self.backend]()
-        self.summation.check(heads.dim)
+        self.summation.check(heads.dim, self.kernel)
         self.tol = attention.tol
         self.chunk_mb = attention.chunk_mb
         self.tape_mb = attention.tape_mb   # tables kept for an adjoint (forward.py)
@@ -238,9 +244,8 @@ class AttentionVelocity:
         return None if self.last_sum is None else self.last_sum.plan
 
     def matrices(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """beta A_h and V_h of ``layer``: the scores beta <A_h x, y>."""
-        A = self.heads.attention_matrices(layer)
-        return (A if self.beta == 1 else self.beta * A), self.heads.values(layer)
+        """The kernel's matrices of ``layer`` (softmax: beta A_h and V_h)."""
+        return self.kernel.matrices(self.heads, layer)
 
     def tangential(self, x: np.ndarray, v: np.ndarray) -> np.ndarray:
         """P_x v (:meth:`Geometry.tangential <pdeformer.model.geometry.Geometry.tangential>`:
@@ -330,7 +335,7 @@ class AttentionVelocity:
             self.stats["direct"] += 1
             all_points, _ = self._all_points(points)
             sources = Sources.from_arrays(all_points, allgather_rows(self.comm, weights))
-            return self.tangential(x, attention_velocity(x, sources, A, V, chunk_mb=self.chunk_mb))
+            return self.tangential(x, self.kernel.velocity(x, sources, A, V, self.chunk_mb))
         self.stats["laplace"] += 1
         v, plan = found
         self.last_sum = TableSum(plan, *self.planner.built)
@@ -379,9 +384,7 @@ class AttentionVelocity:
         g = self.geometry.tangential_vjp(x, g)     # (the caller adds d/dx through P_x)
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):   # checked by the adjoint
             ct = self._vjp(points, weights, x, A, V, g, plan, positions)
-        if self.beta != 1:              # d/dA of <g, v(beta A)>
-            ct.A = self.beta * ct.A
-        return ct
+        return self.kernel.matrices_vjp(ct)
 
     # ------------------------------------------------------------------ parameters
     @property
@@ -418,8 +421,8 @@ class AttentionVelocity:
     def _vjp(self, points, weights, x, A, V, g, plan, positions) -> VelocityCotangent:
         if plan is None:
             all_points, mine = self._all_points(points)
-            ct = attention_velocity_vjp(x, all_points, allgather_rows(self.comm, weights),
-                                        A, V, g, chunk_mb=self.chunk_mb, positions=positions)
+            ct = self.kernel.velocity_vjp(x, all_points, allgather_rows(self.comm, weights),
+                                          A, V, g, self.chunk_mb, positions)
             self.comm.Allreduce(MPI.IN_PLACE, ct.weights, op=MPI.SUM)
             ct.weights = ct.weights[mine].copy()
             if positions:
