@@ -241,18 +241,7 @@ def run_budget(b: dict, comm=None) -> dict:
         sorted({kp for cfgs, refs, _ in prepared.values() for kp in study_inputs(cfgs, refs)})
     with output_session("budget", outdir, world, announce, on_error, reads=reads) as begin:
         begin()
-        measured = {}
-        for name, study in sweeps:
-            what = f"the {name} {'sweep' if name in studies else '(a direct measurement)'}"
-            with timer.phase(name.split()[0]):
-                cfgs, refs, _ = prepared[name]
-                try:
-                    records, _ = run_ensemble(study, cfgs, refs, groups, timer, None)
-                except PdeformerError as e:   # which sweep it was
-                    raise within(e, what) from None
-                check_members_differ(study, records, "budget.seeds")
-                measured[name] = (*error_rows(study, records), records)
-            log.info("%s: measured", name)
+        measured = _measure(sweeps, studies, prepared, groups, timer)
         result = fit_budget(b, studies, measured, points)
         summary = {"command": "budget", "status": "completed", "budget": b, "provenance": info,
                    "ranks": world.size, **result, "timings": timer.report(world),
@@ -265,6 +254,25 @@ def run_budget(b: dict, comm=None) -> dict:
         if world.rank == 0:
             log.info(describe_parallel(summary["parallel"]))
         return summary
+
+
+def _measure(sweeps: list, studies: dict, prepared: dict, groups, timer: Timer) -> dict:
+    """{sweep name: (rows, fits, records)}: the ensemble of every term's sweep and of
+    every check point (pdeformer.commands.converge), in the order of ``sweeps``, each
+    timed as a phase named by its first word (depth, width, tokens, mesh, check)."""
+    measured = {}
+    for name, study in sweeps:
+        what = f"the {name} {'sweep' if name in studies else '(a direct measurement)'}"
+        with timer.phase(name.split()[0]):
+            cfgs, refs, _ = prepared[name]
+            try:
+                records, _ = run_ensemble(study, cfgs, refs, groups, timer, None)
+            except PdeformerError as e:   # which sweep it was
+                raise within(e, what) from None
+            check_members_differ(study, records, "budget.seeds")
+            measured[name] = (*error_rows(study, records), records)
+        log.info("%s: measured", name)
+    return measured
 
 
 def fit_budget(b: dict, studies: dict, measured: dict, points: list) -> dict:
@@ -332,17 +340,34 @@ def crossovers(terms: dict, q: str, b: dict) -> list[str]:
 
 
 def _markdown(filename: str, b: dict, studies: dict, summary: dict) -> None:
+    """budget.md: the budget's equation, the terms' constants and orders, the direct
+    measurements against the sum of the terms, and which term dominates where."""
     L0, H0, N0 = b["transformer"]
     limit = describe_reference(studies["width"])
     rel = os.path.relpath(b["run"], os.path.dirname(b["budget_file"]))
-    terms, checks = summary["terms"], summary["checks"]
     lines = [f"# Error budget: L = {L0}, H = {H0}, N = {N0}", "",
              f"Heads drawn from the law of `{rel}`" + (f" with {', '.join(b['set'])}" if b["set"] else "")
              + f"; {b['seeds']} draws per case; 95% intervals. The limit q_∞: {limit}.", "",
              f"E|q(L, H, N) − q_∞| ≈ C_L L⁻² s(H) + C_H H^(−1/2) + C_N N^(−1/2) + C_h h^(k+1) s(H) "
              f"(depth, width, tokens, mesh of the Eulerian reference), s(H) = ({b['transformer'][1]}/H)^(1/2): "
-             "the depth and mesh errors scale with the velocity of a draw, like the width term.", "",
-             "| term | quantity | constant C | 95% interval | fitted order | 95% interval | expected | measured by |",
+             "the depth and mesh errors scale with the velocity of a draw, like the width term.", ""]
+    lines += _terms_table(b, studies, summary["terms"])
+    lines += ["", "Direct measurements (particle runs against the limit, draws independent of the "
+              "sweeps'; the first row is the transformer itself) against the budget (sum range: "
+              "the sum of the terms' interval ends, not itself a 95% interval):", ""]
+    lines += _checks_table(summary["checks"])
+    lines += ["", "Which term dominates:", ""]
+    for q in b["quantities"]:
+        lines.append(f"- {q}: " + "; ".join(crossovers(summary["terms"], q, b)) + ".")
+    with atomic_write(filename) as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def _terms_table(b: dict, studies: dict, terms: dict) -> list[str]:
+    """The Markdown rows of the terms: per term and quantity the constant C at the
+    expected order and the freely fitted order, with 95% intervals, and the sweep that
+    measured it (the swept values and their reference)."""
+    lines = ["| term | quantity | constant C | 95% interval | fitted order | 95% interval | expected | measured by |",
              "|---|---|---|---|---|---|---|---|"]
     against = {"depth": f"L = {b['layers_reference']}, same draw",
                "width": "the exact limit" if b["width_reference"] == "expectation"
@@ -355,12 +380,16 @@ def _markdown(filename: str, b: dict, studies: dict, summary: dict) -> None:
             oci = "—" if math.isnan(f["order_low"]) else f"[{f['order_low']:.2f}, {f['order_high']:.2f}]"
             lines.append(f"| {t} | {q} | {f['constant']:.3g} | [{f['low']:.3g}, {f['high']:.3g}] | "
                          f"{f['order']:.2f} | {oci} | {f['expected_order']:g} | {how} |")
-    lines += ["", "Direct measurements (particle runs against the limit, draws independent of the "
-              "sweeps'; the first row is the transformer itself) against the budget (sum range: "
-              "the sum of the terms' interval ends, not itself a 95% interval):", "",
-              "| L | H | N | quantity | measured | 95% interval | depth | width | tokens | mesh | sum | "
-              "sum range | rss | measured / sum | measured / rss |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    return lines
+
+
+def _checks_table(checks: list) -> list[str]:
+    """The Markdown rows of the direct measurements: per check point and quantity the
+    measured error (95% interval), each term, their sum (and the range of the sum of the
+    terms' interval ends), their root sum of squares, and measured / sum, measured / rss."""
+    lines = ["| L | H | N | quantity | measured | 95% interval | depth | width | tokens | mesh | sum | "
+             "sum range | rss | measured / sum | measured / rss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in checks:
         L, H, N = c["point"]
         p = c["terms"]
@@ -369,11 +398,7 @@ def _markdown(filename: str, b: dict, studies: dict, summary: dict) -> None:
                      f"{p['tokens']:.1e} | {p['mesh']:.1e} | {c['sum']:.3e} | "
                      f"[{c['sum_low']:.2e}, {c['sum_high']:.2e}] | {c['rss']:.3e} | "
                      f"{c['measured'] / c['sum']:.2f} | {c['measured'] / c['rss']:.2f} |")
-    lines += ["", "Which term dominates:", ""]
-    for q in b["quantities"]:
-        lines.append(f"- {q}: " + "; ".join(crossovers(terms, q, b)) + ".")
-    with atomic_write(filename) as f:
-        f.write("\n".join(lines) + "\n")
+    return lines
 
 
 def _plot(filename, b, studies, measured, summary) -> bool:
@@ -389,9 +414,19 @@ def _plot(filename, b, studies, measured, summary) -> bool:
         log.warning("warning: matplotlib is missing: no budget.png (Debian: python3-matplotlib)")
         return False
     q = b["quantities"][0]
-    terms = summary["terms"]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.4))
     colours = dict(zip(TERMS, ("C0", "C1", "C2", "C3")))
+    _plot_terms(ax, q, studies, measured, summary["terms"], colours)
+    _plot_dominant(bx, q, b, summary, ListedColormap([colours[t] for t in TERMS]))
+    fig.tight_layout()
+    save_figure(filename, fig, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _plot_terms(ax, q: str, studies: dict, measured: dict, terms: dict, colours: dict) -> None:
+    """Every sweep's mean errors of quantity q against the swept value (cells per side for
+    the mesh), their 95% band and the fitted term C (1/x)^p, log-log."""
     for t in TERMS:
         rows = [r for r in measured[t][0] if r["quantity"] == q]
         x = np.array([json.loads(r["value"])[0] if t == "mesh" else float(r["value"]) for r in rows])
@@ -406,13 +441,20 @@ def _plot(filename, b, studies, measured, summary) -> bool:
     ax.set_title("the terms, measured and fitted")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
+
+
+def _plot_dominant(bx, q: str, b: dict, summary: dict, cmap) -> None:
+    """The dominant term of quantity q over heads H in [1, 10^4] and tokens N in
+    [10, 10^6] at the transformer's L (coloured by ``cmap``, one colour per term), the
+    contours of the budget's sum, and the check points (*: the transformer) with their
+    measured errors."""
+    terms = summary["terms"]
     L0 = b["transformer"][0]
     H = np.logspace(0, 4, 161)
     N = np.logspace(1, 6, 201)
     HH, NN = np.meshgrid(H, N)
     parts = np.array([term_value(t, terms[t][q]["constant"], (L0, HH, NN), b) * np.ones_like(HH) for t in TERMS])
-    bx.pcolormesh(H, N, parts.argmax(axis=0), cmap=ListedColormap([colours[t] for t in TERMS]),
-                  vmin=-0.5, vmax=3.5, alpha=0.35, shading="auto")
+    bx.pcolormesh(H, N, parts.argmax(axis=0), cmap=cmap, vmin=-0.5, vmax=3.5, alpha=0.35, shading="auto")
     cs = bx.contour(H, N, parts.sum(axis=0), levels=np.logspace(-4, 0, 9), colors="k", linewidths=0.6)
     bx.clabel(cs, fmt="%.0e", fontsize=6)
     for c in summary["checks"]:
@@ -427,7 +469,3 @@ def _plot(filename, b, studies, measured, summary) -> bool:
     bx.set_ylabel("tokens N")
     bx.set_title(f"dominant term at L = {L0} (blue depth, orange width, green tokens, red mesh);\n"
                  "contours: the budget's sum; *: the transformer, x: checks", fontsize=8)
-    fig.tight_layout()
-    save_figure(filename, fig, dpi=110)
-    plt.close(fig)
-    return True

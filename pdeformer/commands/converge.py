@@ -289,7 +289,7 @@ def run_study(study: dict, comm=None, walltime: float | None = None) -> dict:
     METER.reset()
     world = metered(comm or MPI.COMM_WORLD)
     timer = Timer()
-    param, values, n = study["parameter"], study["values"], study["seeds"]
+    n = study["seeds"]
     cfgs, reference_cfgs, sets = prepare(study)
     groups = PromptGroups(world, study["groups"], [f"member {j}" for j in range(n)], "study.groups")
     outdir = study["output_dir"]
@@ -300,36 +300,58 @@ def run_study(study: dict, comm=None, walltime: float | None = None) -> dict:
             "command": "converge", "status": status_of(e), "error": str(e), "study": study,
             "provenance": info, "ranks": world.size, "timings": timer.report(world)})
 
-    announce = (f"pdeformer converge {study['study_file']}: {param} over {values}"
-                + (f", {n} seeds each" if n > 1 else "") + f" on {world.size} rank(s)"
-                + (f" in {groups.count} groups" if groups.count > 1 else "")
-                + f", reference {study['reference']}, output in {outdir}")
     reads = [("the study file", study["study_file"])] + study_inputs(cfgs, reference_cfgs)
-    with output_session("converge", outdir, world, announce, on_error, reads=reads) as begin:
+    with output_session("converge", outdir, world, _announcement(study, world, groups), on_error,
+                        reads=reads) as begin:
         begin()
         records, status = run_ensemble(study, cfgs, reference_cfgs, groups, timer, walltime)
         check_members_differ(study, records)
         rows, fits = error_rows(study, records)
         meter = METER.snapshot()
-        summary = {"command": "converge", "status": status, "study": study, "provenance": info,
-                   "ranks": world.size, "reference": describe_reference(study),
-                   "seeds": _seed_table(study, sets[:n]) if sets[0] else None,
-                   "reference_seeds": sets[n] if study["reference"] == "draw" else None,
-                   "rows": rows, "fits": fits, "timings": timer.report(world),
-                   "files": ["convergence.csv", "convergence.md", "convergence.png", "pdeformer.log"]
-                   + (["ensemble.csv"] if n > 1 else [])}
+        summary = _study_summary(study, status, info, world, sets, rows, fits, timer)
         summary["parallel"] = parallel_report(world, groups, meter, timer)
         summary["files"] = on_root(world, _write_study, outdir, study, rows, fits, records, summary)
-        for r in rows:
-            log.info("%-8s %-10s %-12s error %.4e%s  order %s", r["quantity"], param, r["value"], r["error"],
-                     f" [{r['ci_low']:.3e}, {r['ci_high']:.3e}]" if r["seeds"] > 1 else "",
-                     "-" if math.isnan(r["order"]) else f"{r['order']:.2f}")
-        for q, f in fits.items():
-            log.info("%-8s fitted order %.3f, 95%% interval [%.3f, %.3f]%s", q, f["order"], f["low"],
-                     f["high"], "" if f["expected"] is None else f" (expected {f['expected']:g})")
+        _log_results(study["parameter"], rows, fits)
         if world.rank == 0:
             log.info(describe_parallel(summary["parallel"]))
         return summary
+
+
+def _announcement(study: dict, world, groups) -> str:
+    """The study's first log line: the swept parameter and its values, the ensemble,
+    the ranks and groups, the reference and the output folder."""
+    n = study["seeds"]
+    return (f"pdeformer converge {study['study_file']}: {study['parameter']} over {study['values']}"
+            + (f", {n} seeds each" if n > 1 else "") + f" on {world.size} rank(s)"
+            + (f" in {groups.count} groups" if groups.count > 1 else "")
+            + f", reference {study['reference']}, output in {study['output_dir']}")
+
+
+def _study_summary(study: dict, status: str, info: dict, world, sets: list, rows: list, fits: dict,
+                   timer: Timer) -> dict:
+    """summary.json of a completed (or walltime-stopped) study, less its ``parallel``
+    accounting; ``files`` names every file the study writes (_write_study drops
+    convergence.png where it cannot be drawn). Collective (the timings)."""
+    n = study["seeds"]
+    return {"command": "converge", "status": status, "study": study, "provenance": info,
+            "ranks": world.size, "reference": describe_reference(study),
+            "seeds": _seed_table(study, sets[:n]) if sets[0] else None,
+            "reference_seeds": sets[n] if study["reference"] == "draw" else None,
+            "rows": rows, "fits": fits, "timings": timer.report(world),
+            "files": ["convergence.csv", "convergence.md", "convergence.png", "pdeformer.log"]
+            + (["ensemble.csv"] if n > 1 else [])}
+
+
+def _log_results(param: str, rows: list, fits: dict) -> None:
+    """Log every row (error, its 95% interval over an ensemble, the observed order) and
+    every fitted order."""
+    for r in rows:
+        log.info("%-8s %-10s %-12s error %.4e%s  order %s", r["quantity"], param, r["value"], r["error"],
+                 f" [{r['ci_low']:.3e}, {r['ci_high']:.3e}]" if r["seeds"] > 1 else "",
+                 "-" if math.isnan(r["order"]) else f"{r['order']:.2f}")
+    for q, f in fits.items():
+        log.info("%-8s fitted order %.3f, 95%% interval [%.3f, %.3f]%s", q, f["order"], f["low"],
+                 f["high"], "" if f["expected"] is None else f" (expected {f['expected']:g})")
 
 
 def _seed_table(study: dict, sets: list) -> dict:
@@ -345,71 +367,92 @@ def run_ensemble(study: dict, cfgs: list, reference_cfgs, groups, timer, walltim
     first rank decides for its group). A record is one error: {case, member, quantity,
     error, seconds}; the records of all groups are gathered on every rank. The memory
     check and the attention costs are settled first, on all ranks together."""
-    from ..attention.costs import machine_costs
-    param, values = study["parameter"], study["values"]
-    comm = groups.comm
     wants_grad = "gradient" in study["quantities"]
-    kind = study["reference"] if study["reference"] in ("exact", "expectation") else "case"
-    machine_costs(groups.world)     # one measurement: every group chooses alike
-    for command, cfg in [(study["command"], c) for c in cfgs[0]] + \
-            [(study["reference_command"], c) for c in (reference_cfgs or [])[:1]]:
-        check_memory(cfg, command, comm, groups.world,
-                     differentiable=wants_grad or command == "gradient")
-    records, seconds = [], []
-
-    def run(command, cfg, what, phase):
-        """One run, or None where the walltime guard stops before it."""
-        expected = 2.0 * max(seconds) if seconds else 0.0   # the next may be finer
-        if walltime is not None and comm.bcast(
-                timer.elapsed() + expected > walltime if comm.rank == 0 else None):
-            if comm.rank == 0:
-                log.warning("warning: stopping before %s: the walltime guard (%.0f s) would be "
-                            "passed", what, walltime)
-            return None
-        try:
-            with timer.phase(phase):
-                case = Case(command, cfg, comm, timer, wants_grad)
-        except PdeformerError as e:    # say which run of the study it was
-            raise within(e, what) from None
-        seconds.append(case.seconds)
-        log.info("%s: %.1f s", what, case.seconds)
-        return case
-
+    _settle_costs_and_memory(study, cfgs, reference_cfgs, groups, wants_grad)
+    run = _GuardedRuns(groups.comm, timer, walltime, wants_grad)
+    records = []
     with groups.combined():
         ref, stopped = None, False
         if reference_cfgs and study["reference"] != "paired":
             ref = run(study["reference_command"], reference_cfgs[0], f"the reference ({study['reference']})",
                       "reference")
             stopped = ref is None
-        order = list(range(len(values)))
-        finest = study["reference"] == "finest"
-        if finest:   # the finest first: it is the reference of its member's cases
-            order = order[-1:] + order[:-1]
         for j in groups.owned:
             if stopped:
                 break
-            member = f", member {j}" if study["seeds"] > 1 else ""
-            member_ref = ref
-            if study["reference"] == "paired":
-                member_ref = run(study["reference_command"], reference_cfgs[j], f"the reference{member}",
-                                 "reference")
-                stopped = member_ref is None
-            for i in order if not stopped else ():
-                case = run(study["command"], cfgs[j][i], f"case {param} = {json.dumps(values[i])}{member}",
-                           "cases")
-                if case is None:
-                    stopped = True
-                    break
-                if finest and i == len(values) - 1:
-                    member_ref = case
-                    continue
-                for q, e in errors(case, member_ref, kind, study["quantities"], study["bandwidth"]).items():
-                    records.append({"case": i, "member": j, "quantity": q, "error": e,
-                                    "seconds": case.seconds})
+            stopped = _run_member(study, j, cfgs[j], reference_cfgs, ref, run, records)
         status = "walltime" if stopped else "completed"
     records = sorted(groups.gather_lists(records), key=lambda r: (r["case"], r["member"]))
     statuses = groups.gather_lists([status])
     return records, ("walltime" if "walltime" in statuses else "completed")
+
+
+def _settle_costs_and_memory(study: dict, cfgs: list, reference_cfgs, groups, wants_grad: bool) -> None:
+    """Measure the attention costs once on all ranks (so every group chooses alike) and
+    check the memory of member 0's cases and of the first reference run."""
+    from ..attention.costs import machine_costs
+    machine_costs(groups.world)     # one measurement: every group chooses alike
+    for command, cfg in [(study["command"], c) for c in cfgs[0]] + \
+            [(study["reference_command"], c) for c in (reference_cfgs or [])[:1]]:
+        check_memory(cfg, command, groups.comm, groups.world,
+                     differentiable=wants_grad or command == "gradient")
+
+
+class _GuardedRuns:
+    """The runs of one rank group, one at a time, under the walltime guard: a run starts
+    only if the time elapsed plus twice the longest run so far (the next may be finer)
+    stays within ``walltime``, as the group's first rank decides for the group."""
+
+    def __init__(self, comm, timer: Timer, walltime: float | None, wants_grad: bool):
+        self.comm, self.timer, self.walltime, self.wants_grad = comm, timer, walltime, wants_grad
+        self.seconds = []
+
+    def __call__(self, command: str, cfg: dict, what: str, phase: str) -> Case | None:
+        """One run, or None where the walltime guard stops before it."""
+        comm = self.comm
+        expected = 2.0 * max(self.seconds) if self.seconds else 0.0   # the next may be finer
+        if self.walltime is not None and comm.bcast(
+                self.timer.elapsed() + expected > self.walltime if comm.rank == 0 else None):
+            if comm.rank == 0:
+                log.warning("warning: stopping before %s: the walltime guard (%.0f s) would be "
+                            "passed", what, self.walltime)
+            return None
+        try:
+            with self.timer.phase(phase):
+                case = Case(command, cfg, comm, self.timer, self.wants_grad)
+        except PdeformerError as e:    # say which run of the study it was
+            raise within(e, what) from None
+        self.seconds.append(case.seconds)
+        log.info("%s: %.1f s", what, case.seconds)
+        return case
+
+
+def _run_member(study: dict, j: int, member_cfgs: list, reference_cfgs, ref, run: _GuardedRuns,
+                records: list) -> bool:
+    """Run member j's cases (after its paired reference, if any; the finest first where
+    it is the member's reference) and append their errors to ``records``; True where the
+    walltime guard stopped before a run."""
+    param, values = study["parameter"], study["values"]
+    kind = study["reference"] if study["reference"] in ("exact", "expectation") else "case"
+    member = f", member {j}" if study["seeds"] > 1 else ""
+    if study["reference"] == "paired":
+        ref = run(study["reference_command"], reference_cfgs[j], f"the reference{member}", "reference")
+        if ref is None:
+            return True
+    order = list(range(len(values)))
+    finest = study["reference"] == "finest"
+    if finest:   # the finest first: it is the reference of its member's cases
+        order = order[-1:] + order[:-1]
+    for i in order:
+        case = run(study["command"], member_cfgs[i], f"case {param} = {json.dumps(values[i])}{member}", "cases")
+        if case is None:
+            return True
+        if finest and i == len(values) - 1:
+            ref = case
+            continue
+        for q, e in errors(case, ref, kind, study["quantities"], study["bandwidth"]).items():
+            records.append({"case": i, "member": j, "quantity": q, "error": e, "seconds": case.seconds})
+    return False
 
 
 def ensemble_matrix(records: list, quantity: str) -> tuple[list, list, np.ndarray]:
@@ -518,21 +561,7 @@ def _plot(filename, study, rows, fits) -> bool:
     fig, ax = plt.subplots(figsize=(5.5, 4.2))
     by_value = all(math.isnan(r["size"]) for r in rows)   # e.g. the DG degree: error per value
     for q in sorted({r["quantity"] for r in rows}):
-        sel = sorted((r for r in rows if r["quantity"] == q and r["error"] > 0),
-                     key=lambda r: float(json.loads(r["value"])) if by_value else r["size"])
-        if not sel:
-            continue
-        x = np.array([float(json.loads(r["value"])) if by_value else r["size"] for r in sel])
-        y = np.array([r["error"] for r in sel])
-        fit = fits.get(q)
-        label = q if fit is None else f"{q}: p = {fit['order']:.2f}" + (
-            "" if math.isnan(fit["low"]) else f" [{fit['low']:.2f}, {fit['high']:.2f}]")
-        line, = (ax.semilogy if by_value else ax.loglog)(x, y, "o-", label=label)
-        if all(r["seeds"] > 1 for r in sel):
-            lo = np.maximum([r["ci_low"] for r in sel], 1e-3 * y)
-            ax.fill_between(x, lo, [r["ci_high"] for r in sel], color=line.get_color(), alpha=0.2, lw=0)
-        if fit is not None and not by_value:
-            ax.loglog(x, fit["constant"] * x ** fit["order"], ":", color=line.get_color(), lw=1)
+        _plot_quantity(ax, [r for r in rows if r["quantity"] == q], q, fits.get(q), by_value)
     sizes = sorted({r["size"] for r in rows if r["size"] > 0})
     if study["expected_order"] is not None and len(sizes) >= 2:
         top = max((r["error"] for r in rows), default=1.0)
@@ -549,3 +578,23 @@ def _plot(filename, study, rows, fits) -> bool:
     save_figure(filename, fig, dpi=110)
     plt.close(fig)
     return True
+
+
+def _plot_quantity(ax, rows: list, q: str, fit: dict | None, by_value: bool) -> None:
+    """One quantity's line: its positive errors against size (log-log; against the value,
+    log-linear, where the parameter has no size), the ensemble's 95% band where every
+    case has one, and the fitted power law C size^p."""
+    sel = sorted((r for r in rows if r["error"] > 0),
+                 key=lambda r: float(json.loads(r["value"])) if by_value else r["size"])
+    if not sel:
+        return
+    x = np.array([float(json.loads(r["value"])) if by_value else r["size"] for r in sel])
+    y = np.array([r["error"] for r in sel])
+    label = q if fit is None else f"{q}: p = {fit['order']:.2f}" + (
+        "" if math.isnan(fit["low"]) else f" [{fit['low']:.2f}, {fit['high']:.2f}]")
+    line, = (ax.semilogy if by_value else ax.loglog)(x, y, "o-", label=label)
+    if all(r["seeds"] > 1 for r in sel):
+        lo = np.maximum([r["ci_low"] for r in sel], 1e-3 * y)
+        ax.fill_between(x, lo, [r["ci_high"] for r in sel], color=line.get_color(), alpha=0.2, lw=0)
+    if fit is not None and not by_value:
+        ax.loglog(x, fit["constant"] * x ** fit["order"], ":", color=line.get_color(), lw=1)

@@ -540,11 +540,27 @@ def _particle_risk(run: Run, adjoint, local: dict, gradient: bool, results: dict
         log.info("|dR/dtheta| = %.6e", g.norm())
 
 
+def _particle_trackers(run: Run, points: bool) -> tuple:
+    """(diagnostics table, token files or None, final states, snapshots or None, all of
+    them as the march's trackers, the progress log first) of a particle run; the token
+    files (tokens_<prompt>.pvd) only with ``points``."""
+    from ..model.particles import TokenOutput
+    table = DiagnosticsTable(run.path("diagnostics.csv"))
+    trackers = [ProgressLog(), table]
+    tokens = TokenOutput(run.outdir) if points else None
+    if tokens:
+        trackers.append(tokens)
+    finals = FinalStates()
+    snapshots = run.snapshots(TokenSnapshots)
+    trackers += [finals] + ([snapshots] if snapshots else [])
+    return table, tokens, finals, snapshots, trackers
+
+
 def run_particles(cfg: dict, comm=None, gradient: bool = False) -> dict:
     """The particle model: tokens of every prompt through the layers (diagnostics.csv,
     tokens_<prompt>.pvd); with an [objective] its risk, and with ``gradient`` the exact
     gradient of the particle risk (gradient.npz; through the configured attention backend)."""
-    from ..model.particles import ParticleAdjoint, ParticleSolver, TokenOutput
+    from ..model.particles import ParticleAdjoint, ParticleSolver
 
     run = Run("particles", cfg, comm or MPI.COMM_WORLD, solver=ParticleSolver, differentiable=gradient)
     p = run.problem
@@ -552,14 +568,7 @@ def run_particles(cfg: dict, comm=None, gradient: bool = False) -> dict:
         raise ConfigError("objective.kind", "missing: --gradient needs an [objective]")
     if p.objective is not None:   # before the folder is touched
         ParticleAdjoint.check(run.solver, p.objective)
-    table = DiagnosticsTable(run.path("diagnostics.csv"))
-    trackers = [ProgressLog(), table]
-    tokens = TokenOutput(run.outdir) if cfg["particles"]["points"] else None
-    if tokens:
-        trackers.append(tokens)
-    finals = FinalStates()
-    snapshots = run.snapshots(TokenSnapshots)
-    trackers += [finals] + ([snapshots] if snapshots else [])
+    table, tokens, finals, snapshots, trackers = _particle_trackers(run, cfg["particles"]["points"])
     with run.session():
         adjoint = ParticleAdjoint(run.solver, p.objective, p.targets) if p.objective else None
         status, error, results = "completed", None, {}

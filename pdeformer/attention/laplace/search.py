@@ -93,36 +93,59 @@ def choose_table(points, weights, b_lo, b_hi, comm, tol: float, n_max: int = N_M
     if lib is EVERY_RANK:
         lib = compiled.kernels_on(comm) if points.shape[1] > 1 else None
     eps = layout.eps if layout is not None else panel_eps(tol)
+    # extrapolated from the coarse first table the prediction falls short
+    search = _SizeSearch(lo, hi, sizes, comm, tol, signed, lib, eps,
+                         first_margin=PREDICTION_MARGIN if start is None and d < 3 else 1.0)
+    opening = 25 if d == 3 else 33
+    i = start if start is not None else (sizes.index(opening) if opening in sizes else 0)
+    i = min(i, len(sizes) - 1)
+    total = comm.allreduce(len(points), op=MPI.SUM)
+    if start is None and total > 2 * SUBSAMPLE:
+        i = search.predicted_on_subsample(points, weights, i, total)
+    _, table, est = search.run(points, weights, i, layout)
+    return table, est
 
-    def search(pts, w, i, lay, builds=None):
-        """Build at sizes[i], then at larger sizes (at least the predicted one) until tol;
-        after ``builds`` tables that miss it, the predicted index without building."""
-        first = i
+
+class _SizeSearch:
+    """Tables of given sources on the box [lo, hi] at growing sizes (indices into
+    ``sizes``) until the error estimate meets ``tol``: after each table that misses it,
+    the size its fitted coefficient decay predicts (times ``first_margin`` after the first
+    table), at least the next one."""
+
+    def __init__(self, lo, hi, sizes: list, comm, tol: float, signed: bool, lib, eps,
+                 first_margin: float):
+        self.lo, self.hi, self.sizes, self.comm, self.tol = lo, hi, sizes, comm, tol
+        self.signed, self.lib, self.eps, self.first_margin = signed, lib, eps, first_margin
+
+    def run(self, pts, w, i: int, lay, builds: int | None = None):
+        """(index, table, estimate): build at sizes[i], then at larger sizes (at least the
+        predicted one) until tol or the largest size; after ``builds`` tables that miss
+        it, (the predicted index, None, None) without building."""
+        sizes, tol, first = self.sizes, self.tol, i
         while True:
-            table = LaplaceTable(pts, w, lo, hi, sizes[i], comm, signed, lay, lib, eps)
+            table = LaplaceTable(pts, w, self.lo, self.hi, sizes[i], self.comm, self.signed, lay, self.lib,
+                                 self.eps)
             lay = table.layout
             table.assessment = assess(table)
             est = table.assessment.estimate
             if est <= tol or i + 1 == len(sizes):
                 return i, table, est
-            # extrapolated from the coarse first table the prediction falls short
-            margin = PREDICTION_MARGIN if i == first and start is None and d < 3 else 1.0
+            margin = self.first_margin if i == first else 1.0
             i = size_index(margin * table.assessment.predicted(tol), sizes, i + 1)
             if builds is not None:
                 builds -= 1
                 if builds == 0:
                     return i, None, None
 
-    opening = 25 if d == 3 else 33
-    i = start if start is not None else (sizes.index(opening) if opening in sizes else 0)
-    i = min(i, len(sizes) - 1)
-    total = comm.allreduce(len(points), op=MPI.SUM)
-    if start is None and total > 2 * SUBSAMPLE:
+    def predicted_on_subsample(self, points, weights, i: int, total: int) -> int:
+        """The size index that trial tables of about SUBSAMPLE of the ``total`` sources
+        (:func:`subsample`), starting at index i, predict (TRIAL_BUILDS of them); i where
+        the subsample is degenerate (under SUBSAMPLE / 4 points, or a vanishing N)."""
+        comm = self.comm
         keep = subsample(points, SUBSAMPLE / total, coordinate_scale(points, comm))
         if comm.allreduce(int(keep.sum()), op=MPI.SUM) >= SUBSAMPLE // 4:   # not degenerate
             try:
-                i, _, _ = search(points[keep], weights[keep], i, None, builds=TRIAL_BUILDS)
+                i, _, _ = self.run(points[keep], weights[keep], i, None, builds=TRIAL_BUILDS)
             except FloatingPointError:   # the subsample's N may vanish
                 pass
-    _, table, est = search(points, weights, i, layout)
-    return table, est
+        return i

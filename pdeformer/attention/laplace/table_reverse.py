@@ -62,44 +62,59 @@ class SourceCotangents:
         factors = self._tile_factors()
         for tile, (shifts, panels), (_, E, E0), factor in zip(lay.tiles, self.tile_data,
                                                               lay.factors(self.axes), factors):
-            pts = tile.pts
+            G = None
             if panels is not None and d == 2:      # collective: every rank takes part
                 G = self._gathered(tile, E, E0, grids, factor)
-            if len(pts) == 0:
+            if len(tile.pts) == 0:
                 continue
-            acc = np.empty((len(pts), len(grids)))
             if panels is not None:
-                local = tile.local_panels
-                q = local[0].q
-                if d == 3:
-                    acc = self._gathered3(local, pts, E, [X * factor for X in grids])
-                elif d == 1:
-                    loc = local[0].locate(pts[:, 0])
-                    G = np.stack([E[0].T @ (X * factor) for X in grids], axis=1)     # (K, i)
-                    for p0, j in blocks_by_key(loc[0]):
-                        acc[j] = loc[1][j] @ G[p0 * q:(p0 + 1) * q]
-                elif self.lib is not None:
-                    acc = panel_gather(self.lib, local, pts, G)
-                else:
-                    loc = [pa.locate(pts[:, a]) for a, pa in enumerate(local)]
-                    P1 = local[1].count
-                    for key, j in blocks_by_key(loc[0][0] * P1 + loc[1][0]):
-                        p0, p1 = divmod(key, P1)
-                        g = G[:, p0 * q:(p0 + 1) * q, p1 * q:(p1 + 1) * q]
-                        acc[j] = np.einsum("mk,ikl,ml->mi", loc[0][1][j], g, loc[1][1][j])
+                out[tile.index] = self._panel_source_sums(tile.local_panels, tile.pts, E, G, grids, factor)
             else:
-                for blk, Eb in self._chunks(pts, shifts):
-                    for i, X in enumerate(grids):
-                        if d == 1:
-                            acc[blk, i] = Eb[0].T @ (X * factor)
-                        elif d == 2:
-                            acc[blk, i] = np.einsum("jc,cj->j", Eb[0].T @ (X * factor), Eb[1])
-                        else:           # ((X E_2) . E_1 summed) . E_0 summed
-                            n, m = self.n, blk.stop - blk.start
-                            t = ((X * factor).reshape(n * n, n) @ Eb[2]).reshape(n, n, m)
-                            acc[blk, i] = np.einsum("gj,gj->j", np.einsum("gcj,cj->gj", t, Eb[1]), Eb[0])
-            out[tile.index] = acc
+                out[tile.index] = self._grid_source_sums(tile.pts, shifts, grids, factor)
         return out
+
+    def _panel_source_sums(self, local, pts, E, G, grids: list, factor) -> np.ndarray:
+        """S[j, i] of one tile whose table was built through panel nodes: the grids X_i
+        factor taken to this rank's panel nodes (1-D: E_0^T X_i; 2-D: G from
+        :meth:`_gathered`; 3-D: :meth:`_gathered3`), then interpolated at each source by
+        its Lagrange weights (the compiled loops where there are, in 2-D)."""
+        d, q = self.d, local[0].q
+        acc = np.empty((len(pts), len(grids)))
+        if d == 3:
+            acc = self._gathered3(local, pts, E, [X * factor for X in grids])
+        elif d == 1:
+            loc = local[0].locate(pts[:, 0])
+            G = np.stack([E[0].T @ (X * factor) for X in grids], axis=1)     # (K, i)
+            for p0, j in blocks_by_key(loc[0]):
+                acc[j] = loc[1][j] @ G[p0 * q:(p0 + 1) * q]
+        elif self.lib is not None:
+            acc = panel_gather(self.lib, local, pts, G)
+        else:
+            loc = [pa.locate(pts[:, a]) for a, pa in enumerate(local)]
+            P1 = local[1].count
+            for key, j in blocks_by_key(loc[0][0] * P1 + loc[1][0]):
+                p0, p1 = divmod(key, P1)
+                g = G[:, p0 * q:(p0 + 1) * q, p1 * q:(p1 + 1) * q]
+                acc[j] = np.einsum("mk,ikl,ml->mi", loc[0][1][j], g, loc[1][1][j])
+        return acc
+
+    def _grid_source_sums(self, pts, shifts, grids: list, factor) -> np.ndarray:
+        """S[j, i] = diag(E_1^T (X_i factor) E_2)_j of one tile's sources straight from
+        the grid (1-D: E_0^T X_i; 3-D: ((X_i E_2) . E_1 summed) . E_0 summed), a block of
+        sources at a time with their exponentials E_a (:meth:`_chunks`)."""
+        d = self.d
+        acc = np.empty((len(pts), len(grids)))
+        for blk, Eb in self._chunks(pts, shifts):
+            for i, X in enumerate(grids):
+                if d == 1:
+                    acc[blk, i] = Eb[0].T @ (X * factor)
+                elif d == 2:
+                    acc[blk, i] = np.einsum("jc,cj->j", Eb[0].T @ (X * factor), Eb[1])
+                else:           # ((X E_2) . E_1 summed) . E_0 summed
+                    n, m = self.n, blk.stop - blk.start
+                    t = ((X * factor).reshape(n * n, n) @ Eb[2]).reshape(n, n, m)
+                    acc[blk, i] = np.einsum("gj,gj->j", np.einsum("gcj,cj->gj", t, Eb[1]), Eb[0])
+        return acc
 
     def _gathered3(self, panels, pts, E, grids: list) -> np.ndarray:
         """out[j, i] = the grids X_i (n^3) taken to this rank's panel nodes,
