@@ -28,10 +28,6 @@ PACKAGE = os.path.join(ROOT, "pdeformer")
 # longer is, so that these lists only shrink.
 
 UPWARD_IN_FUNCTIONS = {   # (module, subpackage of a higher layer it imports inside a function)
-    # AttentionVelocity.on_space reads the mesh's node coordinates (fem._dolfinx); its
-    # caller, solvers/forward.py, is to take them with owned_node_coordinates(W) and
-    # construct AttentionVelocity itself
-    ("model.velocity", "fem"),
     # the config's checks read the registries of the attention backends and of the
     # objectives (_backends: model.velocity.BACKENDS, _objectives:
     # model.objectives.OBJECTIVES); they go with the split of tools/config.py
