@@ -269,20 +269,21 @@ def test_timer_counts_each_phases_compute_and_communication():
     busy loop inside a metered section as communication; an enclosing phase holds both."""
     import time
     from mpi4py import MPI
-    from pdeformer.tools.parallel import METER, Timer
+    from pdeformer.tools.parallel import Meter, Timer
 
     def busy(seconds):
         t = time.process_time()
         while time.process_time() - t < seconds:
             pass
 
-    timer = Timer()
+    meter = Meter()
+    timer = Timer(meter)
     with timer.phase("outer"):
         with timer.phase("busy"):
             busy(0.1)
         with timer.phase("asleep"):
             time.sleep(0.1)
-        with timer.phase("waiting"), METER:
+        with timer.phase("waiting"), meter:
             busy(0.1)
     rows = timer.by_rank(MPI.COMM_SELF)
     cpu = {k: v[0] for k, v in rows["phase_compute_cpu_s"].items()}
@@ -423,9 +424,10 @@ SUMS_SCRIPT = r'''
 import json, sys
 import numpy as np
 from mpi4py import MPI
-from pdeformer.tools.parallel import (METER, RING_BLOCK_BYTES, RING_TAG, MeteredComm,
+from pdeformer.tools.parallel import (RING_BLOCK_BYTES, RING_TAG, MeteredComm,
                                       allreduce_sum, reduce_scatter_sum)
 comm = MeteredComm(MPI.COMM_WORLD)
+meter = comm.meter
 P, r = comm.size, comm.rank
 ring = RING_BLOCK_BYTES * P // 8          # doubles from which the sums go round the ring
 out = {"exact": True, "same_bits": True, "close": 0.0, "calls": [], "bytes": [], "isolated": True}
@@ -440,10 +442,10 @@ for n in (5, ring - 1, ring + 3, max(40001, 2 * ring)):       # MPI's sums, then
         cuts[0] = cuts[1]
     counts = np.diff(np.concatenate([[0], cuts, [n]]))
     lo = int(counts[:r].sum())
-    before = (METER.comm_calls, METER.comm_bytes)
+    before = (meter.comm_calls, meter.comm_bytes)
     mine = reduce_scatter_sum(comm, x, counts)
-    out["calls"].append(METER.comm_calls - before[0])
-    out["bytes"].append((METER.comm_bytes - before[1]) / (8 * n + 8 * counts[r]))
+    out["calls"].append(meter.comm_calls - before[0])
+    out["bytes"].append((meter.comm_bytes - before[1]) / (8 * n + 8 * counts[r]))
     block = [v[lo:lo + counts[r]] for v in xs]
     if n >= ring and P > 1:      # summed in the ring's order: ranks r+1, .., P-1, 0, .., r
         expected = block[(r + 1) % P].copy()
@@ -454,10 +456,10 @@ for n in (5, ring - 1, ring + 3, max(40001, 2 * ring)):       # MPI's sums, then
     scale = np.abs(np.array(block)).sum(axis=0) + 1e-300
     out["close"] = max(out["close"], float(np.max(np.abs(mine - exact) / scale, initial=0.0)))
     y = x.reshape(-1, 1).copy()
-    before = (METER.comm_calls, METER.comm_bytes)
+    before = (meter.comm_calls, meter.comm_bytes)
     allreduce_sum(comm, y)
-    out["calls"].append(METER.comm_calls - before[0])
-    out["bytes"].append((METER.comm_bytes - before[1]) / (16 * n))
+    out["calls"].append(meter.comm_calls - before[0])
+    out["bytes"].append((meter.comm_bytes - before[1]) / (16 * n))
     exact = np.sum(np.array(xs, dtype=np.longdouble), axis=0)
     scale = np.abs(np.array(xs)).sum(axis=0)
     out["close"] = max(out["close"], float(np.max(np.abs(y[:, 0] - exact) / scale)))
@@ -473,6 +475,11 @@ for bad in (np.zeros((4, 4), dtype=np.float32), np.zeros((4, 4), order="F")):
     except TypeError:
         refused.append(True)
 out["refused"] = refused
+# meters belong to runs: another metered view of the world counts apart, a split shares
+other = MeteredComm(MPI.COMM_WORLD)
+mine, theirs = meter.comm_calls, other.meter.comm_calls
+other.allreduce(1)
+out["meters"] = [meter.comm_calls - mine, other.meter.comm_calls - theirs, comm.Split(r % 2, r).meter is meter]
 results = comm.gather(out)
 if r == 0:
     json.dump(results, open(sys.argv[1], "w"))
@@ -489,7 +496,8 @@ def test_sums_over_ranks(tmp_path, nprocs):
     duplicate of the communicator (a receive posted on the communicator with its tag sees
     nothing), allreduce_sum gives every rank the same bits and refuses arrays it cannot
     sum in place, and each counts as one metered call with the bytes of the MPI call it
-    replaces."""
+    replaces; a second metered view of the world counts into its own meter, a split
+    communicator into its parent's."""
     from pdeformer.tools.parallel import mpirun_command
     script, out = tmp_path / "sums.py", tmp_path / "out.json"
     script.write_text(SUMS_SCRIPT)
@@ -503,6 +511,7 @@ def test_sums_over_ranks(tmp_path, nprocs):
             assert rank["calls"] == [1] * 8 and np.allclose(rank["bytes"], 1.0), rank
         else:
             assert rank["calls"] == [0] * 8, rank
+        assert rank["meters"] == [0, int(nprocs > 1), True], rank
 
 
 # ------------------------------------------------------------------ benchmarks/least_communication.py

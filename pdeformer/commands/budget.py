@@ -72,7 +72,7 @@ from .study import (check_members_differ, describe_reference, override_strings, 
                     study_inputs)
 from ..tools.errors import ConfigError, PdeformerError, status_of, within
 from ..tools.output import atomic_write, provenance, save_figure, write_csv, write_json
-from ..tools.parallel import (METER, PromptGroups, Timer, describe_parallel, metered, on_root,
+from ..tools.parallel import (Meter, PromptGroups, Timer, describe_parallel, metered, on_root,
                               parallel_report)
 
 log = logging.getLogger("pdeformer")
@@ -218,9 +218,8 @@ def run_budget(b: dict, comm=None) -> dict:
     """Measure the terms, fit them, check the sum; write the files (see the module doc)."""
     from mpi4py import MPI
     from .run import output_session
-    METER.reset()
-    world = metered(comm or MPI.COMM_WORLD)
-    timer = Timer()
+    world = metered(comm or MPI.COMM_WORLD, Meter())   # the study's own count, members' included
+    timer = Timer(world.meter)
     groups = PromptGroups(world, b["groups"], [f"member {j}" for j in range(b["seeds"])], "budget.groups")
     studies = term_studies(b)
     points = [list(b["transformer"])] + [list(c) for c in b["checks"]]
@@ -246,7 +245,7 @@ def run_budget(b: dict, comm=None) -> dict:
         summary = {"command": "budget", "status": "completed", "budget": b, "provenance": info,
                    "ranks": world.size, **result, "timings": timer.report(world),
                    "files": ["budget.md", "budget.json", "budget.csv", "budget.png", "pdeformer.log"]}
-        summary["parallel"] = parallel_report(world, groups, METER.snapshot(), timer)
+        summary["parallel"] = parallel_report(world, groups, world.meter.snapshot(), timer)
         summary["files"] = on_root(world, _write_budget, outdir, b, studies, measured, summary)
         for c in result["checks"]:
             log.info("L, H, N = %s %-4s measured %.3e [%.3e, %.3e]  budget sum %.3e  rss %.3e",

@@ -76,7 +76,7 @@ from ..fem import _dolfinx as dfx
 from ..solvers.budget import check_memory
 from ..tools.errors import ConfigError, InputError, PdeformerError, status_of, within
 from ..tools.output import atomic_write, provenance, save_figure, write_csv, write_json
-from ..tools.parallel import (METER, PromptGroups, Timer, allgather_rows, describe_parallel, metered,
+from ..tools.parallel import (Meter, PromptGroups, Timer, allgather_rows, describe_parallel, metered,
                               on_root, parallel_report)
 from .study import check_members_differ, describe_reference, prepare, size_of, study_inputs
 
@@ -286,9 +286,8 @@ def run_study(study: dict, comm=None, walltime: float | None = None) -> dict:
     summary.json with its status."""
     from mpi4py import MPI
     from .run import output_session
-    METER.reset()
-    world = metered(comm or MPI.COMM_WORLD)
-    timer = Timer()
+    world = metered(comm or MPI.COMM_WORLD, Meter())   # the study's own count, members' included
+    timer = Timer(world.meter)
     n = study["seeds"]
     cfgs, reference_cfgs, sets = prepare(study)
     groups = PromptGroups(world, study["groups"], [f"member {j}" for j in range(n)], "study.groups")
@@ -307,7 +306,7 @@ def run_study(study: dict, comm=None, walltime: float | None = None) -> dict:
         records, status = run_ensemble(study, cfgs, reference_cfgs, groups, timer, walltime)
         check_members_differ(study, records)
         rows, fits = error_rows(study, records)
-        meter = METER.snapshot()
+        meter = world.meter.snapshot()
         summary = _study_summary(study, status, info, world, sets, rows, fits, timer)
         summary["parallel"] = parallel_report(world, groups, meter, timer)
         summary["files"] = on_root(world, _write_study, outdir, study, rows, fits, records, summary)

@@ -46,7 +46,7 @@ from ..solvers.forward import ForwardSolver, Tracker
 from ..solvers.problem import build_problem, teacher_pass
 from ..tools.outdir import TRAINING_STATE, OutputFolder
 from ..tools.output import provenance, write_json, write_npz
-from ..tools.parallel import (METER, PromptGroups, Timer, add_log_file, describe_parallel, metered, on_root,
+from ..tools.parallel import (Meter, PromptGroups, Timer, add_log_file, describe_parallel, metered, on_root,
                        parallel_report, remove_log_file)
 from ..solvers.snapshots import FieldSnapshots, TokenSnapshots
 from ..solvers.trackers import DiagnosticsTable, FieldOutput, ProgressLog, log_other_groups
@@ -110,10 +110,9 @@ class Run:
 
     def __init__(self, command: str, cfg: dict, comm, differentiable: bool = False,
                  solver=ForwardSolver, check=None, groups: bool = True):
-        METER.reset()
         self.command, self.cfg = command, cfg
-        self.comm = metered(comm)
-        self.timer = Timer()
+        self.comm = metered(comm, Meter())     # this run's own count
+        self.timer = Timer(self.comm.meter)
         out = cfg["output"]
         if command == "forward" and out["fields"] and out["format"] == "vtx" and not dfx.has_vtx():
             raise ConfigError("output.format", f"'vtx' needs dolfinx built with ADIOS2 "
@@ -203,7 +202,7 @@ class Run:
     def summary(self, status: str, error, **results) -> dict:
         """summary.json (written by rank 0) and the closing log lines; a combination
         point (every rank of every group calls it)."""
-        meter = METER.snapshot()   # before the summary's own collectives
+        meter = self.comm.meter.snapshot()   # before the summary's own collectives
         p, groups = self.problem, self.groups
         timings = self.timer.report(self.comm)
         mesh = {"dim": p.dim, "cells": dfx.global_cells(p.mesh), "cell_type": dfx.cell_type_name(p.mesh)}

@@ -146,6 +146,7 @@ class DGTransport:
                  petsc_options: dict | None = None, comm=None):
         self.mesh = mesh
         self.comm = mesh.comm if comm is None else comm
+        self.meter = getattr(self.comm, "meter", None)   # the run's count of communication
         self.d = token_dim(mesh)          # the tokens' (ambient) dimension
         self.tdim = mesh.topology.dim     # the cells'
         self.manifold = is_manifold(mesh)
@@ -259,7 +260,7 @@ class DGTransport:
         surf = dolfinx.fem.petsc.assemble_vector(dolfinx.fem.form(
             one * w0 * ufl.ds + one * (w0("+") + w0("-")) * ufl.dS))
         for b in (vol, surf):
-            ghost_update_add(b)
+            ghost_update_add(b, meter=self.meter)
         ncell = mesh.topology.index_map(self.tdim).size_local
         dofs0 = dfx.cell_dofs(V0)[:ncell, 0]
         self.cell_volume = vol.array_r[dofs0].copy()
@@ -271,7 +272,7 @@ class DGTransport:
         # cell mean = sum_i mean_weights[K, i] * c_i  (integrals of the basis / |K|)
         w = ufl.TestFunction(self.V)
         basis_int = dolfinx.fem.petsc.assemble_vector(dolfinx.fem.form(one * w * ufl.dx))
-        ghost_update_add(basis_int)
+        ghost_update_add(basis_int, meter=self.meter)
         self.mean_weights = basis_int.array_r[self.cell_dofs] / self.cell_volume[:, None]
         for b in (vol, surf, basis_int):
             b.destroy()
@@ -337,7 +338,7 @@ class DGTransport:
         with b.localForm() as loc:
             loc.set(0.0)
         dolfinx.fem.petsc.assemble_vector(b, self.residual_form)
-        ghost_update_add(b)
+        ghost_update_add(b, meter=self.meter)
         self._solve_mass(b, self.solution)
         return self.solution.array_r.copy(), float(dolfinx.fem.assemble_scalar(self.outflow_form))
 
@@ -362,7 +363,7 @@ class DGTransport:
                 loc.set(0.0)
             dolfinx.fem.petsc.assemble_vector(vec, form)
         vecs = [vec for _, vec in self._adjoint_forms]
-        ghost_update_add(*vecs)                    # both at once: one exchange
+        ghost_update_add(*vecs, meter=self.meter)                  # both at once: one exchange
         return vecs[0].array_r.copy(), vecs[1].array_r.copy().reshape(-1, self.d)
 
     def project(self, rho0, quadrature_degree: int) -> tuple[np.ndarray, float]:
@@ -381,7 +382,7 @@ class DGTransport:
             if parts:
                 parts.load(i)
             dolfinx.fem.petsc.assemble_vector(b, form)    # adds to b
-        ghost_update_add(b)
+        ghost_update_add(b, meter=self.meter)
         x = b.duplicate()
         self._solve_mass(b, x)
         mass = self.comm.allreduce(float(b.array_r.sum()), op=MPI.SUM)

@@ -1,7 +1,9 @@
-"""The accounting of communication (:data:`METER`, :class:`MeteredComm`).
+"""The accounting of communication (:class:`Meter`, :class:`MeteredComm`).
 
 Every collective pdeformer calls goes through a :class:`MeteredComm`, which adds its
-wall time, the CPU time spent inside it and its payload bytes to one meter per process;
+wall time, the CPU time spent inside it and its payload bytes to the :class:`Meter` it
+carries (one per run: the communicators split from it share it, and two runs in one
+process count apart);
 ghost updates of dolfinx/PETSc vectors made by pdeformer (:func:`scatter_forward`,
 :func:`ghost_update_add`) count the same way, and so do the ring sums
 (:mod:`.shares`). ``summary.json`` reports per rank ``compute_cpu_s`` (CPU seconds
@@ -24,7 +26,7 @@ class Meter:
       :class:`MeteredComm`, metered ghost updates);
     * ``comm_cpu_s``: CPU seconds (``time.process_time``, all threads) inside it -- with
       oversubscribed ranks Open MPI spins or yields while it waits, which is not compute;
-    * ``compute_cpu_s`` (:meth:`snapshot`): CPU seconds since :meth:`reset` minus
+    * ``compute_cpu_s`` (:meth:`snapshot`): CPU seconds of the process since :meth:`reset` minus
       ``comm_cpu_s``: what the rank would need of a core of its own;
     * ``comm_bytes``: payload bytes. For a collective, the bytes of this rank's input
       plus the bytes it delivers to this rank (Allreduce of n doubles: 16 n; in place
@@ -75,8 +77,6 @@ class Meter:
                 "comm_calls": self.comm_calls, "wall_s": time.perf_counter() - self._wall0}
 
 
-METER = Meter()
-
 
 def _buf_bytes(buf) -> int:
     """Bytes of an upper-case buffer argument: an array, or [array, counts, ...]."""
@@ -117,188 +117,197 @@ def _obj_bytes(obj, depth: int = 0) -> int:
 
 
 class MeteredComm(MPI.Intracomm):
-    """An intracommunicator that counts its collectives into :data:`METER`.
+    """An intracommunicator that counts its collectives into its :attr:`meter`.
 
     ``MeteredComm(comm)`` shares ``comm``'s handle (nothing is duplicated); dolfinx takes
     it wherever it takes a communicator. petsc4py does not: give PETSc ``mesh.comm`` or
     ``MPI.Intracomm(comm)``. Communicators that dolfinx objects return (``mesh.comm``) are
     plain again, so pdeformer's collectives use the metered one it was given."""
 
-    def __init__(self, comm=None):
+    def __new__(cls, comm=None, meter: Meter | None = None):
+        return super().__new__(cls, comm)     # (mpi4py's constructor takes the comm alone)
+
+    def __init__(self, comm=None, meter: Meter | None = None):
         super().__init__()
+        self.meter = Meter() if meter is None else meter
         self._solo = self.Get_size() == 1   # nothing to communicate: not metered
 
     # -- reductions
     def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM):
         if self._solo:
             return super().Allreduce(sendbuf, recvbuf, op)
-        with METER:
+        with self.meter:
             super().Allreduce(sendbuf, recvbuf, op)
         n = _buf_bytes(recvbuf)
-        METER.add(n + (n if sendbuf is MPI.IN_PLACE else _buf_bytes(sendbuf)))
+        self.meter.add(n + (n if sendbuf is MPI.IN_PLACE else _buf_bytes(sendbuf)))
 
     def allreduce(self, sendobj, op=MPI.SUM):
         if self._solo:
             return super().allreduce(sendobj, op)
-        with METER:
+        with self.meter:
             out = super().allreduce(sendobj, op)
-        METER.add(_obj_bytes(sendobj) + _obj_bytes(out))
+        self.meter.add(_obj_bytes(sendobj) + _obj_bytes(out))
         return out
 
     def Reduce(self, sendbuf, recvbuf, op=MPI.SUM, root=0):
         if self._solo:
             return super().Reduce(sendbuf, recvbuf, op, root)
-        with METER:
+        with self.meter:
             super().Reduce(sendbuf, recvbuf, op, root)
         n = _buf_bytes(recvbuf) if self.rank == root else 0
-        METER.add(n + (n if sendbuf is MPI.IN_PLACE else _buf_bytes(sendbuf)))
+        self.meter.add(n + (n if sendbuf is MPI.IN_PLACE else _buf_bytes(sendbuf)))
 
     def reduce(self, sendobj, op=MPI.SUM, root=0):
         if self._solo:
             return super().reduce(sendobj, op, root)
-        with METER:
+        with self.meter:
             out = super().reduce(sendobj, op, root)
-        METER.add(_obj_bytes(sendobj) + (_obj_bytes(out) if self.rank == root else 0))
+        self.meter.add(_obj_bytes(sendobj) + (_obj_bytes(out) if self.rank == root else 0))
         return out
 
     def Reduce_scatter(self, sendbuf, recvbuf, recvcounts=None, op=MPI.SUM):
         if self._solo:
             return super().Reduce_scatter(sendbuf, recvbuf, recvcounts, op)
-        with METER:
+        with self.meter:
             super().Reduce_scatter(sendbuf, recvbuf, recvcounts, op)
-        METER.add(_buf_bytes(sendbuf) + _buf_bytes(recvbuf))
+        self.meter.add(_buf_bytes(sendbuf) + _buf_bytes(recvbuf))
 
     def Reduce_scatter_block(self, sendbuf, recvbuf, op=MPI.SUM):
         if self._solo:
             return super().Reduce_scatter_block(sendbuf, recvbuf, op)
-        with METER:
+        with self.meter:
             super().Reduce_scatter_block(sendbuf, recvbuf, op)
-        METER.add(_buf_bytes(sendbuf) + _buf_bytes(recvbuf))
+        self.meter.add(_buf_bytes(sendbuf) + _buf_bytes(recvbuf))
 
     def Scan(self, sendbuf, recvbuf, op=MPI.SUM):
         if self._solo:
             return super().Scan(sendbuf, recvbuf, op)
-        with METER:
+        with self.meter:
             super().Scan(sendbuf, recvbuf, op)
-        METER.add(_buf_bytes(sendbuf) + _buf_bytes(recvbuf))
+        self.meter.add(_buf_bytes(sendbuf) + _buf_bytes(recvbuf))
 
     def Exscan(self, sendbuf, recvbuf, op=MPI.SUM):
         if self._solo:
             return super().Exscan(sendbuf, recvbuf, op)
-        with METER:
+        with self.meter:
             super().Exscan(sendbuf, recvbuf, op)
-        METER.add(_buf_bytes(sendbuf) + _buf_bytes(recvbuf))
+        self.meter.add(_buf_bytes(sendbuf) + _buf_bytes(recvbuf))
 
     # -- gathers and broadcasts
     def Allgather(self, sendbuf, recvbuf):
         if self._solo:
             return super().Allgather(sendbuf, recvbuf)
-        with METER:
+        with self.meter:
             super().Allgather(sendbuf, recvbuf)
-        METER.add(_buf_bytes(sendbuf) + _buf_bytes(recvbuf))
+        self.meter.add(_buf_bytes(sendbuf) + _buf_bytes(recvbuf))
 
     def Allgatherv(self, sendbuf, recvbuf):
         if self._solo:
             return super().Allgatherv(sendbuf, recvbuf)
-        with METER:
+        with self.meter:
             super().Allgatherv(sendbuf, recvbuf)
-        METER.add(_buf_bytes(sendbuf) + _buf_bytes(recvbuf))
+        self.meter.add(_buf_bytes(sendbuf) + _buf_bytes(recvbuf))
 
     def allgather(self, sendobj):
         if self._solo:
             return super().allgather(sendobj)
-        with METER:
+        with self.meter:
             out = super().allgather(sendobj)
-        METER.add(_obj_bytes(sendobj) + _obj_bytes(out))
+        self.meter.add(_obj_bytes(sendobj) + _obj_bytes(out))
         return out
 
     def Gatherv(self, sendbuf, recvbuf, root=0):
         if self._solo:
             return super().Gatherv(sendbuf, recvbuf, root)
-        with METER:
+        with self.meter:
             super().Gatherv(sendbuf, recvbuf, root)
-        METER.add(_buf_bytes(sendbuf) + (_buf_bytes(recvbuf) if self.rank == root else 0))
+        self.meter.add(_buf_bytes(sendbuf) + (_buf_bytes(recvbuf) if self.rank == root else 0))
 
     def gather(self, sendobj, root=0):
         if self._solo:
             return super().gather(sendobj, root)
-        with METER:
+        with self.meter:
             out = super().gather(sendobj, root)
-        METER.add(_obj_bytes(sendobj) + (_obj_bytes(out) if self.rank == root else 0))
+        self.meter.add(_obj_bytes(sendobj) + (_obj_bytes(out) if self.rank == root else 0))
         return out
 
     def Bcast(self, buf, root=0):
         if self._solo:
             return super().Bcast(buf, root)
-        with METER:
+        with self.meter:
             super().Bcast(buf, root)
-        METER.add(_buf_bytes(buf))
+        self.meter.add(_buf_bytes(buf))
 
     def bcast(self, obj=None, root=0):
         if self._solo:
             return super().bcast(obj, root)
-        with METER:
+        with self.meter:
             out = super().bcast(obj, root)
-        METER.add(_obj_bytes(out))
+        self.meter.add(_obj_bytes(out))
         return out
 
     def Alltoall(self, sendbuf, recvbuf):
         if self._solo:
             return super().Alltoall(sendbuf, recvbuf)
-        with METER:
+        with self.meter:
             super().Alltoall(sendbuf, recvbuf)
-        METER.add(_buf_bytes(sendbuf) + _buf_bytes(recvbuf))
+        self.meter.add(_buf_bytes(sendbuf) + _buf_bytes(recvbuf))
 
     def alltoall(self, sendobj):
         if self._solo:
             return super().alltoall(sendobj)
-        with METER:
+        with self.meter:
             out = super().alltoall(sendobj)
-        METER.add(_obj_bytes(sendobj) + _obj_bytes(out))
+        self.meter.add(_obj_bytes(sendobj) + _obj_bytes(out))
         return out
 
     def Barrier(self):
         if self._solo:
             return super().Barrier()
-        with METER:
+        with self.meter:
             super().Barrier()
 
     barrier = Barrier
 
     # -- new communicators stay metered
     def Split(self, color=0, key=0):
-        with METER:
-            return MeteredComm(super().Split(color, key))
+        with self.meter:
+            return MeteredComm(super().Split(color, key), self.meter)
 
     def Dup(self, info=None):
-        with METER:
-            return MeteredComm(super().Dup() if info is None else super().Dup(info))
+        with self.meter:
+            return MeteredComm(super().Dup() if info is None else super().Dup(info), self.meter)
 
 
-def metered(comm) -> MeteredComm:
-    """``comm`` as a :class:`MeteredComm` (itself if it already is one)."""
-    return comm if isinstance(comm, MeteredComm) else MeteredComm(comm)
+def metered(comm, meter: Meter | None = None) -> MeteredComm:
+    """``comm`` as a :class:`MeteredComm` counting into ``meter`` (a fresh one by
+    default; ``comm`` itself where it already is one and no meter is given)."""
+    if isinstance(comm, MeteredComm) and meter is None:
+        return comm
+    return MeteredComm(comm, meter)
 
 
 def scatter_forward(u, comm) -> None:
     """``u.x.scatter_forward()`` (owned values to the ghosts; ``comm``: the mesh's
-    communicator), counted as communication: the rank's ghost entries x 8 bytes."""
-    if comm.size == 1:
+    communicator), counted as communication where ``comm`` is metered: the rank's ghost
+    entries x 8 bytes."""
+    meter = getattr(comm, "meter", None)
+    if comm.size == 1 or meter is None:
         u.x.scatter_forward()
         return
     dofmap = u.function_space.dofmap
-    with METER:
+    with meter:
         u.x.scatter_forward()
-    METER.add(8 * dofmap.index_map.num_ghosts * dofmap.index_map_bs)
+    meter.add(8 * dofmap.index_map.num_ghosts * dofmap.index_map_bs)
 
 
-def ghost_update_add(*vectors) -> None:
+def ghost_update_add(*vectors, meter: Meter | None = None) -> None:
     """Sum PETSc ghosted vectors' ghost contributions into their owners, all begun before
-    any is finished (their messages travel together), counted as one communication
-    (ghost entries x 8 bytes)."""
+    any is finished (their messages travel together), counted into ``meter`` (where
+    given) as one communication (ghost entries x 8 bytes)."""
     from petsc4py import PETSc
     add, reverse = PETSc.InsertMode.ADD, PETSc.ScatterMode.REVERSE
-    if vectors[0].getComm().getSize() == 1:
+    if vectors[0].getComm().getSize() == 1 or meter is None:
         for b in vectors:
             b.ghostUpdate(addv=add, mode=reverse)
         return
@@ -306,9 +315,9 @@ def ghost_update_add(*vectors) -> None:
     for b in vectors:
         with b.localForm() as loc:
             ghosts += loc.getSize() - b.getLocalSize()
-    with METER:
+    with meter:
         for b in vectors:
             b.ghostUpdateBegin(addv=add, mode=reverse)
         for b in vectors:
             b.ghostUpdateEnd(addv=add, mode=reverse)
-    METER.add(8 * ghosts)
+    meter.add(8 * ghosts)

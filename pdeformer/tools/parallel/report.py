@@ -8,16 +8,18 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .meter import METER
+from .meter import Meter
 
 
 class Timer:
     """Accumulates per named phase its wall time (max over ranks when reported) and, per
     rank, its compute CPU seconds and metered communication seconds (:class:`~.meter.Meter`:
     ``compute_cpu_s`` and ``comm_s`` as the run's totals count them), each phase
-    inclusive of the phases nested in it."""
+    inclusive of the phases nested in it. ``meter``: the run's (default: one that counts
+    nothing, so that communication counts 0)."""
 
-    def __init__(self):
+    def __init__(self, meter: Meter | None = None):
+        self.meter = Meter() if meter is None else meter
         self.phases: dict[str, float] = {}
         self.compute: dict[str, float] = {}
         self.communicated: dict[str, float] = {}
@@ -29,14 +31,14 @@ class Timer:
         class _Phase:
             def __enter__(self):
                 self.t0 = time.perf_counter()
-                self.cpu0 = time.process_time() - METER.comm_cpu_s
-                self.comm0 = METER.comm_s
+                self.cpu0 = time.process_time() - timer.meter.comm_cpu_s
+                self.comm0 = timer.meter.comm_s
 
             def __exit__(self, *exc):
                 timer.phases[name] = timer.phases.get(name, 0.0) + time.perf_counter() - self.t0
-                cpu = time.process_time() - METER.comm_cpu_s - self.cpu0
+                cpu = time.process_time() - timer.meter.comm_cpu_s - self.cpu0
                 timer.compute[name] = timer.compute.get(name, 0.0) + cpu
-                timer.communicated[name] = timer.communicated.get(name, 0.0) + METER.comm_s - self.comm0
+                timer.communicated[name] = timer.communicated.get(name, 0.0) + timer.meter.comm_s - self.comm0
 
         return _Phase()
 
