@@ -28,7 +28,8 @@ that fails is recorded as failed; the record goes on.
   the row count; text columns (prompt names, study values) must be equal;
 * JSON (summary.json: risks, final diagnostics, step counts, training history, study
   rows; ntk.json): every number, list of numbers and string, except provenance, the
-  config echo, file lists, timings, the parallel accounting and memory measurements;
+  config, study and budget echoes, file lists, timings, the parallel accounting and
+  memory measurements;
 * NPZ (gradient.npz, params_XXXX.npz, checkpoint.npz): every numeric array.
 
 The difference of two arrays is max|a - b| / max(max|a|, max|b|, floor): relative to the
@@ -273,7 +274,7 @@ def record(outdir: str, repo: str, names: list[str] | None, python: str) -> int:
 # ------------------------------------------------------------------------- compare
 
 
-SKIP_KEYS = {"provenance", "config", "files", "study", "parallel", "memory", "timings", "started", "host", "argv"}
+SKIP_KEYS = {"provenance", "config", "files", "study", "budget", "parallel", "memory", "timings", "started", "host", "argv"}
 TIMING = {"wall_time", "seconds", "elapsed"}     # CSV columns and JSON keys left out
 COMPARED = (".csv", ".json", ".npz")
 
