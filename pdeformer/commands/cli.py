@@ -225,7 +225,7 @@ def _caches(comm) -> list[str]:
 
 def _run(args, comm, notes=()) -> int:
     import logging
-    from ..tools.config import load_config
+    from ..model.config import load_config
     from ..tools.parallel import setup_logging
     setup_logging(comm, logging.WARNING if args.quiet else logging.INFO)
     if comm.rank == 0:
