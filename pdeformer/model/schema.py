@@ -43,6 +43,7 @@ import dataclasses
 from ..integrator.schemes import SCHEME_KEY
 from ..tools.datasets import DATA_KEYS
 from ..tools.keys import REQUIRED, Key, array, boolean, integer, number, options_class, path, string
+from ..tools.outdir import PICTURE_FORMATS
 from ..tools.parallel import PARALLEL_KEYS
 from .geometry import MESH_KEYS
 from .heads import MODEL_KEYS
@@ -79,7 +80,7 @@ OUTPUT_KEYS = {
     "frames_per_layer": Key(integer(1, 10**4), 1, "field and diagnostics frames per layer"),
     "plots": Key(boolean, True, "draw the run's pictures (PNG) into the output folder when it "
                  "ends, and write paraview.py; `pdeformer plot DIR` draws them again"),
-    "plot_format": Key(string(("png", "svg")), "png", "image format of the pictures"),
+    "plot_format": Key(string(PICTURE_FORMATS), "png", "image format of the pictures"),
     "max_memory_gb": Key(number(positive=True), None,
                          "refuse runs whose memory estimate for the ranks of a node exceeds "
                          "this (default: the node's available memory)"),
