@@ -302,7 +302,7 @@ def test_choices_are_the_registries():
                        ("objective.kind", OBJECTIVES), ("mesh.shape", SHAPES), ("data.family", FAMILIES)):
         section, name = key.split(".")
         assert choices(key, SCHEMA[section][name]) == quoted(names), key
-    assert list(PROMPT_KINDS) == [*FLAT_PROMPTS, *SPHERE_PROMPTS]
+    assert list(PROMPT_KINDS) == [*FLAT_PROMPTS, *SPHERE_PROMPTS] and set(FAMILIES) <= set(PROMPT_KINDS)
     assert choices("prompts[0].kind", PROMPT_COMMON_KEYS["kind"]) == quoted(PROMPT_KINDS)
     assert [auto_scheme(k) for k in (1, 2, 3)] == ["ssprk2", "ssprk3", "ssprk104"]
 

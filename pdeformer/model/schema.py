@@ -4,24 +4,23 @@ Each section of a run's TOML file is a table of :class:`~pdeformer.tools.keys.Ke
 declared beside the code that reads it; a choice among registered parts takes the
 names of their registry:
 
-==================  ==========================================================================
-``[mesh]``          :data:`pdeformer.model.geometry.MESH_KEYS` (``shape``: ``SHAPES``)
-``[discretisation]`` here; ``scheme``: :data:`pdeformer.integrator.schemes.SCHEME_KEY` (``SCHEMES``)
-``[model]``         :data:`pdeformer.model.heads.MODEL_KEYS`
-``[attention]``     :data:`pdeformer.model.velocity.ATTENTION_KEYS` (``backend``: ``BACKENDS``)
-``[output]``        here
-``[objective]``     each objective class's ``keys``, :func:`pdeformer.model.objectives.objective_keys`
-                    (``kind``: ``OBJECTIVES``)
-``[train]``         here
-``[particles]``     :data:`pdeformer.model.particles.PARTICLES_KEYS`
-``[ntk]``           here
-``[data]``          :data:`pdeformer.tools.datasets.DATA_KEYS` (``family``: ``FAMILIES``)
-``[parallel]``      :data:`pdeformer.tools.parallel.PARALLEL_KEYS`
-``[petsc]``         free-form PETSc options (:func:`pdeformer.tools.keys.petsc_options`)
-``[[prompts]]``     ``name``, ``kind`` (:data:`PROMPT_KINDS`: ``FLAT_PROMPTS`` of
-                    :mod:`pdeformer.model.prompts`, ``SPHERE_PROMPTS`` of
-                    :mod:`pdeformer.model.sphere_prompts`), the kind's keys, ``target``
-==================  ==========================================================================
+* ``[mesh]``: :data:`pdeformer.model.geometry.MESH_KEYS` (``shape``: ``SHAPES``);
+* ``[discretisation]``: here, its ``scheme`` :data:`pdeformer.integrator.schemes.SCHEME_KEY`
+  (``SCHEMES``);
+* ``[model]``: :data:`pdeformer.model.heads.MODEL_KEYS`;
+* ``[attention]``: :data:`pdeformer.model.velocity.ATTENTION_KEYS` (``backend``: ``BACKENDS``);
+* ``[output]``: here;
+* ``[objective]``: each objective class's ``keys``, merged by
+  :func:`pdeformer.model.objectives.objective_keys` (``kind``: ``OBJECTIVES``);
+* ``[train]``: here;
+* ``[particles]``: :data:`pdeformer.model.particles.PARTICLES_KEYS`;
+* ``[ntk]``: here;
+* ``[data]``: :data:`pdeformer.tools.datasets.DATA_KEYS` (``family``: ``FAMILIES``);
+* ``[parallel]``: :data:`pdeformer.tools.parallel.PARALLEL_KEYS`;
+* ``[petsc]``: free-form PETSc options (:func:`pdeformer.tools.keys.petsc_options`);
+* ``[[prompts]]``: ``name``, ``kind`` (:data:`PROMPT_KINDS`: ``FLAT_PROMPTS`` of
+  :mod:`pdeformer.model.prompts` and ``SPHERE_PROMPTS`` of
+  :mod:`pdeformer.model.sphere_prompts`), the kind's keys and ``target``.
 
 The sections read only above the core -- the DG discretisation (``fem``), the output
 (``solvers``, ``commands``), training (``solvers.train``) and the NTK test
@@ -166,7 +165,7 @@ NAME = r"[A-Za-z0-9_-]{1,64}"   # prompt names go into file names: short and por
 # the keys of every [[prompts]] table, beside those of its kind and its target
 PROMPT_COMMON_KEYS = {
     "name": Key(string(pattern=NAME), None, "prompt name (default: prompt<i>)"),
-    "kind": Key(string(tuple(PROMPT_KINDS)), REQUIRED),
+    "kind": Key(string(tuple(PROMPT_KINDS)), REQUIRED, "the prompt's kind (a target's too)"),
 }
 
 
@@ -175,7 +174,7 @@ def target_kinds(sorts: tuple) -> tuple[str, ...]:
     table of mean and cov) and the prompt kinds of those sorts, in the order of
     PROMPT_KINDS."""
     return (("moments",) if "moments" in sorts else ()) + \
-        tuple(k for k, kind in PROMPT_KINDS.items() if kind.target is not None and kind.target in sorts)
+        tuple(k for k, kind in PROMPT_KINDS.items() if kind.target in sorts)
 
 
 # ----------------------------------------------------------------------------------
