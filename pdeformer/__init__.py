@@ -18,10 +18,10 @@ and what the ``pdeformer`` command calls::
     result = run_forward(load_config("runs/default.toml"))
 
 The package is in layers, each a subpackage that imports only its own layer or lower ones
-(docs/architecture.md): ``tools`` (errors, config, MPI, output files); the core, which
+(docs/architecture.md): ``tools`` (errors, option keys, MPI, output files); the core, which
 imports neither dolfinx nor PETSc: ``integrator`` (schemes, the march through depth),
 ``attention`` (softmax sums, the log-Laplace table) and ``model`` (heads, velocity,
-prompts, objectives, the particle model); ``fem`` (dolfinx: meshes, DG transport);
+prompts, objectives, the particle model, the run configuration); ``fem`` (dolfinx: meshes, DG transport);
 ``solvers`` (forward, adjoint, training); ``api`` (the Python API); ``commands`` (the
 CLI, runs, studies).
 """
@@ -29,7 +29,7 @@ CLI, runs, studies).
 __version__ = "0.1.0"
 
 _LAZY = {
-    "load_config": ("tools.config", "load_config"),
+    "load_config": ("model.config", "load_config"),
     "run_forward": ("commands.run", "run_forward"),
     "HeadMeasure": ("model.heads", "HeadMeasure"),
     "attention_velocity": ("attention.softmax", "attention_velocity"),

@@ -6,7 +6,8 @@ import re
 import numpy as np
 import pytest
 
-from pdeformer.tools.config import check_config, load_config, parse_override
+from pdeformer.model.config import check_config, load_config
+from pdeformer.tools.tomlfile import parse_override
 from pdeformer.tools.errors import ConfigError, InputError
 from pdeformer.model.heads import HeadMeasure
 from pdeformer.model.prompts import make_prompt
@@ -179,7 +180,7 @@ def test_params_file_errors(tmp_path):
 def test_tol_floor_is_the_tables_rounding():
     """attention.tol >= TOL_MIN: a laplace table's values carry its panel sums' rounding,
     up to PANEL_ROUNDING of their size, so no smaller error can be certified."""
-    from pdeformer.tools.config import TOL_MIN
+    from pdeformer.model.velocity import TOL_MIN
     from pdeformer.attention.laplace import PANEL_ROUNDING
     assert PANEL_ROUNDING <= TOL_MIN < 2 * PANEL_ROUNDING
 
@@ -247,7 +248,7 @@ def test_options_are_the_checked_config_as_frozen_sections(tmp_path):
     a section made directly takes the schema's defaults for the keys not given."""
     import dataclasses
 
-    from pdeformer.tools.config import SCHEMA, SECTIONS, AttentionOptions, Options, options
+    from pdeformer.model.schema import SCHEMA, SECTIONS, AttentionOptions, Options, options
     cfg = load_config(write_config(tmp_path, BASE))
     opts = options(cfg)
     assert {f.name for f in dataclasses.fields(Options)} == set(SCHEMA) | {"prompts"}
@@ -259,6 +260,110 @@ def test_options_are_the_checked_config_as_frozen_sections(tmp_path):
     made = AttentionOptions(backend="laplace")
     assert made.backend == "laplace" and made.tol == SCHEMA["attention"]["tol"].default
     assert options(opts) is opts
+
+
+
+def test_every_option_has_a_type():
+    """Each section's dataclass field has the type of its key's check (None allowed
+    where the default is None), never Any."""
+    import dataclasses
+    import typing
+
+    from pdeformer.model.schema import SECTIONS, MeshOptions, Options, TrainOptions
+    for name, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert f.type is not typing.Any and typing.Any not in typing.get_args(f.type), (name, f.name)
+    types = {f.name: f.type for f in dataclasses.fields(TrainOptions)}
+    assert types["lr"] is float and types["steps"] == int | None and types["optimizer"] is str
+    assert {f.name: f.type for f in dataclasses.fields(MeshOptions)}["cells"] == list[int] | None
+    assert {f.name: f.type for f in dataclasses.fields(Options)}["train"] is TrainOptions
+
+
+# ------------------------------------------------- components declare their options
+def test_choices_are_the_registries():
+    """A key that names a registered part accepts exactly the registry's names, in its
+    order: schemes, backends, objectives, mesh shapes, prompt kinds, data families."""
+    from pdeformer.integrator.schemes import SCHEMES, auto_scheme
+    from pdeformer.model.geometry import SHAPES
+    from pdeformer.model.objectives import OBJECTIVES
+    from pdeformer.model.prompts import FLAT_PROMPTS
+    from pdeformer.model.schema import PROMPT_COMMON_KEYS, PROMPT_KINDS, SCHEMA
+    from pdeformer.model.sphere_prompts import SPHERE_PROMPTS
+    from pdeformer.model.velocity import BACKENDS
+    from pdeformer.tools.datasets import FAMILIES
+
+    def choices(key, spec):
+        with pytest.raises(ConfigError) as e:
+            spec.check(key, "?")
+        return re.fullmatch(rf"{re.escape(key)}: expected one of (.*), got '\?'", str(e.value)).group(1)
+
+    quoted = lambda names: ", ".join(map(repr, names))   # noqa: E731
+    for key, names in (("discretisation.scheme", ("auto", *SCHEMES)), ("attention.backend", BACKENDS),
+                       ("objective.kind", OBJECTIVES), ("mesh.shape", SHAPES), ("data.family", FAMILIES)):
+        section, name = key.split(".")
+        assert choices(key, SCHEMA[section][name]) == quoted(names), key
+    assert list(PROMPT_KINDS) == [*FLAT_PROMPTS, *SPHERE_PROMPTS] and set(FAMILIES) <= set(PROMPT_KINDS)
+    assert choices("prompts[0].kind", PROMPT_COMMON_KEYS["kind"]) == quoted(PROMPT_KINDS)
+    assert [auto_scheme(k) for k in (1, 2, 3)] == ["ssprk2", "ssprk3", "ssprk104"]
+
+
+def test_a_registered_backend_is_a_choice_at_once():
+    """attention.backend reads BACKENDS when it checks: a backend registered later is
+    accepted, one removed is refused."""
+    from pdeformer.model.velocity import BACKENDS, register_backend
+
+    class Nearest:
+        name = "nearest"
+
+    register_backend(Nearest)
+    try:
+        assert check_config(_raw_base({"attention": {"backend": "nearest"}}), ".")["attention"]["backend"] == "nearest"
+    finally:
+        del BACKENDS["nearest"]
+    with pytest.raises(ConfigError, match="attention.backend: expected one of 'direct', 'laplace', 'auto'"):
+        check_config(_raw_base({"attention": {"backend": "nearest"}}), ".")
+
+
+def _raw_base(extra: dict) -> dict:
+    import tomllib
+    return {**tomllib.loads(BASE), **extra}
+
+
+def test_objectives_declare_their_keys_and_targets():
+    """[objective] is kind, every objective's own keys (a shared key declared once, as
+    one Key) and quadrature_degree; each objective's target kinds come from the sorts
+    its class and the prompt kinds declare."""
+    from pdeformer.model.objectives import OBJECTIVES, WEIGHT, WIDTH
+    from pdeformer.model.schema import SCHEMA, target_kinds
+    assert list(SCHEMA["objective"]) == ["kind", "potential", "center", "weight", "direction", "width",
+                                         "interaction", "softening", "bandwidth", "quadrature_degree"]
+    assert SCHEMA["objective"]["weight"] is WEIGHT and SCHEMA["objective"]["width"] is WIDTH
+    for kind, cls in OBJECTIVES.items():
+        assert set(cls.keys) <= set(SCHEMA["objective"]), kind
+    assert target_kinds(OBJECTIVES["moments"].targets) == ("moments",)
+    assert target_kinds(OBJECTIVES["l2"].targets) == ("gaussian_mixture", "uniform", "file")
+    assert target_kinds(OBJECTIVES["mmd"].targets) == ("gaussian_mixture", "uniform", "file", "points")
+    assert target_kinds(OBJECTIVES["potential"].targets) == ()
+
+
+def test_merged_keys_keep_each_component_s_order():
+    """merge_keys: a shared key once, a component's own keys after the shared key they
+    follow; two different declarations of one name are a programming error."""
+    from pdeformer.tools.keys import Key, merge_keys, number
+    w, a, b, c = (Key(number()) for _ in range(4))
+    assert list(merge_keys([{"a": a, "w": w}, {"c": c}, {"w": w, "b": b}])) == ["a", "w", "b", "c"]
+    with pytest.raises(ValueError, match="'w' is declared twice"):
+        merge_keys([{"w": w}, {"w": Key(number())}])
+
+
+def test_both_geometries_build_every_prompt_kind():
+    """Every declared prompt kind has a builder (or a one-line refusal) on a flat mesh and
+    on a sphere, and no builder lacks a declaration."""
+    from pdeformer.model.geometry import Flat, Sphere
+    from pdeformer.model.prompts import prompt_kinds
+    from pdeformer.model.schema import PROMPT_KINDS
+    for geometry in (Flat(2), Sphere(3, 1.0)):
+        assert set(prompt_kinds(geometry)) == set(PROMPT_KINDS), geometry.name
 
 
 class _Untouchable(dict):

@@ -21,7 +21,7 @@ def table(folder):
 
 
 def test_shipped_studies_load():
-    from pdeformer.tools.config import load_config
+    from pdeformer.model.config import load_config
     from pdeformer.commands.study import load_study
     names = [n for n in os.listdir(STUDIES) if n.endswith(".toml")]
     studies = [n for n in names if "[study]" in open(os.path.join(STUDIES, n)).read()]

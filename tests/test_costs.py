@@ -188,7 +188,7 @@ def test_auto_takes_laplace_where_direct_costs_more(restore_costs):
     from pdeformer.attention.softmax import attention_matrices
     from pdeformer.model.heads import HeadMeasure
     from pdeformer.model.velocity import AttentionVelocity
-    from pdeformer.tools.config import AttentionOptions
+    from pdeformer.model.schema import AttentionOptions
     rng = np.random.default_rng(4)
     heads = HeadMeasure.random(1, 4, 2, 2, seed=1)
     x, y = rng.normal(size=(400, 2)), rng.normal(size=(2000, 2))

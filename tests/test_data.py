@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import check_one_line_error, requires_dolfinx, run_cli, write_config
-from pdeformer.tools.config import check_config
+from pdeformer.model.config import check_config
 from pdeformer.tools.errors import ConfigError
 
 BOX = {"lower": [-3.0, -3.0], "upper": [3.0, 3.0], "cells": [16, 16]}
@@ -113,7 +113,7 @@ def test_teacher_targets_are_the_teacher_s_output(tmp_path):
     from mpi4py import MPI
     from pdeformer.model.heads import HeadMeasure
     from pdeformer.solvers.problem import build_problem
-    from pdeformer.tools.config import load_config
+    from pdeformer.model.config import load_config
     cfg = write_config(tmp_path, CONFIG)
     problem = build_problem(load_config(cfg), MPI.COMM_WORLD, differentiable=True)
     run_cli(["forward", cfg, "--set", "model.seed=9", "output.dir=teacher", "output.fields=false"], cwd=str(tmp_path))

@@ -96,7 +96,7 @@ def test_the_jacobian_is_that_of_the_outputs_and_gives_the_gradient(tmp_path):
     from pdeformer.solvers.adjoint import AdjointSolver
     from pdeformer.solvers.forward import ForwardSolver
     from pdeformer.solvers.problem import build_problem
-    from pdeformer.tools.config import load_config
+    from pdeformer.model.config import load_config
     path = write_config(tmp_path, CONFIG)
     p = build_problem(load_config(path), MPI.COMM_WORLD, differentiable=True)
     adj = AdjointSolver(ForwardSolver(p), p.objective, p.targets)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from pdeformer.tools.config import AttentionOptions
+from pdeformer.model.schema import AttentionOptions
 from pdeformer.attention.softmax import Sources, attention_matrices, tilted_moments
 from pdeformer.attention.laplace import (LaplaceTable, b_range, barycentric_weights, chebyshev_lobatto,
                                choose_table, differentiation_matrix, grid_box)
@@ -508,7 +508,7 @@ import json, sys
 import numpy as np
 from mpi4py import MPI
 from pdeformer.model.heads import HeadMeasure
-from pdeformer.tools.config import AttentionOptions
+from pdeformer.model.schema import AttentionOptions
 from pdeformer.model.velocity import AttentionVelocity
 
 world = MPI.COMM_WORLD

@@ -297,7 +297,7 @@ def test_shortest_edge():
     pytest.importorskip("dolfinx")
     from mpi4py import MPI
     from pdeformer.fem.mesh import make_mesh, shortest_edge
-    from pdeformer.tools.config import MeshOptions
+    from pdeformer.model.schema import MeshOptions
     comm = MPI.COMM_WORLD
     for cells, cell, lower, upper, h in (([7], "interval", [0.0], [1.0], 1 / 7),
                                          ([14, 10], "triangle", [-3.5, -3.5], [3.5, 3.5], 0.5),

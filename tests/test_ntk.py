@@ -251,7 +251,7 @@ CLOUD = {"kind": "points", "points": [[-1.0], [0.2], [1.0]], "weights": [1, 2, 1
 
 def ntk_problem(tmp_path, cells=100, degree=1, **ntk):
     from mpi4py import MPI
-    from pdeformer.tools.config import check_config
+    from pdeformer.model.config import check_config
     from pdeformer.solvers.problem import build_problem
     raw = {"mesh": {"lower": [-8.0], "upper": [8.0], "cells": [cells]},
            "discretisation": {"degree": degree, "limiter": False},

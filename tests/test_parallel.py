@@ -99,7 +99,7 @@ target = { mean = [0.1, 0.1], cov = 0.35 }
 DRIVER = r'''
 import logging, sys
 from mpi4py import MPI
-from pdeformer.tools.config import load_config
+from pdeformer.model.config import load_config
 from pdeformer.tools.parallel import setup_logging
 from pdeformer.commands import run
 

@@ -20,7 +20,7 @@ RAW = {"mesh": {"lower": [-3.5, -3.5], "upper": [3.5, 3.5], "cells": [32, 32]},
 
 
 def problem(tmp_path, **particles):
-    from pdeformer.tools.config import check_config
+    from pdeformer.model.config import check_config
     from pdeformer.solvers.problem import build_problem
     cfg = check_config(dict(RAW, particles=particles), str(tmp_path))
     return build_problem(cfg, MPI.COMM_WORLD)
@@ -217,7 +217,7 @@ def test_point_cloud_prompt_is_its_own_tokens(tmp_path):
 def test_log_counts_the_tokens_of_a_point_cloud(tmp_path):
     """Issue 13, item 9: a points prompt is its own tokens; the log line (describe) said
     "10000 tokens", the unused [particles] tokens default, while 4 ran."""
-    from pdeformer.tools.config import check_config
+    from pdeformer.model.config import check_config
     from pdeformer.solvers.problem import build_problem
     from pdeformer.model.particles import ParticleSolver
     cloud = {"kind": "points", "points": [[0.0, 0.0], [1.0, 0.5], [-0.5, 0.3], [0.2, -0.7]]}
@@ -234,7 +234,7 @@ def test_an_overflowing_objective_is_named(tmp_path):
     down to the objective's scale; 1e305 gives finite gradients and a finite |gradient|
     (the norm is scaled: it overflowed past 1e154)."""
     from pdeformer.solvers.adjoint import AdjointSolver
-    from pdeformer.tools.config import check_config
+    from pdeformer.model.config import check_config
     from pdeformer.tools.errors import ConfigError, SolverBreakdown
     from pdeformer.solvers.forward import ForwardSolver
     from pdeformer.solvers.problem import build_problem

@@ -329,7 +329,7 @@ def test_an_inline_point_cloud_counts_its_own_points():
     tape, ceil(5 / 2) = 3 tokens on the busier of 2 ranks, x and v (d = 1) per stage."""
     from pdeformer.integrator.schemes import SCHEMES
     from pdeformer.solvers.budget import estimate
-    from pdeformer.tools.config import load_config
+    from pdeformer.model.config import load_config
     cfg = load_config(os.path.join(ROOT, "runs", "ntk", "prompts.toml"),
                       ["particles.tokens=2", "particles.steps_per_layer=3",
                        "prompts[0].points=[[-0.5], [0.5], [2.0], [2.5], [3.0]]"])
@@ -453,7 +453,7 @@ def test_a_bug_still_leaves_a_summary(tmp_path, monkeypatch):
     """An unexpected exception (here planted in the forward pass) is not bad input: the
     rank it happened on writes summary.json with status "failed" before the job aborts."""
     from pdeformer.commands import run
-    from pdeformer.tools.config import load_config
+    from pdeformer.model.config import load_config
     from pdeformer.solvers.forward import ForwardSolver
 
     def broken(self, trackers=()):
@@ -901,7 +901,7 @@ def test_prompt_checks_scale_and_the_estimate_counts_the_prompts():
     prompts); the memory estimate counts every prompt (10^6 drawn prompts are refused
     by it, on every rank alike: tests/test_reliability's table, benchmarks/bad_inputs.py)."""
     from pdeformer.solvers import budget
-    from pdeformer.tools import config
+    from pdeformer.model import config
     prompts = [{"name": f"p{i}", "kind": "gaussian_mixture", "means": [[0.0]], "covs": [1.0]} for i in range(3)]
     with pytest.raises(ConfigError, match=r"prompts\[2\].name: 'p0' is used twice"):
         config._check_prompts(prompts[:2] + [dict(prompts[2], name="p0")])
@@ -930,7 +930,7 @@ def test_a_tape_past_the_memory_limit_breaks_down(tmp_path):
     from pdeformer.solvers.adjoint import AdjointSolver
     from pdeformer.solvers.forward import ForwardSolver
     from pdeformer.solvers.problem import build_problem
-    from pdeformer.tools.config import load_config
+    from pdeformer.model.config import load_config
     from pdeformer.tools.errors import SolverBreakdown
     from mpi4py import MPI
     cfg = load_config(write_config(tmp_path, CONFIG.replace("steps_per_layer = 8\n", "")))
@@ -1026,7 +1026,7 @@ def test_seeds_that_change_the_run_in_less_common_ways(tmp_path):
     objective needed); data.seed redraws the prompts, which a reference run once cannot
     follow; a budget's drawn width reference must be above the transformer's heads too."""
     from pdeformer.commands.study import unused_seed
-    from pdeformer.tools.config import load_config
+    from pdeformer.model.config import load_config
     cfg = load_config(os.path.join(ROOT, "runs", "teacher.toml"),
                       ["objective.kind=\"potential\"", "model.init=\"teacher\"", "model.init_noise=0.1"])
     assert unused_seed("data.teacher_seed", cfg, {"forward"}) is None

@@ -15,7 +15,8 @@ import pytest
 
 from conftest import check_one_line_error, requires_dolfinx, run_cli, write_config
 from pdeformer.solvers.train import Batches, history_columns, langevin_noise, weight_penalty
-from pdeformer.tools.config import check_config, section
+from pdeformer.model.config import check_config
+from pdeformer.model.schema import section
 from pdeformer.tools.errors import ConfigError
 
 CONFIG = """
@@ -214,7 +215,7 @@ def test_the_minibatch_gradient_is_the_mean_of_per_prompt_gradients(tmp_path):
     from pdeformer.solvers.adjoint import AdjointSolver
     from pdeformer.solvers.forward import ForwardSolver
     from pdeformer.solvers.problem import build_problem
-    from pdeformer.tools.config import load_config
+    from pdeformer.model.config import load_config
     cfg = load_config(write_config(tmp_path, CONFIG))
     p = build_problem(cfg, MPI.COMM_WORLD, differentiable=True)
     assert p.training == list(range(8)) and p.held_out == [8, 9]
@@ -241,7 +242,7 @@ def test_a_training_step_is_the_langevin_step_of_the_batch_gradient(tmp_path):
     from pdeformer.solvers.adjoint import AdjointSolver
     from pdeformer.solvers.forward import ForwardSolver
     from pdeformer.solvers.problem import build_problem
-    from pdeformer.tools.config import load_config
+    from pdeformer.model.config import load_config
     path = write_config(tmp_path, CONFIG)
     run_cli(["train", path, "--set", "output.dir=out", "train.steps=1"], cwd=str(tmp_path))
     run_cli(["forward", path, "--set", "output.dir=fw"], cwd=str(tmp_path))

@@ -13,7 +13,7 @@ import pytest
 
 from pdeformer.model.geometry import Sphere
 from pdeformer.model.sphere_prompts import fourier_mode, real_harmonic
-from pdeformer.tools.config import check_config
+from pdeformer.model.config import check_config
 from pdeformer.tools.errors import ConfigError
 
 from conftest import ROOT, requires_dolfinx, run_cli
@@ -337,7 +337,7 @@ def test_beta_scales_the_scores(tmp_path):
     from mpi4py import MPI
     from pdeformer.model.heads import HeadMeasure
     from pdeformer.model.velocity import AttentionVelocity
-    from pdeformer.tools.config import options
+    from pdeformer.model.schema import options
     rng = np.random.default_rng(2)
     heads = HeadMeasure.random(1, 3, 2, 2, seed=1)
     doubled = HeadMeasure.random(1, 3, 2, 2, seed=1)
@@ -389,7 +389,7 @@ def test_a_manifold_mesh_file_must_be_a_sphere(tmp_path):
     from mpi4py import MPI
     import dolfinx.io
     from pdeformer.fem.mesh import make_mesh, sphere_mesh, token_dim
-    from pdeformer.tools.config import options
+    from pdeformer.model.schema import options
     from pdeformer.tools.errors import InputError
     comm = MPI.COMM_WORLD
     for name, stretch in (("round", 1.0), ("stretched", 1.1)):

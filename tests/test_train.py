@@ -172,7 +172,8 @@ def test_restart_refuses_checkpoints_of_another_shape_or_without_metadata(tmp_pa
     """Wrong shapes (Q of one layer, Adam moments of another size), wrong kinds (a float
     step count, integer heads), non-finite heads, no fingerprint, a step that is not a count, a missing array: each an InputError naming
     the file and what is wrong; the checkpoint as written is read back."""
-    from pdeformer.tools.config import load_config, options
+    from pdeformer.model.config import load_config
+    from pdeformer.model.schema import options
     from pdeformer.tools.errors import InputError
     from pdeformer.model.heads import HeadMeasure
     from pdeformer.solvers import train
@@ -226,7 +227,8 @@ def test_restart_from_a_checkpoint_of_one_layer_ends_with_one_line(tmp_path):
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     """A failure (a kill) during the write leaves the previous checkpoint readable."""
-    from pdeformer.tools.config import load_config, options
+    from pdeformer.model.config import load_config
+    from pdeformer.model.schema import options
     from pdeformer.model.heads import HeadMeasure
     from pdeformer.solvers import train
     cfg = load_config(write_config(tmp_path, CONFIG))
@@ -318,7 +320,8 @@ def test_checkpoints_of_other_objectives_keep_their_fingerprint(tmp_path):
     do not enter the fingerprint of other objectives: a checkpoint written before them
     still restarts. With kind = interaction they do (changing them is another problem)."""
     import json
-    from pdeformer.tools.config import load_config, options
+    from pdeformer.model.config import load_config
+    from pdeformer.model.schema import options
     from pdeformer.solvers.train import fingerprint
     cfg = load_config(write_config(tmp_path, CONFIG))
     before = {k: v for k, v in cfg["objective"].items() if k not in ("interaction", "softening")}

@@ -14,7 +14,8 @@ pytestmark = [requires_dolfinx]
 def make_solver(tmp_path, *, lower, upper, cells, cell=None, degree=1, heads=None,
                 prompt=None, disc=None, attention=None):
     from mpi4py import MPI
-    from pdeformer.tools.config import check_config, options
+    from pdeformer.model.config import check_config
+    from pdeformer.model.schema import options
     from pdeformer.solvers.forward import ForwardSolver
     from pdeformer.solvers.problem import Problem
     from pdeformer.fem.mesh import make_mesh
@@ -261,7 +262,7 @@ def test_fixed_steps_per_layer(tmp_path):
     assert all(abs(dt - 1 / 24) < 1e-15 for _, dt, _ in steps)
     from pdeformer.tools.errors import ConfigError
     with pytest.raises(ConfigError, match="^output.frames_per_layer: 5 does not divide"):
-        from pdeformer.tools.config import check_config
+        from pdeformer.model.config import check_config
         from pdeformer.solvers.problem import build_problem
         from mpi4py import MPI
         raw = {"mesh": {"lower": [-1.0], "upper": [1.0], "cells": [4]},
@@ -312,7 +313,7 @@ GHOSTS_SCRIPT = r'''
 import json, sys
 import numpy as np
 from mpi4py import MPI
-from pdeformer.tools.config import load_config
+from pdeformer.model.config import load_config
 from pdeformer.solvers.forward import ForwardSolver
 from pdeformer.solvers.problem import build_problem
 

@@ -21,7 +21,7 @@ from ..solvers.forward import ForwardSolver, Tracker
 from ..solvers.problem import build_problem
 from ..solvers.snapshots import FieldSnapshots, MeshCells, TokenSnapshots
 from ..solvers.trackers import FieldOutput, frame_diagnostics
-from ..tools.config import check_config
+from ..model.config import check_config
 from .objects import DG, Objective, Particles, Prompt, Transformer
 
 

@@ -66,7 +66,8 @@ import os
 import numpy as np
 
 from ..fem import _dolfinx as dfx
-from ..tools.config import Key, integer, load_config, path, positive_int_list, string
+from ..model.config import load_config
+from ..tools.keys import Key, integer, path, positive_int_list, string
 from .converge import COLUMNS, ensemble_matrix, error_rows, run_ensemble
 from .study import (check_members_differ, describe_reference, override_strings, prepare, read_study_file, size_of,
                     study_inputs)

@@ -23,6 +23,7 @@ import sys
 
 from .. import __version__
 from ..tools.errors import ConfigError, PdeformerError
+from ..tools.outdir import PICTURE_FORMATS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -167,7 +168,7 @@ def _add_plot(sub) -> None:
                     "them when it ends unless [output] plots = false.",
         epilog="example: pdeformer plot runs/output/default --format svg")
     c.add_argument("run_dir", metavar="RUN_DIR", help="the output folder of a run")
-    c.add_argument("--format", choices=("png", "svg"), default=None,
+    c.add_argument("--format", choices=PICTURE_FORMATS, default=None,
                    help="image format (default: the run's [output] plot_format, else png)")
     c.add_argument("--out", metavar="DIR", default=None,
                    help="write the pictures and paraview.py here (default: RUN_DIR)")
@@ -225,7 +226,7 @@ def _caches(comm) -> list[str]:
 
 def _run(args, comm, notes=()) -> int:
     import logging
-    from ..tools.config import load_config
+    from ..model.config import load_config
     from ..tools.parallel import setup_logging
     setup_logging(comm, logging.WARNING if args.quiet else logging.INFO)
     if comm.rank == 0:

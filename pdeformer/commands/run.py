@@ -39,7 +39,7 @@ from ..attention.costs import costs_record, machine_costs
 from ..tools.blas import describe_choice
 from ..solvers.budget import check_memory, room_for_tape
 from ..tools.machine import peak_memory
-from ..tools.config import input_files
+from ..model.config import input_files
 from ..tools.errors import ConfigError, PdeformerError, SolverBreakdown, status_of
 from ..model import params as tree
 from ..solvers.forward import ForwardSolver, Tracker

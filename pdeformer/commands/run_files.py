@@ -17,8 +17,8 @@ import numpy as np
 from ..model import params as tree
 from ..tools.errors import InputError
 from ..tools.files import TEXT_FILE, load_npz, npz_names, read_text
+from ..tools.outdir import PICTURE_FORMATS as FORMATS   # the pictures' formats
 
-FORMATS = ("png", "svg")   # the pictures' formats
 # (a run's files are named by their path alone: the readers get no config key, "")
 
 

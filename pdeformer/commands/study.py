@@ -13,7 +13,9 @@ import json
 import math
 import os
 
-from ..tools.config import Key, check_table, integer, load_config, number, path, string
+from ..model.config import input_files, load_config
+from ..tools.keys import Key, check_table, integer, number, path, string
+from ..tools.tomlfile import apply_override, parse_override, read_toml
 from ..tools.errors import ConfigError
 
 
@@ -147,11 +149,10 @@ def read_study_file(filename: str, section: str, keys: dict, overrides=()) -> tu
     """The checked ``[section]`` table of a study-like file (with ``--set`` overrides) and
     its folder; ``run`` made absolute, ``output_dir`` ([output] dir, default
     output/<file name> beside the file) and ``<section>_file`` added."""
-    from ..tools.config import apply_override, parse_override, read_toml
     raw = read_toml(filename, f"{section} file")
     base = os.path.dirname(os.path.abspath(filename))
     for text in overrides:
-        apply_override(raw, *parse_override(text), os.getcwd(), base)
+        apply_override(raw, *parse_override(text), os.getcwd(), base, lambda parts: parts == ("output", "dir"))
     for k in raw:
         if k not in (section, "output"):
             raise ConfigError(k, f"unknown section (a {section} file has [{section}] and [output])")
@@ -351,7 +352,6 @@ def check_reference(study: dict, case: dict, ref: dict) -> None:
 def study_inputs(cfgs: list, reference_cfgs) -> list:
     """[(key, path)] of the files the runs of a study read, their configs among them
     (pdeformer.tools.outdir keeps them where they are)."""
-    from ..tools.config import input_files
     runs = [c for member in cfgs for c in member] + list(reference_cfgs or ())
     return sorted({kp for c in runs for kp in input_files(c)})
 

@@ -25,18 +25,12 @@ import dolfinx.io
 import dolfinx.mesh
 
 from . import _dolfinx as dfx
-from ..model.geometry import Geometry, geometry_of_points
+from ..model.geometry import CELLS, Geometry, geometry_of_points
 from ..tools.errors import InputError
 from ..tools.files import XDMF_BYTES, open_regular, read_bytes
 from ..tools.parallel import on_root
 
-CELL_TYPES = {
-    "interval": dolfinx.mesh.CellType.interval,
-    "triangle": dolfinx.mesh.CellType.triangle,
-    "quadrilateral": dolfinx.mesh.CellType.quadrilateral,
-    "tetrahedron": dolfinx.mesh.CellType.tetrahedron,
-    "hexahedron": dolfinx.mesh.CellType.hexahedron,
-}
+CELL_TYPES = {c: getattr(dolfinx.mesh.CellType, c) for cs in CELLS.values() for c in cs}   # [mesh] cell
 
 
 def reproducible_partition() -> None:
@@ -249,7 +243,7 @@ def read_mesh(comm, filename: str, name: str = "mesh"):
 
 
 def make_mesh(comm, opts):
-    """The mesh of the ``[mesh]`` options (config.SECTIONS["mesh"])."""
+    """The mesh of the ``[mesh]`` options (pdeformer.model.schema.MeshOptions)."""
     if opts.file is not None:
         mesh = read_mesh(comm, opts.file, opts.name)
         where = f"mesh.file: {opts.file}"

@@ -23,6 +23,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..tools.keys import Key, string
+
 
 @dataclass(frozen=True)
 class SSPScheme:
@@ -75,6 +77,18 @@ SCHEMES: dict[str, SSPScheme] = {
                         ((1.0,), (0.0, 0.25), (0.0, 0.0, 2 / 3))),
     "ssprk104": _ketcheson_10_4(),
 }
+
+AUTO = "auto"
+
+
+def auto_scheme(degree: int) -> str:
+    """The scheme ``auto`` stands for with DG degree k: the one of order k + 1, the
+    order of the space discretisation."""
+    return next(name for name, s in SCHEMES.items() if s.order == degree + 1)
+
+
+# [discretisation] scheme: a scheme of SCHEMES, or auto
+SCHEME_KEY = Key(string((AUTO, *SCHEMES)), AUTO, "SSP Runge-Kutta scheme (auto: order degree+1)")
 
 State = Sequence[np.ndarray]
 

@@ -10,7 +10,8 @@ solvers call these rather than test which class they hold; a mesh's geometry com
 from its points (:func:`geometry_of_points`), a built-in mesh's also from its
 ``[mesh]`` table (:func:`geometry_of_config`). A new geometry (e.g. a torus) is one
 class here, registered in :data:`MANIFOLDS` (recognised from a mesh's points) and, for a
-built-in mesh, in :data:`SHAPES` (docs/architecture.md)."""
+built-in mesh, in :data:`SHAPES` (docs/architecture.md), whose names the ``[mesh]``
+table (:data:`MESH_KEYS`, checked by :func:`check_mesh_table`) takes."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ..tools.charts import CHART_BOX, chart
+from ..tools.errors import ConfigError
+from ..tools.keys import Key, integer, number, number_list, path, positive_int_list, string
 
 FOURIER_MODES = 3   # on a circle: |rho_hat_l| for l = 1..3 in the diagnostics
 
@@ -266,3 +269,94 @@ def geometry_of_config(mesh: dict) -> Geometry | None:
     if mesh.get("file") is not None:
         return None
     return SHAPES[mesh.get("shape") or "box"](mesh)
+
+
+# ----------------------------------------------------------------------------------
+# the [mesh] table: a mesh file, or a built-in mesh of a shape in SHAPES
+
+CELLS = {1: ("interval",), 2: ("triangle", "quadrilateral"), 3: ("tetrahedron", "hexahedron")}
+
+# Circle and sphere radii R that run: a sphere's cell areas come from 4th powers of its
+# edges (down to R / 300 at 9 refinements), its density is 1/(4 pi R^2) and its moments'
+# risks square R^2, all within the doubles' range for R in [1e-50, 1e50] (tested at both
+# ends; at 1e-100 the areas underflow to 0, at 1e70 a moments risk overflows).
+RADIUS_LIMITS = (1e-50, 1e50)
+RADIUS_WHY = (" (a sphere's cell areas, its density 1/(4 pi R^2) and its moments must stay within "
+              "double precision; scale the problem to a radius near 1)")
+
+MESH_KEYS = {
+    "file": Key(path, None, "mesh file (XDMF), instead of a built-in box"),
+    "name": Key(string(), "mesh", "name of the mesh grid in the XDMF file"),
+    "lower": Key(number_list(), None, "lower corner of the built-in box"),
+    "upper": Key(number_list(), None, "upper corner of the built-in box"),
+    "cells": Key(positive_int_list, None, "cells per direction of the built-in box"),
+    "cell": Key(string(tuple(c for cs in CELLS.values() for c in cs)), None,
+                "cell type of the built-in box (default: simplices)"),
+    "shape": Key(string(tuple(SHAPES)), "box", "built-in domain: a box (lower, upper, cells), a "
+                 "circle (cells = [n]) or a sphere (refinements), about the origin"),
+    "radius": Key(number(positive=True, lo=RADIUS_LIMITS[0], hi=RADIUS_LIMITS[1], why=RADIUS_WHY), 1.0,
+                  "radius of the circle or sphere"),
+    "refinements": Key(integer(0, 9), None, "sphere: the icosahedron refined this often "
+                       "(20 * 4^r triangles)"),
+}
+
+
+def check_mesh_table(m: dict) -> None:
+    """The checked ``[mesh]`` table's keys together: a file or a built-in shape and the
+    keys of that shape alone; a box's cell type filled in (simplices)."""
+    if m["file"] is not None:
+        _check_mesh_file(m)
+    elif m["shape"] != "box":
+        _check_manifold(m)
+    else:
+        _check_box(m)
+
+
+def _check_mesh_file(m: dict) -> None:
+    """A mesh file: no built-in box or shape."""
+    box = [k for k in ("lower", "upper", "cells") if m[k] is not None]
+    if box or m["cell"] is not None:
+        k = box[0] if box else "cell"
+        raise ConfigError(f"mesh.{k}", "give either mesh.file or a built-in box, not both")
+    if m["shape"] != "box":
+        raise ConfigError("mesh.shape", "give either mesh.file or a built-in shape, not both")
+    for k in ("radius", "refinements"):
+        if m[k] != MESH_KEYS[k].default:
+            raise ConfigError(f"mesh.{k}", "not with mesh.file (a sphere's radius is read from it)")
+
+
+def _check_box(m: dict) -> None:
+    """A box: lower, upper and cells of one dimension d, upper above lower, a d-D cell."""
+    for k in ("radius", "refinements"):
+        if m[k] != MESH_KEYS[k].default:
+            raise ConfigError(f"mesh.{k}", "only for shape = \"circle\" or \"sphere\"")
+    for k in ("lower", "upper", "cells"):
+        if m[k] is None:
+            raise ConfigError(f"mesh.{k}", "missing: give mesh.file or mesh.lower, mesh.upper and mesh.cells")
+    d = len(m["lower"])
+    for k in ("upper", "cells"):
+        if len(m[k]) != d:
+            raise ConfigError(f"mesh.{k}", f"expected {d} entries like mesh.lower, got {len(m[k])}")
+    for i, (a, b) in enumerate(zip(m["lower"], m["upper"])):
+        if not b > a:
+            raise ConfigError("mesh.upper", f"upper[{i}] = {b} is not above lower[{i}] = {a}")
+    if m["cell"] is None:
+        m["cell"] = CELLS[d][0]
+    elif m["cell"] not in CELLS[d]:
+        raise ConfigError("mesh.cell", f"{m['cell']!r} is not a {d}-D cell (use {' or '.join(CELLS[d])})")
+
+
+def _check_manifold(m: dict) -> None:
+    """A circle (cells = [n], n >= 3) or a sphere (refinements): no box keys."""
+    shape = m["shape"]
+    for k in ("lower", "upper", "cell") + (("cells",) if shape == "sphere" else ()):
+        if m[k] is not None:
+            raise ConfigError(f"mesh.{k}", f"not for shape = {shape!r} (a {shape} about the origin "
+                              "of mesh.radius)")
+    if shape == "circle":
+        if m["refinements"] is not None:
+            raise ConfigError("mesh.refinements", "only for shape = \"sphere\" (a circle takes cells = [n])")
+        if m["cells"] is None or len(m["cells"]) != 1 or m["cells"][0] < 3:
+            raise ConfigError("mesh.cells", f"a circle takes cells = [n] with n >= 3, got {m['cells']}")
+    elif m["refinements"] is None:
+        raise ConfigError("mesh.refinements", "missing: a sphere takes refinements = r (20 * 4^r triangles)")

@@ -16,12 +16,34 @@ import numpy as np
 from ..attention.softmax import attention_matrices
 from ..tools.errors import ConfigError, InputError
 from ..tools.files import load_npz, npz_names
+from ..tools.keys import Key, integer, number, path, string
 from .params import register_block
 
 BLOCK = "attention"         # the heads' block of the model's parameter tree
 ARRAYS = ("Q", "K", "V")    # what a parameter file (model.params, data.teacher) holds
 # why arrays a user may expect to work are refused
 UNSUPPORTED = {"weights": " (heads are averaged with weight 1/H)"}
+DEPTHS = ("iid", "smooth")  # how random heads vary with depth (HeadMeasure.random)
+
+# The [model] table: the head measure's sizes, and its parameters read from a file or
+# drawn (HeadMeasure.random), or the data set's teacher's
+MODEL_KEYS = {
+    "layers": Key(integer(1, 10**5), None, "number of layers L"),
+    "heads": Key(integer(1, 10**5), None, "heads per layer H"),
+    "key_dim": Key(integer(1, 1024), None, "key dimension k (default: d)"),
+    "params": Key(path, None, "head parameters .npz with Q (L,H,k,d), K (L,H,k,d), V (L,H,d,d)"),
+    "seed": Key(integer(0, 2**63 - 1), 0, "seed of the random heads"),
+    "init_scale": Key(number(positive=True), 1.0, "Q, K, V entries ~ N(0, init_scale^2 / d)"),
+    "query_scale": Key(number(nonnegative=True), None,
+                       "scale of Q (default init_scale; 0: uniform attention)"),
+    "depth": Key(string(DEPTHS), "iid",
+                 "random heads independent per layer, or linear in depth per head"),
+    "init": Key(string(("random", "teacher")), "random",
+                "the heads at the start: drawn (or model.params), or the data set's teacher's "
+                "plus init_noise (a student near the teacher)"),
+    "init_noise": Key(number(nonnegative=True), 0.0,
+                      "init = 'teacher': every entry of Q, K, V moves by init_noise N(0, 1)"),
+}
 
 
 @dataclass

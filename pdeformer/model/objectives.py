@@ -15,10 +15,11 @@ derivative dF/drho_q at the rank's own points, from which the adjoint starts.
   Gaussian W = weight exp(-|r|^2 / (2 width^2)) or a softened Coulomb-like
   W = weight / sqrt(|r|^2 + softening^2) (no target).
 
-Each objective is a class registered by its ``kind`` (:func:`register`): the config's
-``objective.kind`` accepts it and :func:`make_objective` builds it, so a new objective is
-a class here plus its keys in the config schema. Pure numpy (plus MPI reductions):
-testable without dolfinx.
+Each objective is a class registered by its ``kind`` (:func:`register`) that declares
+its ``[objective]`` keys (``keys``) and the targets it compares with: the config's
+``objective.kind`` accepts it, :func:`objective_keys` makes the ``[objective]`` table of
+the registered classes' keys and :func:`make_objective` builds it, so a new objective is
+a class here. Pure numpy (plus MPI reductions): testable without dolfinx.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..tools.errors import ConfigError
+from ..tools.keys import REQUIRED, Key, array, array_or_number, integer, merge_keys, number, number_list, string
 from ..tools.parallel import allgather_rows, moment_sums
 
 POTENTIALS = ("quadratic", "linear", "gaussian")
@@ -68,7 +70,6 @@ def check_bandwidth(bandwidth: float, diameter: float | None = None, cell: float
                                "across the whole mesh, so the MMD would see the total masses alone")
 
 
-DENSITY_TARGETS = ("gaussian_mixture", "uniform", "file")   # target kinds that are densities
 OBJECTIVES: dict[str, type] = {}
 
 
@@ -79,17 +80,36 @@ def register(cls):
     return cls
 
 
+def objective_keys() -> dict[str, Key]:
+    """The ``[objective]`` table: ``kind`` (a registered objective), the keys the
+    registered classes declare (a key two of them read, like ``weight``, is one Key:
+    :func:`pdeformer.tools.keys.merge_keys`) and ``quadrature_degree``."""
+    return {"kind": Key(string(lambda: tuple(OBJECTIVES)), None,
+                        "risk per prompt: a registered objective (pdeformer.model.objectives: potential, ...)"),
+            **merge_keys(cls.keys for cls in OBJECTIVES.values()),
+            "quadrature_degree": Key(integer(1, 20), None, "quadrature of rho_1 in the objective")}
+
+
+# [objective] keys that two objectives read
+WEIGHT = Key(number(), 1.0, "strength of the quadratic/gaussian potential or of W (interaction)")
+WIDTH = Key(number(positive=True), 1.0, "width of the gaussian potential or W (interaction)")
+
+
 class Objective:
     """F(rho_1) of one prompt: ``value_and_gradient`` on the rank's quadrature points
     (F on every rank, dF/drho_q at its own points) and, where tokens can be compared,
     ``particle_value_and_gradient`` on weighted tokens (F, dF/dx_i).
 
-    Class attributes: ``kind`` (the config's name), ``targets`` (the target kinds it
-    compares with; empty: it needs none), ``adjoint_knob`` (the setting that scales F,
-    named when an adjoint overflows from F's own size), ``checks_mesh`` (whether
-    :meth:`check_mesh` has something to check)."""
+    Class attributes: ``kind`` (the config's name), ``keys`` (its ``[objective]`` keys
+    beside ``kind`` and ``quadrature_degree``), ``targets`` (the sorts of target it
+    compares with: "moments" (a mean and a covariance), "density" or "points", the sort
+    each prompt kind declares, :class:`pdeformer.model.prompts.PromptKind`; empty: it
+    needs none), ``adjoint_knob`` (the setting that scales F, named when an adjoint
+    overflows from F's own size), ``checks_mesh`` (whether :meth:`check_mesh` has
+    something to check)."""
 
     kind = ""
+    keys: dict[str, Key] = {}
     targets: tuple = ()
     adjoint_knob = "the objective's target"
     checks_mesh = False
@@ -98,7 +118,7 @@ class Objective:
 
     @classmethod
     def from_config(cls, opts, d: int) -> "Objective":
-        """The objective of the ``[objective]`` options (config.SECTIONS) for tokens in R^d."""
+        """The objective of the ``[objective]`` options (pdeformer.model.schema.SECTIONS) for tokens in R^d."""
         return cls()
 
     @classmethod
@@ -127,6 +147,13 @@ def _sum(comm, local):
 @register
 class Potential(Objective):
     kind = "potential"
+    keys = {
+        "potential": Key(string(POTENTIALS), "quadratic", "named potential U"),
+        "center": Key(number_list(), None, "centre of the quadratic/gaussian potential (default 0)"),
+        "weight": WEIGHT,
+        "direction": Key(number_list(), None, "direction of the linear potential"),
+        "width": WIDTH,
+    }
     adjoint_knob = "objective.weight"
 
     def __init__(self, potential: str, center, weight: float, direction=None, width: float = 1.0):
@@ -189,9 +216,17 @@ class Potential(Objective):
         return float(F), w[:, None] * dU
 
 
+# A moments target: a prompt's ``target = { mean = [...], cov = [...] }`` (no kind)
+MOMENTS_TARGET_KEYS = {
+    "mean": Key(array, REQUIRED, "target mean (a d-vector)"),
+    "cov": Key(array_or_number, REQUIRED, "target covariance (d x d, or a variance)"),
+}
+
+
 @register
 class Moments(Objective):
-    """Mean and covariance of the normalised density against a target (mean, cov)."""
+    """Mean and covariance of the normalised density against a target (mean, cov:
+    MOMENTS_TARGET_KEYS)."""
 
     kind = "moments"
     targets = ("moments",)
@@ -261,7 +296,7 @@ def _moment_vector(mean: np.ndarray, cov: np.ndarray) -> np.ndarray:
 @register
 class L2(Objective):
     kind = "l2"
-    targets = DENSITY_TARGETS
+    targets = ("density",)
 
     @staticmethod
     def quadrature_degree(degree: int) -> int:
@@ -317,7 +352,8 @@ class MMD(Objective):
     (gathered) in row chunks of about ``chunk_mb`` megabytes."""
 
     kind = "mmd"
-    targets = DENSITY_TARGETS + ("points",)
+    keys = {"bandwidth": Key(number(positive=True), None, "Gaussian kernel bandwidth of mmd")}
+    targets = ("density", "points")
     checks_mesh = True
 
     def __init__(self, bandwidth: float, chunk_mb: float = 8.0):
@@ -414,6 +450,13 @@ class Interaction(Objective):
     The pair sums run over all ranks' points (gathered), like mmd's."""
 
     kind = "interaction"
+    keys = {
+        "weight": WEIGHT,
+        "width": WIDTH,
+        "interaction": Key(string(("gaussian", "coulomb")), "gaussian",
+                           "interaction W: weight exp(-|r|^2/(2 width^2)) or weight/sqrt(|r|^2 + softening^2)"),
+        "softening": Key(number(positive=True), 0.1, "softening of the coulomb interaction"),
+    }
     adjoint_knob = "objective.weight"
     own_keys = ("interaction", "softening")
 

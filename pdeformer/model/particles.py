@@ -38,9 +38,9 @@ import math
 import numpy as np
 from mpi4py import MPI
 
-from ..tools.config import PARTICLE_STEPS_PER_LAYER
 from ..tools.datasets import chosen_prompts, readdressed
 from ..tools.errors import ConfigError, InputError, SolverBreakdown
+from ..tools.keys import Key, boolean, integer
 from ..integrator.frames import Frame, Tracker, located
 from .params import Gradient, leaves, tree_map
 from ..integrator.march import FixedSteps, march, sweep_back, tape_nbytes
@@ -58,6 +58,18 @@ log = logging.getLogger("pdeformer")
 # sequence with zeros: (s, 0) and (s, 0, 0) are one stream), e.g. across the members of
 # an ensemble that offsets both seeds.
 TOKEN_STREAM = 0x746F6B656E     # "token"
+
+PARTICLE_STEPS_PER_LAYER = 10    # [particles] steps_per_layer where neither section sets it
+
+# The [particles] table
+PARTICLES_KEYS = {
+    "tokens": Key(integer(1, 10**8), 10000, "tokens N sampled from each prompt"),
+    "seed": Key(integer(0, 2**63 - 1), 0, "seed of the token samples"),
+    "steps_per_layer": Key(integer(1, 10**7), None,
+                           "steps per layer (default: discretisation.steps_per_layer or "
+                           f"{PARTICLE_STEPS_PER_LAYER})"),
+    "points": Key(boolean, True, "write the tokens at every layer boundary (tokens_<prompt>.pvd)"),
+}
 
 
 def weighted_moments(comm, x: np.ndarray, w: np.ndarray, centre: np.ndarray):

@@ -26,6 +26,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from ..tools.errors import ConfigError
+from ..tools.keys import REQUIRED, Key, array, path
 from .geometry import Flat, Geometry
 from .prompt_files import PointCloud, PointDensity, normalised
 
@@ -336,18 +337,52 @@ def point_cloud(spec: dict, d: int, key: str) -> "PointCloud":
     return PointCloud(points, w)
 
 
+class PromptKind(NamedTuple):
+    """A prompt kind as the configuration knows it: the keys of its ``[[prompts]]``
+    table (or of a target of the kind) beside ``kind``, ``name`` and ``target``, and the
+    sort of target it is to an objective (:attr:`pdeformer.model.objectives.Objective.targets`):
+    "density", "points", or None where it fits no objective."""
+
+    keys: dict[str, Key]
+    target: str | None = None
+
+
+# The prompt kinds of R^d, in the order the configuration lists kinds (those of a
+# circle or sphere: pdeformer.model.sphere_prompts.SPHERE_PROMPTS). A new kind is its
+# keys here or there and a builder in the tables of prompt_kinds.
+FLAT_PROMPTS = {
+    "gaussian_mixture": PromptKind({
+        "weights": Key(array, None, "mixture weights (positive; normalised)"),
+        "means": Key(array, REQUIRED, "component means, one d-vector each"),
+        "covs": Key(array, REQUIRED, "component covariances: d x d matrices or variances"),
+    }, target="density"),
+    "uniform": PromptKind({
+        "lower": Key(array, None, "lower corner of the box (flat meshes; not on a sphere)"),
+        "upper": Key(array, None, "upper corner of the box"),
+    }, target="density"),
+    "file": PromptKind({
+        "path": Key(path, REQUIRED, ".npz (points, density) or .csv (x0..,density)"),
+    }, target="density"),
+    "points": PromptKind({
+        "path": Key(path, None, ".npz (points, weights) or .csv (x0..[,weight]): a point cloud"),
+        "points": Key(array, None, "the points, d-vectors (instead of path)"),
+        "weights": Key(array, None, "with points: their weights (default equal; normalised)"),
+    }, target="points"),
+}
+
 # prompt kind -> its builder (spec, d, key, geometry) on a flat mesh; a sphere's are
-# pdeformer.model.sphere_prompts.SPHERE_KINDS. A new kind is a builder in each table of
-# prompt_kinds and its keys in the config schema.
-FLAT_KINDS = {"gaussian_mixture": _gaussian_mixture, "uniform": _uniform, "file": _file,
-              "points": _points, "von_mises_fisher": _sphere_kind("von_mises_fisher"),
-              "harmonics": _sphere_kind("harmonics")}
+# pdeformer.model.sphere_prompts.SPHERE_KINDS, and the kinds only a sphere has are
+# refused here (prompt_kinds).
+FLAT_KINDS = {"gaussian_mixture": _gaussian_mixture, "uniform": _uniform, "file": _file, "points": _points}
 
 
 def prompt_kinds(geometry: Geometry) -> dict:
-    """The builders of the prompt kinds on the geometry (by its ``family``)."""
+    """The builders of the prompt kinds on the geometry (by its ``family``): on a flat
+    mesh those of FLAT_KINDS, and for the kinds only a sphere has, a ConfigError."""
     from .sphere_prompts import SPHERE_KINDS     # (its kinds build on this module's helpers)
-    return {"flat": FLAT_KINDS, "sphere": SPHERE_KINDS}[geometry.family]
+    if geometry.family == "sphere":
+        return SPHERE_KINDS
+    return {**FLAT_KINDS, **{k: _sphere_kind(k) for k in SPHERE_KINDS if k not in FLAT_KINDS}}
 
 
 def make_prompt(spec: dict, d: int, index: int, key: str | None = None, geometry: Geometry | None = None):

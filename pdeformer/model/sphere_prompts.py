@@ -10,6 +10,7 @@ with respect to its arc length or area, written through the unit vector u = x / 
   triangulation of them;
 * ``points``: a point cloud, brought onto the sphere by radial projection.
 
+:data:`SPHERE_PROMPTS` declares the kinds only a circle or sphere has (their keys),
 :data:`SPHERE_KINDS` maps each kind to its builder (:func:`pdeformer.model.prompts.make_prompt`
 picks it for a sphere); the flat kinds (``gaussian_mixture``) are refused with the kind
 that takes their place (docs/sphere.md).
@@ -22,9 +23,10 @@ import math
 import numpy as np
 
 from ..tools.errors import ConfigError, InputError
+from ..tools.keys import REQUIRED, Key, array
 from .geometry import Sphere
 from .prompt_files import normalised, read_point_data
-from .prompts import (MIN_SIGMA_CELLS, DensityParts, balanced_sum, checked_weights, mixture_parts,
+from .prompts import (MIN_SIGMA_CELLS, DensityParts, PromptKind, balanced_sum, checked_weights, mixture_parts,
                       narrowest, point_cloud, vector_list)
 
 
@@ -449,3 +451,17 @@ def _points(spec: dict, d: int, key: str, sphere: Sphere):
 SPHERE_KINDS = {"gaussian_mixture": _flat_kind("gaussian_mixture", "von_mises_fisher (its spherical counterpart)"),
                 "uniform": _uniform, "file": _file, "points": _points,
                 "von_mises_fisher": _von_mises_fisher, "harmonics": _harmonics}
+
+
+# The prompt kinds only a circle or sphere has (pdeformer.model.prompts.PromptKind; the
+# kinds both have are declared in pdeformer.model.prompts.FLAT_PROMPTS).
+SPHERE_PROMPTS = {
+    "von_mises_fisher": PromptKind({
+        "weights": Key(array, None, "mixture weights (positive; normalised)"),
+        "means": Key(array, REQUIRED, "mean directions, one d-vector each (normalised)"),
+        "concentrations": Key(array, REQUIRED, "concentration kappa >= 0 of each component"),
+    }),
+    "harmonics": PromptKind({
+        "coefficients": Key(array, REQUIRED, "[[l, m, c], ...]: rho = (1 + sum c Y_lm) / |S|"),
+    }),
+}

@@ -32,6 +32,7 @@ from mpi4py import MPI
 
 from ..attention.softmax import Sources, VelocityCotangent, partial_sums, value_gain
 from ..tools.errors import ConfigError, SolverBreakdown
+from ..tools.keys import Key, number, string
 from .heads import HeadMeasure, query_key_derivatives
 from .kernels import Softmax
 from ..attention.laplace import (LaplaceTable, TablePlan, TablePlanner, direct_seconds,
@@ -105,6 +106,31 @@ def register_backend(cls):
     """Make a way to sum known by its ``name`` (``[attention] backend``)."""
     BACKENDS[cls.name] = cls
     return cls
+
+
+# The smallest attention.tol: a laplace table's values carry the rounding of its panel
+# sums, amplified by the variation e^{2 beta} = e^6 of e^{b y} over a panel: up to
+# 400 x 2^-52 = 9e-14 of their size (pdeformer.attention.laplace.PANEL_ROUNDING), which its error
+# estimate (the Chebyshev coefficients' tail) does not see. A smaller tol cannot be
+# certified; asked for one, 'laplace' stopped with status 3 after tables up to n = 1025
+# (estimates bottom out at 1e-14..5e-10 there: the tail of round-off coefficients) and
+# 'auto' searched in vain at every evaluation. Exact sums are attention.backend = "direct".
+TOL_MIN = 1e-13
+TOL_WHY = (" (a laplace table's values carry rounding of about 1e-13 of their size, so no "
+           "smaller error can be certified; for exact sums set attention.backend = 'direct')")
+
+# The [attention] table: the backend (a name in BACKENDS) and the options of the sums.
+ATTENTION_KEYS = {
+    "backend": Key(string(lambda: tuple(BACKENDS)), "auto",
+                   "direct summation, a log-Laplace table (d <= 3), or auto"),
+    "tol": Key(number(positive=True, lo=TOL_MIN, hi=1e-1, why=TOL_WHY), 1e-8,
+               "accuracy of the laplace table (relative to its values' size)"),
+    "chunk_mb": Key(number(positive=True, hi=4096), 2.0, "working memory of one kernel chunk (MB)"),
+    "beta": Key(number(positive=True), 1.0, "inverse temperature: scores beta <A x, y>"),
+    "tape_mb": Key(number(nonnegative=True, hi=1e7), 256.0,
+                   "laplace tables a gradient keeps per rank and prompt for its adjoint (MB); "
+                   "past it the adjoint builds them again"),
+}
 
 
 @register_backend

@@ -43,7 +43,7 @@ import math
 import xml.etree.ElementTree as ET
 
 from ..integrator.schemes import SCHEMES
-from ..tools.config import PARTICLE_STEPS_PER_LAYER
+from ..model.particles import PARTICLE_STEPS_PER_LAYER
 from ..tools.datasets import teacher_given
 from ..tools.errors import ConfigError, InputError
 from ..tools.machine import available_memory

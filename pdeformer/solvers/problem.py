@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..tools.config import Options, options
+from ..model.schema import Options, options
 from ..tools.errors import ConfigError, PdeformerError, within
 from ..attention.costs import machine_costs
 from ..model.geometry import Geometry

@@ -46,7 +46,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ..tools.config import batches_per_epoch, options
+from ..model.config import batches_per_epoch
+from ..model.schema import options
 from ..tools.datasets import data_set_given, teacher_given
 from ..tools.errors import ConfigError, InputError, PdeformerError, SolverBreakdown, reworded
 from ..tools.files import load_npz, open_regular

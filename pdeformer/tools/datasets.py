@@ -31,6 +31,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from .errors import ConfigError, InputError
+from .keys import Key, integer, number, number_list, path, returns, string
 
 FAMILIES = ("gaussian_mixture", "von_mises_fisher")
 FLAT_FAMILY, SPHERE_FAMILY = FAMILIES
@@ -61,6 +62,7 @@ def _range(data: dict, key: str, positive: bool = False) -> tuple[float, float]:
     return float(v[0]), float(v[1])
 
 
+@returns(list[int])
 def component_range(key: str, v) -> list[int]:
     """``data.components``: [min, max], integers with 1 <= min <= max."""
     if not (isinstance(v, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in v)):
@@ -68,6 +70,32 @@ def component_range(key: str, v) -> list[int]:
     if len(v) != 2 or v[0] > v[1]:
         raise ConfigError(key, f"expected [min, max] with 1 <= min <= max, got {v}")
     return list(v)
+
+
+# The [data] table: a drawn data set (its family a name of FAMILIES), a folder, a teacher
+DATA_KEYS = {
+    "count": Key(integer(0, 10**6), 0, "draw this many prompts from a seeded family instead of "
+                 "[[prompts]] (pdeformer.tools.datasets)"),
+    "family": Key(string(FAMILIES), FLAT_FAMILY,
+                  "gaussian_mixture (flat meshes) or von_mises_fisher (circle, sphere)"),
+    "components": Key(component_range, [1, 3], "fewest and most mixture components, [min, max]"),
+    "mean_range": Key(number_list((2, 2)), [-1.0, 1.0],
+                      "gaussian_mixture: every coordinate of a mean uniform in [lo, hi]"),
+    "std_range": Key(number_list((2, 2)), [0.3, 0.6],
+                     "gaussian_mixture: each component's standard deviation uniform in [lo, hi]"),
+    "concentration_range": Key(number_list((2, 2)), [2.0, 10.0],
+                               "von_mises_fisher: each concentration uniform in [lo, hi]"),
+    "seed": Key(integer(0, 2**63 - 1), 0, "seed of the data set"),
+    "teacher": Key(path, None, "targets from a teacher: its heads (.npz, as model.params); "
+                   "each prompt's target is the teacher's output for it"),
+    "teacher_seed": Key(integer(0, 2**63 - 1), None,
+                        "targets from a random teacher of the model's sizes drawn with this seed"),
+    "folder": Key(path, None, "a data set read from files: every .npz or .csv file of this "
+                  "folder is a prompt (a density, or a point cloud), in name order; a file of "
+                  "the same name in its subfolder targets/ is that prompt's target"),
+    "test_fraction": Key(number(nonnegative=True, hi=0.9), 0.0,
+                         "hold out the last round(fraction x S) prompts: a test risk, not trained on"),
+}
 
 
 def _check_flat_ranges(data: dict, mesh: dict) -> None:

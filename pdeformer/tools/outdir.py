@@ -36,6 +36,8 @@ import time
 
 from .errors import InputError
 
+PICTURE_FORMATS = ("png", "svg")   # the pictures' formats ([output] plot_format, plot --format)
+
 log = logging.getLogger("pdeformer")
 
 LOCK = ".pdeformer.lock"
@@ -51,7 +53,7 @@ RUN_FILES = ("summary.json", "pdeformer.log", "diagnostics.csv", "gradient.npz",
              "budget.md", "budget.json", "budget.csv", "budget.png", ".*.tmp", "*.tmp",
              "fields.npz", "paraview.py",
              *(f"{picture}.{ext}" for picture in ("densities", "diagnostics", "training", "heads", "gradient")
-               for ext in ("png", "svg")),
+               for ext in PICTURE_FORMATS),
              *(f"{series}_*.{ext}" for series in ("density", "velocity", "tokens")
                for ext in ("pvd", "pvtu", "vtu", "bp")))
 # what train --restart continues

@@ -15,6 +15,14 @@ from contextlib import contextmanager
 import numpy as np
 
 from ..errors import ConfigError, PdeformerError
+from ..keys import Key, integer
+
+# The [parallel] table
+PARALLEL_KEYS = {
+    "prompt_groups": Key(integer(1, 10**6), 1,
+                         "split the ranks into this many groups, each with its own mesh "
+                         "partition and a block of the prompts (--prompt-groups)"),
+}
 
 
 class PromptGroups:
