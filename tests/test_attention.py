@@ -167,7 +167,7 @@ def test_the_kernel_is_apart_from_the_summation():
     from pdeformer.model.heads import HeadMeasure
     from pdeformer.model.kernels import Softmax
     from pdeformer.model.velocity import AttentionVelocity
-    from pdeformer.tools.config import AttentionOptions
+    from pdeformer.model.schema import AttentionOptions
     from pdeformer.tools.errors import ConfigError
 
     class Untabulated(Softmax):

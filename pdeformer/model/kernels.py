@@ -21,7 +21,8 @@ KERNELS: dict[str, type] = {}
 
 
 def register_kernel(cls):
-    """Make a kernel known by its ``name``."""
+    """Make a kernel known by its ``name`` (``[attention] kernel``); it is built from the
+    ``[attention]`` options by its classmethod ``from_options``."""
     KERNELS[cls.name] = cls
     return cls
 
@@ -36,6 +37,11 @@ class Softmax:
 
     def __init__(self, beta: float = 1.0):
         self.beta = beta
+
+    @classmethod
+    def from_options(cls, attention) -> "Softmax":
+        """The kernel of the ``[attention]`` options (their ``beta``)."""
+        return cls(attention.beta)
 
     def matrices(self, heads, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """beta A_h and V_h of ``layer`` (H, d, d) each."""

@@ -34,7 +34,7 @@ from ..attention.softmax import Sources, VelocityCotangent, partial_sums, value_
 from ..tools.errors import ConfigError, SolverBreakdown
 from ..tools.keys import Key, number, string
 from .heads import HeadMeasure, query_key_derivatives
-from .kernels import Softmax
+from .kernels import KERNELS
 from ..attention.laplace import (LaplaceTable, TablePlan, TablePlanner, direct_seconds,
                                 exact_pair_vjp, laplace_seconds, largest_size, panel_nodes,
                                 source_extent, table_sizes)
@@ -126,6 +126,8 @@ ATTENTION_KEYS = {
     "tol": Key(number(positive=True, lo=TOL_MIN, hi=1e-1, why=TOL_WHY), 1e-8,
                "accuracy of the laplace table (relative to its values' size)"),
     "chunk_mb": Key(number(positive=True, hi=4096), 2.0, "working memory of one kernel chunk (MB)"),
+    "kernel": Key(string(lambda: tuple(KERNELS)), "softmax", "what attention sums (model/kernels.py): "
+                  "softmax, e^{beta <A x, y>} normalised over the tokens"),
     "beta": Key(number(positive=True), 1.0, "inverse temperature: scores beta <A x, y>"),
     "tape_mb": Key(number(nonnegative=True, hi=1e7), 256.0,
                    "laplace tables a gradient keeps per rank and prompt for its adjoint (MB); "
@@ -232,14 +234,14 @@ class AttentionVelocity:
 
     def __init__(self, targets, heads: HeadMeasure, attention, comm, geometry: Geometry | None = None,
                  kernel=None):
-        """``attention``: the ``[attention]`` options (config.SECTIONS["attention"]);
+        """``attention``: the ``[attention]`` options (schema.SECTIONS["attention"]);
         ``geometry``: the space of the tokens (default flat R^d), on which the targets
         are projected and whose tangent space the velocity is projected onto; ``kernel``:
-        what is summed (:mod:`pdeformer.model.kernels`; default softmax with the
-        options' beta), which the options' backend sums."""
+        what is summed (:mod:`pdeformer.model.kernels`; default the options' kernel),
+        which the options' backend sums."""
         self.geometry = Flat(heads.dim) if geometry is None else geometry
         self.targets = targets if targets is None else self.geometry.project(targets)
-        self.kernel = Softmax(attention.beta) if kernel is None else kernel
+        self.kernel = KERNELS[attention.kernel].from_options(attention) if kernel is None else kernel
         self.heads = heads  # read at every call: training updates it in place
         self.backend = attention.backend
         self.summation = BACKENDS[self.backend]()
