@@ -56,6 +56,27 @@ class LinearTerm(TokenTerm):
         return float(np.linalg.norm(B, 2) * reach + np.linalg.norm(c))
 
 
+def test_a_registered_term_is_built_for_every_run(monkeypatch):
+    """A class registered with register_term is built by build_problem from the [model]
+    options (here from model.seed) beside attention, and left out where its
+    from_options says so."""
+    from pdeformer.model import terms
+
+    class SeededLinear(LinearTerm):
+        @classmethod
+        def from_options(cls, model, dim, comm):
+            drawn = linear_term(seed=model.seed)
+            return cls(drawn.params["B"], drawn.params["c"]) if model.seed != 7 else None
+
+    monkeypatch.setitem(terms.TERMS, "linear", SeededLinear)
+    problem = problem_with(linear_term(), 8, 1, 4, objective=None)   # (its terms replaced below)
+    built = terms.build_terms(problem.opts.model, D, MPI.COMM_WORLD)
+    assert [type(t) for t in built] == [SeededLinear]
+    np.testing.assert_array_equal(built[0].params["B"], linear_term(seed=problem.opts.model.seed).params["B"])
+    from dataclasses import replace
+    assert terms.build_terms(replace(problem.opts.model, seed=7), D, MPI.COMM_WORLD) == []
+
+
 def linear_term(seed=0, W=1, scale=0.3):
     rng = np.random.default_rng(seed)
     return LinearTerm(scale * rng.normal(size=(L, W, D, D)), 0.7 * scale * rng.normal(size=(L, W, D)))

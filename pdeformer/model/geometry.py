@@ -32,13 +32,18 @@ class Geometry:
     """The interface; :class:`Flat` and :class:`Sphere` implement it.
 
     ``name`` ("flat", "circle", "sphere"); ``family``: the prompt kinds written for it
-    ("flat" or "sphere", :func:`pdeformer.model.prompts.prompt_kinds`); ``projects``:
+    ("flat" or "sphere", :func:`pdeformer.model.prompts.prompt_kinds`), declared in the
+    module ``prompt_module`` of this package (its ``KINDS``: builders, ``PROMPTS``: the
+    keys of the kinds it adds), and ``kinds_hint``: where its own kinds belong, for the
+    error another geometry's mesh gives them (None: no such error); ``projects``:
     whether a step in R^d leaves the space (a scheme's stages are then projected back
     onto it); ``chart_name``: fields.npz's ``chart`` ("": pictures draw R^d itself);
     ``radius``: the sphere's, None on a flat space (for what prints or writes it)."""
 
     name: str
     family: str
+    prompt_module: str
+    kinds_hint: str | None = None
     projects: bool
     chart_name: str
     radius = None
@@ -95,6 +100,7 @@ class Flat(Geometry):
     dim: int
     name = "flat"
     family = "flat"
+    prompt_module = "prompts"
     projects = False
     chart_name = ""
 
@@ -137,6 +143,9 @@ class Sphere(Geometry):
     dim: int
     radius: float
     family = "sphere"
+    prompt_module = "sphere_prompts"
+    kinds_hint = ('a circle or sphere: use it with mesh.shape = "circle" or "sphere" '
+                  '(or a manifold mesh file)')
     projects = True
 
     @property
@@ -241,6 +250,8 @@ def sphere_moments(points: np.ndarray, weights: np.ndarray, comm) -> dict:
 
 # The curved spaces a mesh's points are tested for, in order (a class with ``about``).
 MANIFOLDS = (Sphere,)
+# Every geometry, flat first: their families' prompt kinds make the [[prompts]] kinds.
+GEOMETRIES = (Flat, *MANIFOLDS)
 
 # A built-in mesh's shape ([mesh] shape) -> its geometry from the [mesh] table.
 SHAPES = {

@@ -20,6 +20,7 @@ config key (``prompts[1].covs[0]``).
 
 from __future__ import annotations
 
+import importlib
 import math
 from typing import Callable, NamedTuple
 
@@ -27,7 +28,7 @@ import numpy as np
 
 from ..tools.errors import ConfigError
 from ..tools.keys import REQUIRED, Key, array, path
-from .geometry import Flat, Geometry
+from .geometry import GEOMETRIES, Flat, Geometry
 from .prompt_files import PointCloud, PointDensity, normalised
 
 
@@ -280,11 +281,10 @@ def checked_weights(key: str, given, n: int, what: str) -> np.ndarray:
     return w
 
 
-def _sphere_kind(kind: str):
-    """The builder of a sphere's kind on a flat mesh: a ConfigError."""
+def _foreign_kind(kind: str, hint: str):
+    """The builder of another geometry's kind: a ConfigError saying where it belongs."""
     def refuse(spec: dict, d: int, key: str, geometry):
-        raise ConfigError(f"{key}.kind", f"{kind!r} is a density on a circle or sphere: use it "
-                          "with mesh.shape = \"circle\" or \"sphere\" (or a manifold mesh file)")
+        raise ConfigError(f"{key}.kind", f"{kind!r} is a density on {hint}")
     return refuse
 
 
@@ -374,15 +374,25 @@ FLAT_PROMPTS = {
 # pdeformer.model.sphere_prompts.SPHERE_KINDS, and the kinds only a sphere has are
 # refused here (prompt_kinds).
 FLAT_KINDS = {"gaussian_mixture": _gaussian_mixture, "uniform": _uniform, "file": _file, "points": _points}
+KINDS, PROMPTS = FLAT_KINDS, FLAT_PROMPTS   # this family's (Geometry.prompt_module)
+
+
+def family_kinds(space: type) -> tuple[dict, dict]:
+    """(builders, declared keys) of the prompt kinds of a geometry class's family: the
+    ``KINDS`` and ``PROMPTS`` of its ``prompt_module``."""
+    module = importlib.import_module(f"{__package__}.{space.prompt_module}")
+    return module.KINDS, module.PROMPTS
 
 
 def prompt_kinds(geometry: Geometry) -> dict:
-    """The builders of the prompt kinds on the geometry (by its ``family``): on a flat
-    mesh those of FLAT_KINDS, and for the kinds only a sphere has, a ConfigError."""
-    from .sphere_prompts import SPHERE_KINDS     # (its kinds build on this module's helpers)
-    if geometry.family == "sphere":
-        return SPHERE_KINDS
-    return {**FLAT_KINDS, **{k: _sphere_kind(k) for k in SPHERE_KINDS if k not in FLAT_KINDS}}
+    """The builders of the prompt kinds on the geometry: its family's, and for another
+    family's kinds that it lacks, a ConfigError saying where they belong."""
+    kinds = dict(family_kinds(type(geometry))[0])
+    for space in GEOMETRIES:
+        if space.family != geometry.family and space.kinds_hint is not None:
+            for k in family_kinds(space)[0]:
+                kinds.setdefault(k, _foreign_kind(k, space.kinds_hint))
+    return kinds
 
 
 def make_prompt(spec: dict, d: int, index: int, key: str | None = None, geometry: Geometry | None = None):

@@ -7,7 +7,8 @@ names of their registry:
 * ``[mesh]``: :data:`pdeformer.model.geometry.MESH_KEYS` (``shape``: ``SHAPES``);
 * ``[discretisation]``: here, its ``scheme`` :data:`pdeformer.integrator.schemes.SCHEME_KEY`
   (``SCHEMES``);
-* ``[model]``: :data:`pdeformer.model.heads.MODEL_KEYS`;
+* ``[model]``: :data:`pdeformer.model.heads.MODEL_KEYS` and each token-wise term's
+  ``model_keys`` (:func:`pdeformer.model.terms.term_classes`);
 * ``[attention]``: :data:`pdeformer.model.velocity.ATTENTION_KEYS` (``backend``: ``BACKENDS``);
 * ``[output]``: here;
 * ``[objective]``: each objective class's ``keys``, merged by
@@ -18,9 +19,9 @@ names of their registry:
 * ``[data]``: :data:`pdeformer.tools.datasets.DATA_KEYS` (``family``: ``FAMILIES``);
 * ``[parallel]``: :data:`pdeformer.tools.parallel.PARALLEL_KEYS`;
 * ``[petsc]``: free-form PETSc options (:func:`pdeformer.tools.keys.petsc_options`);
-* ``[[prompts]]``: ``name``, ``kind`` (:data:`PROMPT_KINDS`: ``FLAT_PROMPTS`` of
-  :mod:`pdeformer.model.prompts` and ``SPHERE_PROMPTS`` of
-  :mod:`pdeformer.model.sphere_prompts`), the kind's keys and ``target``.
+* ``[[prompts]]``: ``name``, ``kind`` (:data:`PROMPT_KINDS`: the ``PROMPTS`` of every
+  geometry's family, :data:`pdeformer.model.geometry.GEOMETRIES`), the kind's keys and
+  ``target``.
 
 The sections read only above the core -- the DG discretisation (``fem``), the output
 (``solvers``, ``commands``), training (``solvers.train``) and the NTK test
@@ -41,15 +42,16 @@ import dataclasses
 
 from ..integrator.schemes import SCHEME_KEY
 from ..tools.datasets import DATA_KEYS
-from ..tools.keys import REQUIRED, Key, array, boolean, integer, number, options_class, path, string
+from ..tools.keys import (REQUIRED, Key, array, boolean, integer, merge_keys, number, options_class, path,
+                          string)
 from ..tools.outdir import PICTURE_FORMATS
 from ..tools.parallel import PARALLEL_KEYS
-from .geometry import MESH_KEYS
+from .geometry import GEOMETRIES, MESH_KEYS
 from .heads import MODEL_KEYS
 from .objectives import objective_keys
 from .particles import PARTICLES_KEYS
-from .prompts import FLAT_PROMPTS, PromptKind
-from .sphere_prompts import SPHERE_PROMPTS
+from .terms import term_classes
+from .prompts import PromptKind, family_kinds
 from .velocity import ATTENTION_KEYS
 
 DISCRETISATION_KEYS = {
@@ -132,7 +134,7 @@ NTK_KEYS = {
 SCHEMA: dict[str, dict[str, Key]] = {
     "mesh": MESH_KEYS,
     "discretisation": DISCRETISATION_KEYS,
-    "model": MODEL_KEYS,
+    "model": merge_keys([MODEL_KEYS, *(cls.model_keys for cls in term_classes())]),
     "attention": ATTENTION_KEYS,
     "output": OUTPUT_KEYS,
     "objective": objective_keys(),
@@ -159,7 +161,8 @@ def is_path_key(parts: tuple) -> bool:
 # [[prompts]]
 
 # every prompt kind, in the order the configuration lists them
-PROMPT_KINDS: dict[str, PromptKind] = {**FLAT_PROMPTS, **SPHERE_PROMPTS}
+PROMPT_KINDS: dict[str, PromptKind] = {k: kind for space in GEOMETRIES
+                                       for k, kind in family_kinds(space)[1].items()}
 NAME = r"[A-Za-z0-9_-]{1,64}"   # prompt names go into file names: short and portable
 
 # the keys of every [[prompts]] table, beside those of its kind and its target

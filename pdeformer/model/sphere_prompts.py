@@ -465,3 +465,5 @@ SPHERE_PROMPTS = {
         "coefficients": Key(array, REQUIRED, "[[l, m, c], ...]: rho = (1 + sum c Y_lm) / |S|"),
     }),
 }
+
+KINDS, PROMPTS = SPHERE_KINDS, SPHERE_PROMPTS   # this family's (Geometry.prompt_module)

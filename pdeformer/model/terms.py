@@ -13,11 +13,38 @@ the steps, and the parameter tree of all its terms.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import params as tree
+
+# the modules that define token-wise terms (each registers its class with register_term)
+TERM_MODULES: tuple[str, ...] = ()
+TERMS: dict[str, type] = {}   # block -> TokenTerm class
+
+
+def register_term(cls):
+    """Make a token-wise term known by its ``block``: its ``model_keys`` join the
+    ``[model]`` table and :func:`build_terms` builds it for every run."""
+    TERMS[cls.block] = cls
+    return cls
+
+
+def term_classes() -> list[type]:
+    """Every registered token-wise term class (their modules imported), in order."""
+    for module in TERM_MODULES:
+        importlib.import_module(f"{__package__}.{module}")
+    return list(TERMS.values())
+
+
+def build_terms(model, dim: int, comm) -> list:
+    """The token-wise terms of the ``[model]`` options (model/schema.py's ModelOptions)
+    for tokens of dimension ``dim``: each registered class's ``from_options``, which
+    returns None where the options leave the term out."""
+    built = (cls.from_options(model, dim, comm) for cls in term_classes())
+    return [term for term in built if term is not None]
 
 
 class TokenTerm:
@@ -30,6 +57,14 @@ class TokenTerm:
 
     block: str = ""
     params: dict
+    model_keys: dict = {}   # its [model] options (pdeformer.tools.keys.Key), beside the heads'
+
+    @classmethod
+    def from_options(cls, model, dim: int, comm) -> "TokenTerm | None":
+        """The term of the ``[model]`` options (None where they leave it out): its arrays
+        read from ``model.params`` or drawn from ``model.seed``, the same on every rank
+        of ``comm``."""
+        raise NotImplementedError
 
     def velocity(self, x: np.ndarray, layer: int) -> np.ndarray:
         """w_l(x) at the points x (n, d), before any tangent projection."""

@@ -19,6 +19,7 @@ from ..tools.datasets import data_errors, split_prompts, teacher_given
 from ..tools.parallel import PromptGroups, moment_sums, on_root
 from ..model.objectives import make_objective, make_target
 from ..model.prompts import make_prompt
+from ..model.terms import build_terms
 from ..model.velocity import check_scores
 
 
@@ -123,7 +124,8 @@ def build_problem(cfg: dict, comm, differentiable: bool = False,
     if spl is not None and spl % fpl:
         raise ConfigError("output.frames_per_layer",
                           f"{fpl} does not divide discretisation.steps_per_layer = {spl}")
-    problem = Problem(comm, cfg, mesh, heads, prompts, objective, targets, groups, options(cfg), geometry)
+    problem = Problem(comm, cfg, mesh, heads, prompts, objective, targets, groups, options(cfg), geometry,
+                      terms=build_terms(opts.model, d, comm))
     teacher = teacher_heads(comm, opts, heads, d) if teacher_given(cfg["data"]) else None
     if opts.model.init == "teacher":
         near_teacher(heads, teacher, opts.model)
