@@ -215,3 +215,35 @@ def test_the_tree_writes_and_reads_every_block(tmp_path):
         np.testing.assert_array_equal(back[block][name], a)
     with pytest.raises(ValueError, match="taken"):
         tree.register_block("other", ("B",), prefix="linear_", particles="x", points=_points, colour="x")
+
+
+@requires_dolfinx
+def test_the_gram_prediction_weights_each_block_by_its_step():
+    """One gd step moves block b by lr L_b W_b dR/dtheta, so the outputs move by
+    -(lr (L W)_max / S) J D J^T r, D = diag(L_b W_b / (L W)_max) (commands/gram.py): the
+    step's change of the outputs matches it up to O(lr^2) -- relative to the change, an
+    error that halves with lr (6e-5 at lr = 2e-3) -- and without D (J J^T) it does not."""
+    import pdeformer as pf
+    from pdeformer.commands.gram import column_weights, gram_matrix
+    from pdeformer.solvers.adjoint import AdjointSolver
+    from pdeformer.solvers.forward import ForwardSolver
+    from pdeformer.solvers.train import GradientDescent
+    p = problem_with(linear_term(W=3), 10, 1, 16, objective=pf.Moments(mean=[0.1, 0], cov=0.5))
+    adjoint = AdjointSolver(ForwardSolver(p), p.objective, p.targets)
+    params = adjoint.forward.velocity_field.params
+    y0, ystar, J = adjoint.output_jacobian()
+    weights, (layers, width) = column_weights(params)
+    assert weights is not None and set(weights) == {4 / 6, 1.0} and layers * width == 6
+    base, grads = tree.copy(params), adjoint.gradient().params
+    errors, unweighted = [], []
+    for lr in (2e-3, 1e-3):
+        GradientDescent(lr, params).step(params, grads)
+        y1 = adjoint.output_jacobian()[0]
+        for (block, name), a in tree.leaves(params):
+            a[:] = base[block][name]
+        a_step = lr * layers * width / 1
+        predicted = -a_step * gram_matrix(J, weights) @ (y0 - ystar)
+        errors.append(np.abs(y1 - y0 - predicted).max() / np.abs(predicted).max())
+        unweighted.append(np.abs(y1 - y0 + a_step * gram_matrix(J) @ (y0 - ystar)).max() / np.abs(predicted).max())
+    assert errors[0] < 1e-3 and 1.7 < errors[0] / errors[1] < 2.3, errors
+    assert min(unweighted) > 10 * errors[0], (unweighted, errors)

@@ -22,6 +22,11 @@ lambda_max (``[ntk] tol``) are lost: their part of the risk,
 derivative is O(1/(L H)), so lambda = O(1/(L H)) and a lambda does not depend on L or H
 at a fixed head law: the L H in the step makes the predicted rate width- and
 depth-independent (docs/training.md, "The Gram matrix").
+
+With several blocks in the parameter tree gd moves block b by lr L_b W_b dR/dtheta
+(W_b its particles per layer): then G = J D J^T with D = diag(L_b W_b / (L W)_max) over
+J's columns and a = lr (L W)_max / S (:func:`column_weights`); with the heads alone
+D = I.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import logging
 
 import numpy as np
 
+from ..model import params as tree
 from ..tools.errors import ConfigError
 
 log = logging.getLogger("pdeformer")
@@ -45,11 +51,31 @@ def check_inputs(cfg: dict) -> None:
                           f"finitely many outputs y: 'moments' (got {kind!r})")
 
 
+def column_weights(params: dict) -> tuple[np.ndarray | None, tuple[int, int]]:
+    """For J's columns (the tree flattened) the weights L_b W_b / (L W)_max of their
+    blocks (None where every block has the same L W), and (L, W) of the block with the
+    largest L W (module docstring)."""
+    scales = {block: tree.layers_width(arrays) for block, arrays in params.items()}
+    top = max(scales.values(), key=lambda s: s[0] * s[1])
+    if len({s[0] * s[1] for s in scales.values()}) == 1:
+        return None, top
+    weights = [np.full(a.size, scales[block][0] * scales[block][1] / (top[0] * top[1]))
+               for (block, _), a in tree.leaves(params)]
+    return np.concatenate(weights), top
+
+
+def gram_matrix(J: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+    """G = J D J^T, D = diag(weights) (J J^T without weights)."""
+    return J @ J.T if weights is None else (J * weights) @ J.T
+
+
 def gram_analysis(y: np.ndarray, ystar: np.ndarray, J: np.ndarray, prompts: int, layers: int,
-                  heads: int, lr: float, steps: int, tol: float) -> dict:
-    """The spectrum of G = J J^T and the linearised gd prediction (module docstring) for
-    ``prompts`` training prompts and ``steps`` steps; numbers and lists (JSON)."""
-    G = J @ J.T
+                  heads: int, lr: float, steps: int, tol: float, weights: np.ndarray | None = None) -> dict:
+    """The spectrum of G = J D J^T and the linearised gd prediction (module docstring) for
+    ``prompts`` training prompts and ``steps`` steps, ``layers`` x ``heads`` the largest
+    L W of the blocks and ``weights`` D's diagonal (:func:`column_weights`); numbers and
+    lists (JSON)."""
+    G = gram_matrix(J, weights)
     lam, U = np.linalg.eigh(G)
     lam, U = lam[::-1].copy(), U[:, ::-1]
     lam_max = max(float(lam[0]), 0.0)

@@ -482,11 +482,11 @@ def run_ntk(cfg: dict, comm=None) -> dict:
 
 
 def run_gram(cfg: dict, comm=None) -> dict:
-    """The model's Gram matrix G = J J^T on the training prompts and the gd convergence it
+    """The model's Gram matrix G = J D J^T on the training prompts and the gd convergence it
     predicts (see pdeformer.commands.gram): gram.json, gram.npz (J, G, y, y*), gram.png,
     summary.json."""
     from ..solvers.adjoint import AdjointSolver
-    from .gram import check_inputs, gram_analysis, plot_gram
+    from .gram import check_inputs, column_weights, gram_analysis, gram_matrix, plot_gram
     check_inputs(cfg)
     run = Run("gram", cfg, comm or MPI.COMM_WORLD, differentiable=True)
     p = run.problem
@@ -495,8 +495,9 @@ def run_gram(cfg: dict, comm=None) -> dict:
     with run.session():
         with run.timer.phase("jacobian"):
             y, ystar, J = adj.output_jacobian()
-        result = gram_analysis(y, ystar, J, len(p.training), p.heads.layers, p.heads.heads,
-                               train.lr, train.steps, p.opts.ntk.tol)
+        weights, (layers, width) = column_weights(run.solver.velocity_field.params)
+        result = gram_analysis(y, ystar, J, len(p.training), layers, width, train.lr, train.steps,
+                               p.opts.ntk.tol, weights)
         result["prompts_used"] = [p.prompts[s][0] for s in p.training]
         result["output_names"] = p.objective.output_names(p.dim)
         if train.optimizer != "gd" or train.weight_decay or train.temperature or \
@@ -511,7 +512,7 @@ def run_gram(cfg: dict, comm=None) -> dict:
                  "stable" if result["stable"] else "UNSTABLE", result["slowest_rate"], result["risk"],
                  result["plateau"])
         on_root(run.comm, write_json, run.path("gram.json"), {"provenance": run.info, **result})
-        on_root(run.comm, write_npz, run.path("gram.npz"), J=J, G=J @ J.T, y=y, ystar=ystar,
+        on_root(run.comm, write_npz, run.path("gram.npz"), J=J, G=gram_matrix(J, weights), y=y, ystar=ystar,
                 eigenvalues=np.asarray(result["eigenvalues"]))
         files = {"gram": "gram.json", "arrays": "gram.npz", "log": "pdeformer.log"}
         if cfg["output"]["plots"] and on_root(run.comm, plot_gram, run.path("gram.png"), result):
