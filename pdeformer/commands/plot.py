@@ -151,6 +151,8 @@ def gradient_figure(gradient: dict):
     fig, axes = figure_grid(1, 1, width=max(2.4, 0.35 * heads + 1), height=max(2.0, 0.3 * layers + 1))
     ax = axes[0, 0]
     image = ax.imshow(norms, origin="lower", cmap=CMAP, aspect="auto")
+    ax.set_yticks(range(layers))                   # layers and particles are whole numbers
+    ax.set_xticks(range(0, heads, max(1, heads // 16)))
     ax.set_xlabel(what, fontsize=8)
     ax.set_ylabel("layer", fontsize=8)
     ax.tick_params(labelsize=7)
