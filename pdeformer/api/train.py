@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..model.params import copy
 from ..solvers.adjoint import AdjointSolver
 from ..solvers.train import Trainer
 from ..tools.errors import ConfigError
@@ -87,4 +86,4 @@ def train(objective: Objective, model: Transformer, prompts, disc, *, steps: int
     rows = trainer.run()
     columns = {c: np.array([np.nan if r.get(c) is None else r[c] for r in rows], dtype=float)
                for c in trainer.columns}
-    return Training(Transformer(copy(trainer.params), model.beta), columns)
+    return Training(Transformer(trainer.params, model.beta), columns)   # (Transformer copies them)

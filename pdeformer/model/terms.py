@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import params as tree
 
 # the modules that define token-wise terms (each registers its class with register_term)
 TERM_MODULES: tuple[str, ...] = ()
@@ -185,7 +184,7 @@ class VelocityField:
         """Accumulators of every term's cotangents, with ``lead`` axes in front."""
         acc = self.attention.zero_cotangent(lead)
         for term in self.terms:
-            acc[term.block] = tree.zeros_like({term.block: term.params}, lead)[term.block]
+            acc[term.block] = {name: np.zeros(lead + a.shape) for name, a in term.params.items()}
         return acc
 
     def add_cotangent(self, acc: dict, layer: int, ct: Cotangent, at: tuple = ()) -> None:

@@ -131,8 +131,10 @@ class GradientDescent:
 
     def __init__(self, lr: float, params: dict):
         self.lr = lr
-        self.scales = {block: lr * tree.layers_width(arrays)[0] * tree.layers_width(arrays)[1]
-                       for block, arrays in params.items()}
+        self.scales = {}
+        for block, arrays in params.items():
+            L, W = tree.layers_width(arrays)
+            self.scales[block] = lr * L * W
 
     @property
     def step_size(self) -> float:
