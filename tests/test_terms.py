@@ -5,6 +5,8 @@ for particles, and optimiser steps per block."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -36,6 +38,18 @@ class LinearTerm(TokenTerm):
 
     def __init__(self, B, c):
         self.params = {"B": B, "c": c}
+
+    @classmethod
+    def from_options(cls, model, dim, comm):
+        return None        # (only from arrays: pf.Transformer's tree)
+
+    @classmethod
+    def from_arrays(cls, arrays, model, dim):
+        if arrays["B"].shape[2:] != (dim, dim) or arrays["c"].shape[2:] != (dim,):
+            from pdeformer.tools.errors import ConfigError
+            raise ConfigError("model.params.linear", f"B {arrays['B'].shape}, c {arrays['c'].shape}: "
+                              f"expected (L, W, {dim}, {dim}) and (L, W, {dim})")
+        return cls(arrays["B"], arrays["c"])
 
     def _mean(self, layer, params=None):
         p = (params or {self.block: self.params})[self.block]
@@ -77,6 +91,45 @@ def test_a_registered_term_is_built_for_every_run(monkeypatch):
     assert terms.build_terms(replace(problem.opts.model, seed=7), D, MPI.COMM_WORLD) == []
 
 
+def test_a_model_holds_and_solves_every_registered_block(monkeypatch, tmp_path):
+    """pf.Transformer takes a tree with the linear term's block (checked: unknown blocks,
+    wrong shapes and non-finite entries are one-line errors naming the key), and
+    pf.solve moves the prompt with it exactly as a problem given the term directly; a
+    params file may hold the block beside Q, K, V."""
+    import pdeformer as pf
+    from pdeformer.api.solve import _Frames
+    from pdeformer.model import terms
+    from pdeformer.model.heads import read_arrays
+    from pdeformer.solvers.forward import ForwardSolver
+    from pdeformer.tools.errors import ConfigError
+    from pdeformer.tools.output import write_npz
+    monkeypatch.setitem(terms.TERMS, "linear", LinearTerm)
+    term = linear_term(W=2)
+    heads = pf.Transformer.random(layers=L, heads=2, dim=D, seed=1, init_scale=0.8).params
+    model = pf.Transformer({**heads, "linear": term.params})
+    assert set(model.params) == {"attention", "linear"}
+    mesh = pf.BoxMesh(lower=[-4, -4], upper=[4, 4], cells=[8, 8])
+    prompt = pf.GaussianMixture(means=[[0.3, -0.2]], covs=[[[0.3, 0.05], [0.05, 0.2]]])
+    sol = pf.solve(model, prompt, pf.DG(mesh, limiter=False, steps_per_layer=4), backend="direct")
+    frames = _Frames()
+    ForwardSolver(problem_with(term, 8, 1, 4)).run([frames])
+    np.testing.assert_allclose(sol.mean[-1], frames.rows[0][-1]["mean"], rtol=0, atol=1e-14)
+    assert np.abs(sol.mean[-1] - pf.solve(pf.Transformer(heads), prompt, pf.DG(mesh, limiter=False, steps_per_layer=4),
+                                          backend="direct").mean[-1]).max() > 1e-3
+    bad = {"unknown block 'mlp'": {**heads, "mlp": term.params},
+           "B has shape": {**heads, "linear": {"B": term.params["B"][:1], "c": term.params["c"]}},
+           "expected (L, W, 2, 2)": {**heads, "linear": {"B": term.params["B"][..., :1], "c": term.params["c"]}},
+           "non-finite": {**heads, "linear": {"B": term.params["B"] * np.nan, "c": term.params["c"]}}}
+    for message, params in bad.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            pf.Transformer(params)
+    write_npz(str(tmp_path / "p.npz"), **tree.to_files(model.params))
+    np.testing.assert_array_equal(read_arrays(str(tmp_path / "p.npz"), "model.params")["Q"], heads["attention"]["Q"])
+    write_npz(str(tmp_path / "q.npz"), **tree.to_files(model.params), mlp_a=np.zeros(2))
+    with pytest.raises(Exception, match="array 'mlp_a' is not supported"):
+        read_arrays(str(tmp_path / "q.npz"), "model.params")
+
+
 def linear_term(seed=0, W=1, scale=0.3):
     rng = np.random.default_rng(seed)
     return LinearTerm(scale * rng.normal(size=(L, W, D, D)), 0.7 * scale * rng.normal(size=(L, W, D)))
@@ -109,7 +162,7 @@ def problem_with(term, cells, degree, steps, zero_values=False, objective=None, 
         pf.DG(mesh, degree=degree, limiter=False, steps_per_layer=steps)
     cfg = problem_config(model, [prompt], disc, objective, backend="direct")
     problem = build_problem(cfg, MPI.COMM_WORLD, objective is not None and not particles,
-                            heads=model.head_measure())
+                            params=model.params)
     problem.terms = [term]
     return problem
 

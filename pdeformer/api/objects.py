@@ -13,9 +13,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..model.geometry import Geometry, geometry_of_config
+from mpi4py import MPI
+
 from ..model.heads import ARRAYS, BLOCK, HeadMeasure
-from ..model.params import copy
+from ..model.schema import SCHEMA, SECTIONS
+from ..model.terms import build_terms, checked_arrays, term_classes
 from ..tools.errors import ConfigError
+from ..tools.keys import check_table
 
 
 def _list(a) -> list:
@@ -92,32 +96,58 @@ class MeshFile(Mesh):
 
 @dataclass
 class Transformer:
-    """The head measure of every layer: ``params["attention"]`` holds Q (L, H, k, d),
-    K (L, H, k, d) and V (L, H, d, d); layer l's velocity is
+    """A model: its parameter tree ``params`` and the softmax's ``beta``.
+
+    ``params["attention"]`` holds the heads, Q (L, H, k, d), K (L, H, k, d) and
+    V (L, H, d, d); layer l's attention velocity is
 
         v(x) = (1/H) sum_h V_h grad Lambda_rho(beta A_h x),   A_h = K_h^T Q_h,
 
-    on the depth interval [l/L, (l+1)/L) (docs/model.md)."""
+    on the depth interval [l/L, (l+1)/L) (docs/model.md). Any other block is a
+    registered token-wise term's (pdeformer.model.terms), added to that velocity;
+    ``options`` are the ``[model]`` keys of those terms that are not arrays."""
 
     params: dict
     beta: float = 1.0
+    options: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if not isinstance(self.params, dict) or set(self.params) != {BLOCK}:
-            raise ConfigError("model.params", f"expected {{{BLOCK!r}: {{{', '.join(map(repr, ARRAYS))}}}}}")
+        if not isinstance(self.params, dict) or BLOCK not in self.params:
+            raise ConfigError("model.params", f"expected a tree {{{BLOCK!r}: {{{', '.join(map(repr, ARRAYS))}}}, ...}}")
+        terms = {cls.block: cls for cls in term_classes()}
+        for block in self.params:
+            if block != BLOCK and block not in terms:
+                raise ConfigError("model.params", f"unknown block {block!r} (known: {', '.join([BLOCK, *terms])})")
         self._heads = HeadMeasure.checked_block(self.params[BLOCK], "model.params")
-        self.params = {BLOCK: self._heads.params}
+        tree, opts = {BLOCK: self._heads.params}, self.model_options()
+        for block, arrays in self.params.items():
+            if block != BLOCK:
+                key = f"model.params.{block}"
+                arrays = checked_arrays(block, arrays, key, self.layers)
+                tree[block] = terms[block].from_arrays(arrays, opts, self.dim).params
+        self.params = tree
 
     @classmethod
     def random(cls, layers: int, heads: int, dim: int, seed: int = 0, key_dim: int | None = None,
                init_scale: float = 1.0, query_scale: float | None = None, depth: str = "iid",
-               beta: float = 1.0) -> "Transformer":
+               beta: float = 1.0, **options) -> "Transformer":
         """Heads drawn as ``[model]`` draws them: entries of K, V ~ N(0, init_scale^2 / d),
         of Q ~ N(0, query_scale^2 / d), head (l, h) from its own stream (``depth =
-        "iid"``) or linear in depth (``"smooth"``); the same heads on any rank count."""
+        "iid"``) or linear in depth (``"smooth"``); the same heads on any rank count.
+        ``options``: ``[model]`` keys of the token-wise terms; each term the options
+        call for is drawn as ``[model]`` draws it (from ``seed``)."""
         h = HeadMeasure.random(layers, heads, key_dim or dim, dim, seed=seed, scale=init_scale,
                                query_scale=query_scale, depth=depth)
-        return cls({BLOCK: h.params}, beta)
+        drawn = model_options({"layers": layers, "heads": heads, "key_dim": key_dim, "seed": seed,
+                               "init_scale": init_scale, "query_scale": query_scale, "depth": depth, **options})
+        params = {BLOCK: h.params}
+        for term in build_terms(drawn, dim, MPI.COMM_SELF):
+            params[term.block] = term.params
+        return cls(params, beta, options)
+
+    def model_options(self):
+        """The ``[model]`` options of this model (checked: errors name ``model.<key>``)."""
+        return model_options({"layers": self.layers, "heads": self.heads, "key_dim": self.key_dim, **self.options})
 
     @property
     def layers(self) -> int:
@@ -135,9 +165,12 @@ class Transformer:
     def dim(self) -> int:
         return self._heads.dim
 
-    def head_measure(self) -> HeadMeasure:
-        """The heads as the solvers hold them (copies: solving never changes the model)."""
-        return HeadMeasure.from_params(copy(self.params)[BLOCK])
+
+def model_options(table: dict):
+    """A ``[model]`` table as its checked options (model/schema.py's ModelOptions; None
+    values: the defaults)."""
+    table = {k: v for k, v in table.items() if v is not None}
+    return SECTIONS["model"](**check_table("model", table, SCHEMA["model"]))
 
 
 # ------------------------------------------------------------------ prompts

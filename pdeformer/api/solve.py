@@ -22,6 +22,7 @@ from ..solvers.problem import build_problem
 from ..solvers.snapshots import FieldSnapshots, MeshCells, TokenSnapshots
 from ..solvers.trackers import FieldOutput, frame_diagnostics
 from ..model.config import check_config
+from ..model.params import copy
 from .objects import DG, Objective, Particles, Prompt, Transformer
 
 
@@ -49,7 +50,7 @@ def problem_config(model: Transformer, prompts: list, disc, objective: Objective
         tables.append(t)
     sections = disc.sections(prompts) if isinstance(disc, Particles) else disc.sections()
     raw = {**sections,
-           "model": {"layers": model.layers, "heads": model.heads, "key_dim": model.key_dim},
+           "model": {"layers": model.layers, "heads": model.heads, "key_dim": model.key_dim, **model.options},
            "attention": {"backend": backend, "tol": tol, "beta": model.beta, **(attention or {})},
            "output": {"fields": False, "plots": False, "frames_per_layer": frames_per_layer},
            "prompts": tables}
@@ -68,7 +69,7 @@ def _solver(model, prompts, disc, objective, comm, differentiable, **options):
     cfg = problem_config(model, prompts, disc, objective, **options)
     particles = isinstance(disc, Particles)
     problem = build_problem(cfg, comm or MPI.COMM_WORLD, differentiable and not particles,
-                            heads=model.head_measure())
+                            params=copy(model.params))   # solving never changes the model
     solver = ParticleSolver(problem) if particles else ForwardSolver(problem)
     return problem, solver
 

@@ -86,4 +86,4 @@ def train(objective: Objective, model: Transformer, prompts, disc, *, steps: int
     rows = trainer.run()
     columns = {c: np.array([np.nan if r.get(c) is None else r[c] for r in rows], dtype=float)
                for c in trainer.columns}
-    return Training(Transformer(trainer.params, model.beta), columns)   # (Transformer copies them)
+    return Training(Transformer(trainer.params, model.beta, model.options), columns)   # (copies them)

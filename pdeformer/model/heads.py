@@ -17,7 +17,7 @@ from ..attention.softmax import attention_matrices
 from ..tools.errors import ConfigError, InputError
 from ..tools.files import load_npz, npz_names
 from ..tools.keys import Key, integer, number, path, string
-from .params import register_block
+from .params import file_keys, register_block
 
 BLOCK = "attention"         # the heads' block of the model's parameter tree
 ARRAYS = ("Q", "K", "V")    # what a parameter file (model.params, data.teacher) holds
@@ -198,15 +198,17 @@ class HeadMeasure:
 def read_arrays(filename: str, key: str) -> dict:
     """Q, K, V (as floats) of a parameter file (or of a training's checkpoint); InputError
     naming ``key`` and the file where it is not a readable .npz, lacks one of them or
-    holds any other array (which would otherwise be ignored without a word)."""
+    holds an array of no registered block (which would otherwise be ignored without a
+    word). The arrays of the other blocks are their terms' to read."""
     if not os.path.lexists(filename):
         raise InputError(f"{key}: {filename}: no such parameter file")
     names = npz_names(filename, key)
     checkpoint = "meta" in names     # a training's checkpoint: its heads, and its optimiser's state
+    known = file_keys()
     for n in names:
-        if n not in ARRAYS and not (checkpoint and (n == "meta" or n.startswith("adam_"))):
+        if n not in known and not (checkpoint and (n == "meta" or n.startswith("adam_"))):
             raise InputError(f"{key}: {filename}: array {n!r} is not supported{UNSUPPORTED.get(n, '')}: "
-                             "a parameter file holds Q, K and V only; remove it")
+                             f"a parameter file holds the model's arrays ({', '.join(known)}) only; remove it")
     for n in ARRAYS:
         if n not in names:
             raise InputError(f"{key}: {filename}: array {n!r} missing (need Q, K, V)")

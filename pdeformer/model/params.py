@@ -24,7 +24,8 @@ import numpy as np
 
 Tree = dict[str, dict[str, np.ndarray]]
 
-# the modules whose terms register a block (imported before a file is read or written)
+# the modules of the velocity's terms: each registers its block of parameters (imported
+# before a file is read or written) and, for a token-wise term, its class (model/terms.py)
 TERM_MODULES = ("heads",)
 # block -> the prefix of its arrays' keys in files (registered by each term's module)
 PREFIXES: dict[str, str] = {}
@@ -159,6 +160,11 @@ def registered() -> dict:
 
 def file_key(block: str, name: str) -> str:
     return registered()[block] + name
+
+
+def file_keys() -> dict[str, str]:
+    """{file key: block} of every registered block's arrays."""
+    return {PREFIXES[b] + n: b for b in registered() for n in NAMES[b]}
 
 
 def to_files(tree: Tree, prefix: str = "") -> dict:

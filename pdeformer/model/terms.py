@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..tools.errors import ConfigError
+from .params import NAMES, TERM_MODULES
 
-# the modules that define token-wise terms (each registers its class with register_term)
-TERM_MODULES: tuple[str, ...] = ()
+
 TERMS: dict[str, type] = {}   # block -> TokenTerm class
 
 
@@ -32,18 +33,39 @@ def register_term(cls):
 
 
 def term_classes() -> list[type]:
-    """Every registered token-wise term class (their modules imported), in order."""
+    """Every registered token-wise term class (the modules of params.TERM_MODULES
+    imported: a term's module registers its block and its class), in order."""
     for module in TERM_MODULES:
         importlib.import_module(f"{__package__}.{module}")
     return list(TERMS.values())
 
 
-def build_terms(model, dim: int, comm) -> list:
+def build_terms(model, dim: int, comm, params: dict | None = None) -> list:
     """The token-wise terms of the ``[model]`` options (model/schema.py's ModelOptions)
     for tokens of dimension ``dim``: each registered class's ``from_options``, which
-    returns None where the options leave the term out."""
-    built = (cls.from_options(model, dim, comm) for cls in term_classes())
+    returns None where the options leave the term out, or its ``from_arrays`` where the
+    parameter tree ``params`` (the Python API's model) holds its block."""
+    params = params or {}
+    built = (cls.from_arrays(params[cls.block], model, dim) if cls.block in params
+             else cls.from_options(model, dim, comm) for cls in term_classes())
     return [term for term in built if term is not None]
+
+
+def checked_arrays(block: str, arrays, key: str, layers: int) -> dict:
+    """A block's arrays (copied as floats) with the names it registered, ``layers`` layers
+    on axis 0 and one particle count on axis 1, every entry finite; ConfigError naming
+    ``key`` otherwise."""
+    names = NAMES[block]
+    if not isinstance(arrays, dict) or set(arrays) != set(names):
+        raise ConfigError(key, f"expected the arrays {', '.join(map(repr, names))}")
+    out = {n: np.array(arrays[n], dtype=float) for n in names}
+    for n, a in out.items():
+        if a.ndim < 2 or a.shape[:2] != (layers, out[names[0]].shape[1]) or 0 in a.shape:
+            raise ConfigError(key, f"{n} has shape {a.shape}: expected (layers = {layers}, particles, ...) "
+                              f"with the particles of {names[0]} {out[names[0]].shape[1:2]}")
+        if not np.all(np.isfinite(a)):
+            raise ConfigError(key, f"{n} has non-finite entries")
+    return out
 
 
 class TokenTerm:
@@ -63,6 +85,12 @@ class TokenTerm:
         """The term of the ``[model]`` options (None where they leave it out): its arrays
         read from ``model.params`` or drawn from ``model.seed``, the same on every rank
         of ``comm``."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_arrays(cls, arrays: dict, model, dim: int) -> "TokenTerm":
+        """The term of the given arrays of its block (checked by :func:`checked_arrays`
+        and the term's own shapes), its other options from ``model``."""
         raise NotImplementedError
 
     def velocity(self, x: np.ndarray, layer: int) -> np.ndarray:

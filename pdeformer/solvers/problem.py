@@ -13,7 +13,7 @@ from ..model.schema import Options, options
 from ..tools.errors import ConfigError, PdeformerError, within
 from ..attention.costs import machine_costs
 from ..model.geometry import Geometry
-from ..model.heads import HeadMeasure
+from ..model.heads import BLOCK, HeadMeasure
 from ..fem.mesh import bounding_box, make_mesh, mesh_geometry, shortest_edge, token_dim
 from ..tools.datasets import data_errors, split_prompts, teacher_given
 from ..tools.parallel import PromptGroups, moment_sums, on_root
@@ -88,15 +88,15 @@ def build_heads(comm, model, d: int) -> HeadMeasure:
 
 def build_problem(cfg: dict, comm, differentiable: bool = False,
                   groups: PromptGroups | None = None, defer_teacher: bool = False,
-                  heads: HeadMeasure | None = None) -> Problem:
+                  params: dict | None = None) -> Problem:
     """Mesh, heads, prompts (and objective, targets) of a checked configuration.
     ``differentiable``: the run takes gradients (gradient, train), so the discrete
     forward map must be smooth in the heads. With ``groups`` the mesh is built on this
     rank's group communicator (``groups.comm``) and ``comm`` is not used. A teacher's
     targets come from a forward run of the teacher, which can break down: with
     ``defer_teacher`` it is left to :func:`teacher_pass` (a run makes it inside its
-    output folder, so that a breakdown there is recorded). ``heads``: the model's heads
-    as arrays (the Python API's), instead of ``[model]``'s file or draw."""
+    output folder, so that a breakdown there is recorded). ``params``: the model's
+    parameter tree (the Python API's, checked), instead of ``[model]``'s file or draw."""
     # this machine's costs of summing (attention/costs.py): agreed on by all ranks of
     # the job before any group sums anything
     machine_costs(groups.world if groups is not None else comm)
@@ -108,9 +108,9 @@ def build_problem(cfg: dict, comm, differentiable: bool = False,
     mesh = make_mesh(comm, opts.mesh)
     d = token_dim(mesh)
     geometry = mesh_geometry(comm, mesh)
-    if heads is not None and heads.dim != d:
+    heads = build_heads(comm, opts.model, d) if params is None else HeadMeasure.from_params(params[BLOCK])
+    if heads.dim != d:
         raise ConfigError("model.params", f"the model's tokens are {heads.dim}-D, the mesh's {d}-D")
-    heads = build_heads(comm, opts.model, d) if heads is None else heads
     # the record says what was run: the heads' sizes as read or resolved
     cfg["model"].update(layers=heads.layers, heads=heads.heads, key_dim=heads.key_dim)
     prompts = on_root(comm, build_prompts, opts.prompts, d, geometry, opts.data)
@@ -125,7 +125,7 @@ def build_problem(cfg: dict, comm, differentiable: bool = False,
         raise ConfigError("output.frames_per_layer",
                           f"{fpl} does not divide discretisation.steps_per_layer = {spl}")
     problem = Problem(comm, cfg, mesh, heads, prompts, objective, targets, groups, options(cfg), geometry,
-                      terms=build_terms(opts.model, d, comm))
+                      terms=build_terms(opts.model, d, comm, params))
     teacher = teacher_heads(comm, opts, heads, d) if teacher_given(cfg["data"]) else None
     if opts.model.init == "teacher":
         near_teacher(heads, teacher, opts.model)
