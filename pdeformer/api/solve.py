@@ -75,17 +75,20 @@ def _solver(model, prompts, disc, objective, comm, differentiable, **options):
 
 
 class _Frames(Tracker):
-    """Keeps every frame of every prompt (a copy of its state) and its diagnostics."""
+    """Keeps the diagnostics of every frame of every prompt and a copy of its state:
+    of every frame (``every``), else of the last (t = 1) only."""
 
-    def __init__(self):
+    def __init__(self, every: bool = True):
+        self.every = every
         self.frames: dict[int, list] = {}
         self.rows: dict[int, list] = {}
 
     def frame(self, solver, frame):
         row = frame_diagnostics(solver, frame)    # every rank takes part
-        frame.coeffs = np.array(frame.coeffs)
-        self.frames.setdefault(frame.prompt_index, []).append(frame)
         self.rows.setdefault(frame.prompt_index, []).append(row)
+        if self.every or (frame.layer_boundary and frame.t == 1.0):
+            frame.coeffs = np.array(frame.coeffs)
+            self.frames.setdefault(frame.prompt_index, []).append(frame)
 
 
 def solve(model: Transformer, prompt, disc, *, frames_per_layer: int = 1, backend: str = "auto",
@@ -114,13 +117,42 @@ def solve(model: Transformer, prompt, disc, *, frames_per_layer: int = 1, backen
     prompts, one = _prompt_list(prompt)
     problem, solver = _solver(model, prompts, disc, None, comm, False, frames_per_layer=frames_per_layer,
                               backend=backend, tol=tol)
+    solutions = solve_problem(problem, solver)
+    out = [solutions[i] for i in range(len(prompts))]
+    return out[0] if one else out
+
+
+def solve_problem(problem, solver, trackers=(), every_frame: bool = True) -> dict[int, "Solution"]:
+    """Run ``solver`` (a ForwardSolver or ParticleSolver of ``problem``) on the prompts of
+    this rank's group, through a gradient's steps (plans frozen per frame), with
+    ``trackers`` (the files a run writes, which stream the frames) before the solutions'
+    own record. Returns {prompt index: Solution} of the group's prompts; with
+    ``every_frame`` false a solution keeps the last frame's state only (its diagnostics
+    of every frame), as a batch run needs. What :func:`solve` and ``pdeformer forward``
+    and ``particles`` run."""
     if isinstance(solver, ForwardSolver):
         solver.freeze_plans()          # a gradient's steps: one discrete map with value_and_grad
-    record = _Frames()
-    pictures = TokenSnapshots(None) if isinstance(solver, ParticleSolver) else FieldSnapshots(None)
-    solver.run([record, pictures])
-    out = [Solution(problem, solver, record, pictures, i) for i in range(len(prompts))]
-    return out[0] if one else out
+    record = _Frames(every_frame)
+    pictures = None
+    if every_frame:
+        pictures = TokenSnapshots(None) if isinstance(solver, ParticleSolver) else FieldSnapshots(None)
+    solver.run([*trackers, record] + ([pictures] if pictures else []))
+    return {i: Solution(problem, solver, record, pictures, i) for i in sorted(record.rows)}
+
+
+def gradient_of(problem, solver):
+    """The risk of ``problem``'s objective over its prompts and its exact gradient
+    (:class:`pdeformer.model.params.Gradient`) through ``solver``'s steps: the adjoint
+    sweep on the mesh, the particle adjoint for particles. What :func:`value_and_grad`
+    and ``pdeformer gradient`` and ``particles --gradient`` compute."""
+    if isinstance(solver, ParticleSolver):
+        return ParticleAdjoint(solver, problem.objective, problem.targets).gradient()
+    return adjoint_of(problem, solver).gradient()
+
+
+def adjoint_of(problem, solver) -> AdjointSolver:
+    """The adjoint of ``problem``'s objective through ``solver`` (a ForwardSolver)."""
+    return AdjointSolver(solver, problem.objective, problem.targets, problem.opts.objective.quadrature_degree)
 
 
 class Solution:
@@ -138,7 +170,7 @@ class Solution:
 
     def __init__(self, problem, solver, record: _Frames, pictures, index: int):
         self.problem, self.solver, self.index = problem, solver, index
-        self._frames, self._pictures = record.frames[index], pictures
+        self._record, self._frames, self._pictures = record, record.frames.get(index, []), pictures
         rows = record.rows[index]
         self.name = problem.prompts[index][0]
         self.t = np.array([r["t"] for r in rows])
@@ -148,11 +180,19 @@ class Solution:
         self.cov = np.array([r["cov"] for r in rows])
         self._cells = None
 
+    def final_state(self):
+        """This rank's part of the state at t = 1: the density's coefficients (DG), or
+        (tokens, weights) (particles)."""
+        f = self._frames[-1]
+        return (f.coeffs, f.extra["weights"]) if "weights" in f.extra else f.coeffs
+
     def density(self, frame: int = -1) -> tuple[np.ndarray, np.ndarray]:
         """(points, values) at ``frame``: the cells' centroids and the density's cell means
         (DG, cells in centroid order, whatever the partition), or the tokens and their
         weights (particles), gathered on every rank (a collective call)."""
-        f = self._frames[frame]
+        if not self._record.every and frame not in (-1, len(self.t) - 1):
+            raise ValueError("this solution keeps the last frame only")
+        f = self._frames[-1 if not self._record.every else frame]
         comm = self.solver.comm
         if isinstance(self.solver, ParticleSolver):
             x = np.concatenate(comm.allgather(f.coeffs))
@@ -171,6 +211,8 @@ class Solution:
         call); the file name, or None without matplotlib."""
         from ..tools.figures import density_figure
         from ..tools.output import save_figure
+        if self._pictures is None:
+            raise ValueError("this solution keeps no pictures (solve_problem(every_frame=False))")
         arrays = self._pictures.arrays(self.problem)
         if self.solver.comm.rank != 0:
             return None
@@ -193,6 +235,8 @@ class Solution:
             os.makedirs(folder, exist_ok=True)
         self.solver.comm.Barrier()
         out = TokenOutput(folder) if isinstance(self.solver, ParticleSolver) else FieldOutput(folder, "vtk", False)
+        if not self._record.every:
+            raise ValueError("this solution keeps the last frame only")
         out.start(self.solver)
         for f in self._frames:
             out.frame(self.solver, f)
@@ -215,9 +259,5 @@ def value_and_grad(objective: Objective, model: Transformer, prompts, disc, *, f
     prompts, _ = _prompt_list(prompts)
     problem, solver = _solver(model, prompts, disc, objective, comm, True, frames_per_layer=frames_per_layer,
                               backend=backend, tol=tol)
-    if isinstance(solver, ParticleSolver):
-        g = ParticleAdjoint(solver, problem.objective, problem.targets).gradient()
-    else:
-        g = AdjointSolver(solver, problem.objective, problem.targets,
-                          problem.opts.objective.quadrature_degree).gradient()
+    g = gradient_of(problem, solver)
     return g.risk, g.params

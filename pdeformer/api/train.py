@@ -18,11 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..solvers.adjoint import AdjointSolver
 from ..solvers.train import Trainer
 from ..tools.errors import ConfigError
 from .objects import DG, Objective, Transformer
-from .solve import _prompt_list, _solver
+from .solve import _prompt_list, _solver, adjoint_of
 
 
 @dataclass
@@ -79,11 +78,19 @@ def train(objective: Objective, model: Transformer, prompts, disc, *, steps: int
                **({"batch_size": batch_size} if batch_size is not None else {})}
     problem, solver = _solver(model, prompts, disc, objective, comm, True, frames_per_layer=frames_per_layer,
                               backend=backend, tol=tol, train=options)
-    adjoint = AdjointSolver(solver, problem.objective, problem.targets, problem.opts.objective.quadrature_degree)
     if outdir is not None and solver.comm.rank == 0:
         os.makedirs(outdir, exist_ok=True)
-    trainer = Trainer(adjoint, problem.opts, outdir)
+    trainer = trainer_for(problem, solver, outdir)
     rows = trainer.run()
     columns = {c: np.array([np.nan if r.get(c) is None else r[c] for r in rows], dtype=float)
                for c in trainer.columns}
     return Training(Transformer(trainer.params, model.beta, model.options), columns)   # (copies them)
+
+
+def trainer_for(problem, solver, outdir: str | None = None, walltime: float | None = None,
+                started: float | None = None) -> Trainer:
+    """The :class:`~pdeformer.solvers.train.Trainer` of ``problem``'s ``[train]`` options
+    through ``solver`` (a ForwardSolver): what :func:`train` and ``pdeformer train`` run.
+    ``outdir``: the folder of the training's files (None: none); ``walltime``: seconds
+    from ``started`` after which it stops with a checkpoint."""
+    return Trainer(adjoint_of(problem, solver), problem.opts, outdir, walltime, started=started)

@@ -132,12 +132,11 @@ class Case:
     def _run_mesh(self, timer: Timer) -> None:
         """The PDE on the mesh: every prompt's final density, moments, risk (and, for
         the gradient command, the gradient)."""
-        from ..solvers.adjoint import AdjointSolver
+        from ..api.solve import adjoint_of
         from ..solvers.forward import ForwardSolver
         p = self.problem
         self.solver = ForwardSolver(p, timer)
-        adj = AdjointSolver(self.solver, p.objective, p.targets,
-                            p.opts.objective.quadrature_degree) if p.objective else None
+        adj = adjoint_of(p, self.solver) if p.objective else None
         if self.command == "gradient":
             self.grad = adj.gradient()
         self.coeffs = []

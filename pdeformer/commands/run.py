@@ -42,7 +42,9 @@ from ..tools.machine import peak_memory
 from ..model.config import input_files
 from ..tools.errors import ConfigError, PdeformerError, SolverBreakdown, status_of
 from ..model import params as tree
-from ..solvers.forward import ForwardSolver, Tracker
+from ..api.solve import adjoint_of, gradient_of, solve_problem
+from ..api.train import trainer_for
+from ..solvers.forward import ForwardSolver
 from ..solvers.problem import build_problem, teacher_pass
 from ..tools.outdir import TRAINING_STATE, OutputFolder
 from ..tools.output import provenance, write_json, write_npz
@@ -257,18 +259,16 @@ def _draw_quietly(folder: str, fmt: str, prompts: list[str]) -> dict:
         return {}
 
 
-def _risk_of(solver: ForwardSolver, problem, coeffs: dict) -> dict | None:
+def _risk_of(solver: ForwardSolver, problem, solutions: dict) -> dict | None:
     """The objective at the final densities of a forward run (None without one);
-    ``coeffs``: {prompt index: final coefficients} of this group's prompts. A
-    combination point."""
+    ``solutions``: {prompt index: Solution} of this group's prompts. A combination
+    point."""
     if problem.objective is None:
         return None
-    from ..solvers.adjoint import AdjointSolver
-    adj = AdjointSolver(solver, problem.objective, problem.targets,
-                        problem.cfg["objective"]["quadrature_degree"])
+    adj = adjoint_of(problem, solver)
     groups = problem.groups
     with groups.combined():
-        local = {s: adj.objective_at(s, c)[0] for s, c in coeffs.items()}
+        local = {s: adj.objective_at(s, sol.final_state())[0] for s, sol in solutions.items()}
     risks = groups.gather_prompts(local)
     return {**risk_split(problem, risks), "risks": dict(zip(groups.names, risks))}
 
@@ -291,29 +291,27 @@ def run_forward(cfg: dict, comm=None) -> dict:
     with ``"status": "breakdown"`` and the error are still written, then the error is raised."""
     run = Run("forward", cfg, comm or MPI.COMM_WORLD,   # the objective's risk comes at the end
               check=lambda p: p.check_on_mesh())
-    run.solver.freeze_plans()
     out = cfg["output"]
     table = DiagnosticsTable(run.path("diagnostics.csv"))
     trackers = [ProgressLog(), table]
     fields = FieldOutput(run.outdir, out["format"], out["velocity"]) if out["fields"] else None
     if fields:
         trackers.append(fields)
-    finals = FinalStates()
     snapshots = run.snapshots()
-    trackers += [finals] + ([snapshots] if snapshots else [])
+    trackers += [snapshots] if snapshots else []
     with run.session():
-        status, error = "completed", None
+        status, error, solutions = "completed", None, {}
         try:
             with run.groups.combined():   # each group solves its prompts; then they meet
                 with run.timer.phase("forward"):
-                    run.solver.run(trackers)
+                    solutions = solve_problem(run.problem, run.solver, trackers, every_frame=False)
         except SolverBreakdown as e:
             status, error = "breakdown", e
         table.write(run.groups)
         prompt_info = run.prompt_info()
         if run.groups.count > 1:
             log_other_groups(run.groups, table.rows, prompt_info, run.problem.heads.layers)
-        risk = _risk_of(run.solver, run.problem, finals.coeffs) if error is None else None
+        risk = _risk_of(run.solver, run.problem, solutions) if error is None else None
         if risk:
             log.info("risk R = %.12e%s", risk["risk"], f" (training prompts), test risk {risk['test_risk']:.12e}"
                      if "test_risk" in risk else "")
@@ -328,30 +326,13 @@ def run_forward(cfg: dict, comm=None) -> dict:
     return summary
 
 
-class FinalStates(Tracker):
-    """Keeps the density (or the tokens and weights) of every prompt of this group at
-    t = 1: {prompt index: coefficients} and {prompt index: (tokens, weights)}."""
-
-    def __init__(self):
-        self.coeffs = {}
-        self.tokens = {}
-
-    def frame(self, solver, frame):
-        if frame.layer_boundary and frame.t == 1.0:
-            self.coeffs[frame.prompt_index] = frame.coeffs
-            if "weights" in frame.extra:
-                self.tokens[frame.prompt_index] = (frame.coeffs, frame.extra["weights"])
-
-
 def run_gradient(cfg: dict, comm=None) -> dict:
     """Risk and its exact derivatives dR/dtheta -> gradient.npz, summary.json."""
-    from ..solvers.adjoint import AdjointSolver
     run = Run("gradient", cfg, comm or MPI.COMM_WORLD, differentiable=True)
     p = run.problem
-    adj = AdjointSolver(run.solver, p.objective, p.targets, cfg["objective"]["quadrature_degree"])
     with run.session():
         with run.timer.phase("gradient"):
-            g = adj.gradient()
+            g = gradient_of(p, run.solver)
         log.info("risk R = %.12e, |dR/dtheta| = %.6e", g.risk, g.norm())
         tape_bytes = run.comm.allreduce(g.tape_bytes, op=MPI.MAX)
         run.write_gradient(g)
@@ -380,12 +361,8 @@ def run_train(cfg: dict, comm=None, restart: bool = False, walltime: float | Non
     """Gradient-flow training (see pdeformer.solvers.train); returns the summary. With
     ``walltime`` (seconds) training stops, with a checkpoint, before a step that would
     end past it (status "walltime"; continue with restart)."""
-    from ..solvers.adjoint import AdjointSolver
-    from ..solvers.train import Trainer
     run = Run("train", cfg, comm or MPI.COMM_WORLD, differentiable=True)
-    p = run.problem
-    adj = AdjointSolver(run.solver, p.objective, p.targets, cfg["objective"]["quadrature_degree"])
-    trainer = Trainer(adj, cfg, run.outdir, walltime, started=run.timer.start)   # set-up counts
+    trainer = trainer_for(run.problem, run.solver, run.outdir, walltime, started=run.timer.start)   # set-up counts
     if restart:   # read and checked before the folder is touched: a refused restart changes nothing
         trainer.restart()
     with run.session(keep=TRAINING_STATE if restart else ()):
@@ -485,12 +462,11 @@ def run_gram(cfg: dict, comm=None) -> dict:
     """The model's Gram matrix G = J D J^T on the training prompts and the gd convergence it
     predicts (see pdeformer.commands.gram): gram.json, gram.npz (J, G, y, y*), gram.png,
     summary.json."""
-    from ..solvers.adjoint import AdjointSolver
     from .gram import check_inputs, column_weights, gram_analysis, gram_matrix, plot_gram
     check_inputs(cfg)
     run = Run("gram", cfg, comm or MPI.COMM_WORLD, differentiable=True)
     p = run.problem
-    adj = AdjointSolver(run.solver, p.objective, p.targets, cfg["objective"]["quadrature_degree"])
+    adj = adjoint_of(p, run.solver)
     train = p.opts.train
     with run.session():
         with run.timer.phase("jacobian"):
@@ -541,19 +517,18 @@ def _particle_risk(run: Run, adjoint, local: dict, gradient: bool, results: dict
 
 
 def _particle_trackers(run: Run, points: bool) -> tuple:
-    """(diagnostics table, token files or None, final states, snapshots or None, all of
-    them as the march's trackers, the progress log first) of a particle run; the token
-    files (tokens_<prompt>.pvd) only with ``points``."""
+    """(diagnostics table, token files or None, snapshots or None, all of them as the
+    march's trackers, the progress log first) of a particle run; the token files
+    (tokens_<prompt>.pvd) only with ``points``."""
     from ..model.particles import TokenOutput
     table = DiagnosticsTable(run.path("diagnostics.csv"))
     trackers = [ProgressLog(), table]
     tokens = TokenOutput(run.outdir) if points else None
     if tokens:
         trackers.append(tokens)
-    finals = FinalStates()
     snapshots = run.snapshots(TokenSnapshots)
-    trackers += [finals] + ([snapshots] if snapshots else [])
-    return table, tokens, finals, snapshots, trackers
+    trackers += [snapshots] if snapshots else []
+    return table, tokens, snapshots, trackers
 
 
 def run_particles(cfg: dict, comm=None, gradient: bool = False) -> dict:
@@ -568,16 +543,17 @@ def run_particles(cfg: dict, comm=None, gradient: bool = False) -> dict:
         raise ConfigError("objective.kind", "missing: --gradient needs an [objective]")
     if p.objective is not None:   # before the folder is touched
         ParticleAdjoint.check(run.solver, p.objective)
-    table, tokens, finals, snapshots, trackers = _particle_trackers(run, cfg["particles"]["points"])
+    table, tokens, snapshots, trackers = _particle_trackers(run, cfg["particles"]["points"])
     with run.session():
         adjoint = ParticleAdjoint(run.solver, p.objective, p.targets) if p.objective else None
         status, error, results = "completed", None, {}
         try:
             with run.groups.combined():   # each group moves its prompts' tokens; then they meet
                 with run.timer.phase("particles"):
-                    run.solver.run(trackers)
-                local = {s: adjoint.objective.particle_value_and_gradient(x, w, adjoint.targets[s], p.comm)[0]
-                         for s, (x, w) in finals.tokens.items()} if adjoint is not None else {}
+                    solutions = solve_problem(p, run.solver, trackers, every_frame=False)
+                local = {s: adjoint.objective.particle_value_and_gradient(*sol.final_state(), adjoint.targets[s],
+                                                                          p.comm)[0]
+                         for s, sol in solutions.items()} if adjoint is not None else {}
             table.write(run.groups)
             if run.groups.count > 1:
                 log_other_groups(run.groups, table.rows, run.prompt_info(), p.heads.layers)
