@@ -12,6 +12,7 @@ import pytest
 
 from conftest import ROOT, requires_dolfinx, run_cli, write_config
 from pdeformer.model.heads import HeadMeasure
+from pdeformer.model.params import layer_slice
 from pdeformer.commands.ntk import head_jacobians, lse_test, log_laplace, ntk_gram, sample_points
 from pdeformer.model.prompt_files import PointCloud
 from pdeformer.model.prompts import GaussianMixture, UniformBox
@@ -61,7 +62,7 @@ def family_spectra(measures, params="A", heads=256, scale=1.0):
     b = sample_points(3.0, 256, d, 0)
     h = HeadMeasure.random(1, heads, d, d, seed=0, scale=scale)
     x = np.full((1, d), 1 / math.sqrt(d))
-    return lse_test(measures, b), ntk_gram(measures, x, h.Q[0], h.K[0], h.V[0], params)
+    return lse_test(measures, b), ntk_gram(measures, x, layer_slice(h.params, 0), params)
 
 
 # ------------------------------------------------------------------ closed forms
@@ -202,7 +203,7 @@ def test_jacobians_match_finite_differences():
             minus[arr][idx] -= h
             fd.append((gamma(**plus) - gamma(**minus)) / (2 * h))
     fd = np.array(fd).T                                      # (P*d, n_params): V, Q, K order
-    J = head_jacobians(mu, x, Q, K, V, "all")[0]
+    J = head_jacobians(mu, x, {"Q": Q, "K": K, "V": V}, "all")[0]
     np.testing.assert_allclose(J, fd, atol=1e-8)
     A = np.einsum("ki,kj->ij", K[0], Q[0])
     fdA = []
@@ -211,7 +212,7 @@ def test_jacobians_match_finite_differences():
         Ap[idx] += h
         Am[idx] -= h
         fdA.append((gamma(Q[0], K[0], V[0], Ap) - gamma(Q[0], K[0], V[0], Am)) / (2 * h))
-    np.testing.assert_allclose(head_jacobians(mu, x, Q, K, V, "A")[0], np.array(fdA).T, atol=1e-8)
+    np.testing.assert_allclose(head_jacobians(mu, x, {"Q": Q, "K": K, "V": V}, "A")[0], np.array(fdA).T, atol=1e-8)
 
 
 def test_matched_pairing_and_its_data_degeneracy():
@@ -220,24 +221,24 @@ def test_matched_pairing_and_its_data_degeneracy():
     A-Jacobians: a data set the NTK cannot separate, although the two prompts pass the
     LSE test (and the shared query x = 1 separates them)."""
     h = HeadMeasure.random(1, 64, 1, 1, seed=0)
-    Q, K, V = h.Q[0], h.K[0], h.V[0]
+    heads = layer_slice(h.params, 0)
     measures = FAMILIES[2][1]
-    shared = ntk_gram(measures, np.array([[0.8]]), Q, K, V, "A")
-    matched = ntk_gram(measures, np.full((3, 1), 0.8), Q, K, V, "A", matched=True)
+    shared = ntk_gram(measures, np.array([[0.8]]), heads, "A")
+    matched = ntk_gram(measures, np.full((3, 1), 0.8), heads, "A", matched=True)
     np.testing.assert_allclose(matched["eigenvalues"], shared["eigenvalues"], rtol=1e-12)
     pair = [UniformBox([-1], [1]), UniformBox([-2], [2])]
     assert lse_test(pair, sample_points(3.0, 256, 1, 0))["ratio"] > 1e-3
-    assert ntk_gram(pair, np.array([[1.0]]), Q, K, V, "A")["ratio"] > 1e-4
-    assert ntk_gram(pair, np.array([[1.0], [0.5]]), Q, K, V, "A", matched=True)["ratio"] < 1e-28
+    assert ntk_gram(pair, np.array([[1.0]]), heads, "A")["ratio"] > 1e-4
+    assert ntk_gram(pair, np.array([[1.0], [0.5]]), heads, "A", matched=True)["ratio"] < 1e-28
 
 
 def test_gram_is_the_head_average_of_jacobian_products():
     measures = FAMILIES[2][1]
     h = HeadMeasure.random(1, 5, 1, 1, seed=3)
     x = np.array([[0.7], [-1.1]])
-    J = np.concatenate([head_jacobians(m, x, h.Q[0], h.K[0], h.V[0], "all") for m in measures], axis=1)
+    J = np.concatenate([head_jacobians(m, x, layer_slice(h.params, 0), "all") for m in measures], axis=1)
     G = np.einsum("jap,jbp->ab", J, J) / J.shape[0]
-    gram = ntk_gram(measures, x, h.Q[0], h.K[0], h.V[0], "all")
+    gram = ntk_gram(measures, x, layer_slice(h.params, 0), "all")
     np.testing.assert_allclose(gram["eigenvalues"], np.sort(np.linalg.eigvalsh(G))[::-1],
                                rtol=1e-10, atol=1e-14 * gram["eigenvalues"][0])
     assert gram["size"] == len(measures) * 2
@@ -317,7 +318,7 @@ def test_run_heads_of_a_layer(tmp_path):
     res = analyse(["a", "b"], [exact_gm(), PointCloud(CLOUD["points"], CLOUD["weights"])], p)
     h = p.heads
     gram = ntk_gram([exact_gm(), PointCloud(CLOUD["points"], CLOUD["weights"])], np.array([[1.0]]),
-                    h.Q[1], h.K[1], h.V[1], "all")
+                    layer_slice(h.params, 1), "all")
     np.testing.assert_allclose(res["ntk"]["eigenvalues"], gram["eigenvalues"], rtol=1e-12)
     assert res["ntk"]["layer"] == 1 and res["ntk"]["count"] == 3
 

@@ -37,7 +37,8 @@ import numpy as np
 from ..attention.softmax import Sources, tilted_moments
 from ..tools.errors import ConfigError, SolverBreakdown
 from ..integrator.frames import Tracker
-from ..model.heads import HeadMeasure
+from ..model.heads import HeadMeasure, ntk_jacobians
+from ..model.params import layer_slice
 from ..tools.parallel import allgather_rows, on_root
 from ..model.prompt_files import PointCloud
 from ..model.prompts import GaussianMixture, UniformBox
@@ -133,38 +134,21 @@ def lse_test(measures: list, b: np.ndarray) -> dict:
             "weakest": weakest}
 
 
-def head_jacobians(measure, x: np.ndarray, Q, K, V, params: str) -> np.ndarray:
-    """d Gamma_theta[mu](x_p) / d theta for every head and point: (J, P*d, n_params).
-    Gamma = V m(A x), A = K^T Q; dGamma/dV_bc = e_b m_c, dGamma/dA_bc = V C e_b x_c,
-    dGamma/dQ_kc = V C K_k x_c, dGamma/dK_kc = V C e_c (Q x)_k."""
-    Jh, k, d = Q.shape
-    P = x.shape[0]
-    A = np.einsum("hki,hkj->hij", K, Q)
-    b = np.einsum("hij,pj->hpi", A, x).reshape(-1, d)
-    _, m, C = log_laplace(measure, b)
-    m, C = m.reshape(Jh, P, d), C.reshape(Jh, P, d, d)
-    VC = np.einsum("hab,hpbc->hpac", V, C)                               # (J, P, d, d)
-    blocks = []
-    if params in ("V", "all"):
-        eye = np.eye(d)
-        blocks.append(np.einsum("ab,hpc->hpabc", eye, m).reshape(Jh, P, d, d * d))
-    if params == "A":
-        blocks.append(np.einsum("hpab,pc->hpabc", VC, x).reshape(Jh, P, d, d * d))
-    if params == "all":
-        blocks.append(np.einsum("hpab,hkb,pc->hpakc", VC, K, x).reshape(Jh, P, d, k * d))
-        Qx = np.einsum("hkj,pj->hpk", Q, x)
-        blocks.append(np.einsum("hpac,hpk->hpakc", VC, Qx).reshape(Jh, P, d, k * d))
-    return np.concatenate(blocks, axis=-1).reshape(Jh, P * d, -1)
+def head_jacobians(measure, x: np.ndarray, heads: dict, params: str, beta: float = 1.0) -> np.ndarray:
+    """d Gamma_theta[mu](x_p) / d theta of every head of ``heads`` (one layer's slice of
+    the attention block) at every point: (J, P*d, n_params)
+    (:func:`pdeformer.model.heads.ntk_jacobians` with mu's tilted moments)."""
+    return ntk_jacobians(lambda b: log_laplace(measure, b), x, heads, beta, params)
 
 
-def ntk_gram(measures: list, x: np.ndarray, Q, K, V, params: str = "A",
-             matched: bool = False) -> dict:
+def ntk_gram(measures: list, x: np.ndarray, heads: dict, params: str = "A",
+             matched: bool = False, beta: float = 1.0) -> dict:
     """Spectrum of the NTK Gram matrix G = (1/J) sum_j J_j J_j^T on the data (mu_i, x_p):
     every prompt with every query point, (S*P*d) x (S*P*d), or with ``matched`` prompt i
     with query i only, (S*d) x (S*d). Its eigenvalues are the squared singular values of
     the stacked Jacobians [J_1 ... J_J] / sqrt(J), computed by an SVD of those (accurate
     far below the round-off level of G itself)."""
-    J = np.concatenate([head_jacobians(m, x[i:i + 1] if matched else x, Q, K, V, params)
+    J = np.concatenate([head_jacobians(m, x[i:i + 1] if matched else x, heads, params, beta)
                         for i, m in enumerate(measures)], axis=1)
     if not np.all(np.isfinite(J)):
         n = J.shape[1]
@@ -275,24 +259,24 @@ def prompt_measures(problem, timer) -> tuple[list, list]:
     return measures, how
 
 
-def ntk_heads(problem) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
-    """Q, K, V of the head measure in the Gram matrix, and a description of it. The
-    scores beta <Q x, K y> (``[attention] beta``) are those of the heads (beta Q, K)."""
+def ntk_heads(problem) -> tuple[dict, dict]:
+    """The head measure in the Gram matrix (one layer's slice of the attention block:
+    sampled heads, or the run's at a layer) and a description of it. The scores are
+    those of ``[attention] beta``."""
     ntk = problem.opts.ntk
     heads, d = problem.heads, problem.dim
     beta = problem.opts.attention.beta
     if ntk.heads == "sampled":
         h = HeadMeasure.random(1, ntk.head_count, heads.key_dim, d, seed=ntk.seed,
                                scale=ntk.head_scale)
-        return beta * h.Q[0], h.K[0], h.V[0], {"heads": "sampled", "count": ntk.head_count,
-                                               "scale": ntk.head_scale, "seed": ntk.seed, "beta": beta}
+        return layer_slice(h.params, 0), {"heads": "sampled", "count": ntk.head_count,
+                                          "scale": ntk.head_scale, "seed": ntk.seed, "beta": beta}
     layer = ntk.layer
     if layer is None:
         layer = heads.layer_of(ntk.depth) if ntk.depth is not None else 0
     if layer >= heads.layers:
         raise ConfigError("ntk.layer", f"{layer} is not a layer of the model (0..{heads.layers - 1})")
-    return beta * heads.Q[layer], heads.K[layer], heads.V[layer], \
-        {"heads": "run", "layer": layer, "count": heads.heads, "beta": beta}
+    return layer_slice(heads.params, layer), {"heads": "run", "layer": layer, "count": heads.heads, "beta": beta}
 
 
 def query_points(ntk, d: int, prompts: int) -> np.ndarray:
@@ -313,14 +297,14 @@ def analyse(names: list, measures: list, problem) -> dict:
     ntk = problem.opts.ntk
     check_inputs(problem)
     x = query_points(ntk, problem.dim, len(measures))
-    Q, K, V, head_info = ntk_heads(problem)
+    heads, head_info = ntk_heads(problem)
     b = sample_points(ntk.b_range, ntk.b_count, problem.dim, ntk.seed)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):   # checked below
         lse = lse_test(measures, b)
-        gram = ntk_gram(measures, x, Q, K, V, ntk.params, ntk.pairing == "matched")
+        gram = ntk_gram(measures, x, heads, ntk.params, ntk.pairing == "matched", head_info["beta"])
     for what, values in (("Lambda", lse["singular_values"]), ("NTK Gram", gram["eigenvalues"])):
         if not np.all(np.isfinite(values)):
-            raise not_finite(what, measures, problem, x, Q, K, V)
+            raise not_finite(what, measures, problem, x, heads)
     tol = ntk.tol
     return {
         "tol": tol,
@@ -335,7 +319,7 @@ def analyse(names: list, measures: list, problem) -> dict:
     }
 
 
-def not_finite(what: str, measures: list, problem, x, Q, K, V) -> Exception:
+def not_finite(what: str, measures: list, problem, x, heads: dict) -> Exception:
     """The error for a test whose values came out NaN or infinite, naming its cause: a
     density with negative values (a breakdown: it has no log-Laplace transform), else
     the input that took Lambda's argument b past what doubles hold -- for the LSE test
@@ -351,7 +335,7 @@ def not_finite(what: str, measures: list, problem, x, Q, K, V) -> Exception:
                            "|b|^2 x their covariances); lower ntk.b_range")
     beta = problem.opts.attention.beta
     sampled = ntk.heads == "sampled"
-    head = ntk.head_scale if sampled else max(float(np.abs(a).max()) for a in (Q / beta, K, V))
+    head = ntk.head_scale if sampled else max(float(np.abs(a).max()) for a in heads.values())
     params = problem.opts.model.params
     head_key = "ntk.head_scale" if sampled else ("model.params" if params is not None else "model.init_scale")
     # each input's share of log10 |b| = log10 |beta A x| (A = K^T Q: the heads' scale squared)

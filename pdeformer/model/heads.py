@@ -218,6 +218,36 @@ def read_arrays(filename: str, key: str) -> dict:
         raise InputError(f"{key}: {filename}: an array is not numeric ({e})") from None
 
 
+def ntk_jacobians(tilted, x: np.ndarray, heads: dict, beta: float, params: str) -> np.ndarray:
+    """d Gamma_theta[mu](x_p) / d theta of one layer's heads ({"Q": (J, k, d), "K", "V"})
+    at the points x (P, d): (J, P*d, n_params), the parameters those of ``params``
+    ("A": A = K^T Q, "V", or "all": V, Q, K), the scores those of (beta Q, K):
+
+        Gamma = V m(A x),  A = K^T (beta Q),  dGamma/dV_bc = e_b m_c,
+        dGamma/dA_bc = V C e_b x_c,  dGamma/dQ_kc = V C K_k x_c,  dGamma/dK_kc = V C e_c (Q x)_k,
+
+    m and C the tilted mean and covariance of mu at b = A x, ``tilted(b)`` -> (Lambda,
+    m, C) for b (n, d) (the NTK test of pdeformer.commands.ntk)."""
+    Q, K, V = beta * heads["Q"], heads["K"], heads["V"]
+    Jh, k, d = Q.shape
+    P = x.shape[0]
+    A = np.einsum("hki,hkj->hij", K, Q)
+    b = np.einsum("hij,pj->hpi", A, x).reshape(-1, d)
+    _, m, C = tilted(b)
+    m, C = m.reshape(Jh, P, d), C.reshape(Jh, P, d, d)
+    VC = np.einsum("hab,hpbc->hpac", V, C)                               # (J, P, d, d)
+    blocks = []
+    if params in ("V", "all"):
+        blocks.append(np.einsum("ab,hpc->hpabc", np.eye(d), m).reshape(Jh, P, d, d * d))
+    if params == "A":
+        blocks.append(np.einsum("hpab,pc->hpabc", VC, x).reshape(Jh, P, d, d * d))
+    if params == "all":
+        blocks.append(np.einsum("hpab,hkb,pc->hpakc", VC, K, x).reshape(Jh, P, d, k * d))
+        Qx = np.einsum("hkj,pj->hpk", Q, x)
+        blocks.append(np.einsum("hpac,hpk->hpakc", VC, Qx).reshape(Jh, P, d, k * d))
+    return np.concatenate(blocks, axis=-1).reshape(Jh, P * d, -1)
+
+
 def query_key_derivatives(heads: "HeadMeasure", dA: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """dR/dQ, dR/dK from dR/dA (..., L, H, d, d; leading axes: one derivative per output):
     A = K^T Q, so dR/dQ = K dR/dA and dR/dK = Q (dR/dA)^T."""

@@ -111,6 +111,11 @@ def particle_vectors(arrays: dict, layer: int) -> np.ndarray:
     return np.concatenate([a[layer].reshape(a.shape[1], -1) for a in arrays.values()], axis=1)
 
 
+def layer_slice(arrays: dict, layer: int) -> dict:
+    """A block's arrays of one layer: {name: array[layer]} (its particles on axis 0)."""
+    return {name: a[layer] for name, a in arrays.items()}
+
+
 def particle_norms(arrays: dict) -> np.ndarray:
     """|theta_{l,w}| over all arrays of a block, per layer and particle: (L, W)."""
     return np.sqrt(sum(np.sum(a.reshape(a.shape[0], a.shape[1], -1) ** 2, axis=2) for a in arrays.values()))
