@@ -153,36 +153,26 @@ def test_every_rank_takes_rank_zeros_costs(tmp_path):
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [1e-9] * 3
 
 
-def _with_costs(**changes):
-    """This process's costs replaced by the pinned ones with ``changes``."""
-    base = costs.Costs.from_dict(json.load(open(PINNED)), PINNED)
-    costs.reset()
-    costs._COSTS.append(dataclasses.replace(base, **changes))
+def _pinned(**changes) -> costs.Costs:
+    """The pinned costs with ``changes``."""
+    return dataclasses.replace(costs.Costs.from_dict(json.load(open(PINNED)), PINNED), **changes)
 
 
-@pytest.fixture
-def restore_costs():
-    saved = list(costs._COSTS)
-    yield
-    costs.reset()
-    costs._COSTS.extend(saved)
-
-
-def test_tiles_are_summed_the_cheaper_way(restore_costs):
+def test_tiles_are_summed_the_cheaper_way():
     """A table's tiles go through the panel nodes when the spread is cheap and are summed
     directly when it is dear; both give the same table (to rounding)."""
     rng = np.random.default_rng(3)
     y, w = rng.normal(size=(3000, 2)) * 0.7, rng.random(3000)
     tables = {}
     for name, spread in (("panels", 1e-12), ("dense", 1.0)):
-        _with_costs(spread=spread, numpy_block=spread)
-        t = LaplaceTable(y, w, [-3.0, -3.0], [3.0, 3.0], 33, MPI.COMM_WORLD)
+        t = LaplaceTable(y, w, [-3.0, -3.0], [3.0, 3.0], 33, MPI.COMM_WORLD,
+                         costs=_pinned(spread=spread, numpy_block=spread))
         tables[name] = t
         assert all((panels is not None) == (name == "panels") for _, panels in t.tile_data if t.layout.tiles)
     assert np.abs(tables["panels"].values - tables["dense"].values).max() <= 1e-12 * np.abs(tables["dense"].values).max()
 
 
-def test_auto_takes_laplace_where_direct_costs_more(restore_costs):
+def test_auto_takes_laplace_where_direct_costs_more():
     """The largest table worth building follows the costs: none when direct triples are
     nearly free, the largest size when they are dear."""
     from pdeformer.attention.softmax import attention_matrices
@@ -195,8 +185,8 @@ def test_auto_takes_laplace_where_direct_costs_more(restore_costs):
     A = attention_matrices(heads.Q[0], heads.K[0])
     sizes = {}
     for pair in (1e-15, 1.0):
-        _with_costs(pair=pair)
-        field = AttentionVelocity(x, heads, AttentionOptions(backend="auto"), MPI.COMM_WORLD)
+        field = AttentionVelocity(x, heads, AttentionOptions(backend="auto"), MPI.COMM_WORLD,
+                                  costs=_pinned(pair=pair))
         sizes[pair] = field.worthwhile_size(y, A, x, ("p", 0))
     assert sizes[1e-15] is None
     assert sizes[1.0] == 257

@@ -120,10 +120,11 @@ def _measure_pair(rng) -> dict:
     return {"pair": _best(lambda: attention_velocity(x, src, A, V), 3) / (256 * 4 * 2048)}
 
 
-def _measure_tables(rng) -> dict:
+def _measure_tables(rng, provisional: Costs) -> dict:
     """The panel spread (compiled: at two source counts, for its per-source and fixed
     parts; numpy: per block), and fine-grid interpolation (compiled and numpy) on a
-    small table of this rank alone."""
+    small table of this rank alone, which sums its tiles by the ``provisional`` costs
+    (how it sums them does not matter to what is measured)."""
     from .compiled import panel_spread
     from .laplace import FineGrid, LaplaceTable, Panels
     lib = kernels()
@@ -137,8 +138,8 @@ def _measure_tables(rng) -> dict:
         per = max((big - small) / (18000 * 3), 1e-12)
         out.update(spread=per, spread_call=max(small - per * 2000 * 3, 1e-6))
     table = LaplaceTable(y[:2000], cols[:2000, 0], [-2.0, -2.0], [2.0, 2.0], 33, MPI.COMM_SELF,
-                         signed=False, lib=None)
-    out["dense_node"] = _measure_dense(table, rng, _MEASURING[0].flop)
+                         signed=False, lib=None, costs=provisional)
+    out["dense_node"] = _measure_dense(table, rng, provisional.flop)
     many = [Panels(-1.0, 1.0, 30.0, 18) for _ in range(2)]      # 10 x 10 panels, 4 sources each
     few, few_cols = y[:400], cols[:400]
     out["numpy_block"] = _best(lambda: table._spread(many, few, few_cols), 3) / (many[0].count * many[1].count)
@@ -157,15 +158,9 @@ def measure() -> Costs:
     the first run on a machine writes the numbers later runs share."""
     rng = np.random.default_rng(0)
     flop = _measure_flop(rng)
-    # the small table measured below asks for costs itself: it gets these provisional
-    # ones (how it sums its tiles does not matter to what is measured)
-    _MEASURING.append(Costs(flop=flop, **{f.name: np.nan for f in dataclasses.fields(Costs)
-                                           if f.name != "flop"}))
-    try:
-        tables = _measure_tables(rng)
-        return Costs(flop=flop, **_measure_pair(rng), **tables)
-    finally:
-        _MEASURING.clear()
+    provisional = Costs(flop=flop, **{f.name: np.nan for f in dataclasses.fields(Costs) if f.name != "flop"})
+    tables = _measure_tables(rng, provisional)
+    return Costs(flop=flop, **_measure_pair(rng), **tables)
 
 
 def machine_key() -> str:
@@ -217,17 +212,15 @@ def _load_or_measure() -> Costs:
     return costs
 
 
-_COSTS: list = []
-_MEASURING: list = []
+_COSTS: list = []    # this machine's costs, once loaded (a cache of the measurement)
 
 
 def machine_costs(comm=None) -> Costs:
-    """This run's costs: loaded or measured by rank 0 of ``comm`` and broadcast, the first
-    time (collective then: every rank of ``comm`` calls it); the same object afterwards.
-    A run calls it once on all its ranks before anything is summed (build_problem).
+    """This machine's costs: loaded or measured by rank 0 of ``comm`` and broadcast, the
+    first time (collective then: every rank of ``comm`` calls it); the same object
+    afterwards. A run loads them once on all its ranks, ahead of any sum, into its
+    context (pdeformer.model.context.RunContext), from which its solvers read them.
     Whatever stops rank 0 is raised on every rank (no rank is left waiting)."""
-    if _MEASURING:
-        return _MEASURING[0]
     if not _COSTS:
         comm = comm if comm is not None else MPI.COMM_SELF
         found, error = None, None

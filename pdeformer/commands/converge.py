@@ -87,7 +87,7 @@ log = logging.getLogger("pdeformer")
 class Case:
     """The outcome of one run: per prompt mean, cov (and risk, gradient, density)."""
 
-    def __init__(self, command: str, cfg: dict, comm, timer: Timer, gradient: bool):
+    def __init__(self, command: str, cfg: dict, context, timer: Timer, gradient: bool):
         from ..solvers.problem import build_problem
         self.command, self.cfg = command, cfg
         if cfg["parallel"]["prompt_groups"] > 1:
@@ -98,8 +98,7 @@ class Case:
             raise ConfigError("mesh.shape", "convergence studies on a circle or sphere are not "
                               "supported yet (tests/test_sphere.py measures the orders there)")
         t0 = time.perf_counter()
-        differentiable = command == "gradient"
-        self.problem = build_problem(cfg, comm, differentiable)
+        self.problem = build_problem(cfg, context.comm, command == "gradient", context=context)
         if self.problem.geometry.name != "flat":
             raise ConfigError("mesh.file", "convergence studies on a circle or sphere are not "
                               "supported yet (tests/test_sphere.py measures the orders there)")
@@ -366,8 +365,8 @@ def run_ensemble(study: dict, cfgs: list, reference_cfgs, groups, timer, walltim
     error, seconds}; the records of all groups are gathered on every rank. The memory
     check and the attention costs are settled first, on all ranks together."""
     wants_grad = "gradient" in study["quantities"]
-    _settle_costs_and_memory(study, cfgs, reference_cfgs, groups, wants_grad)
-    run = _GuardedRuns(groups.comm, timer, walltime, wants_grad)
+    context = _settle_costs_and_memory(study, cfgs, reference_cfgs, groups, wants_grad)
+    run = _GuardedRuns(context, timer, walltime, wants_grad)
     records = []
     with groups.combined():
         ref, stopped = None, False
@@ -385,15 +384,17 @@ def run_ensemble(study: dict, cfgs: list, reference_cfgs, groups, timer, walltim
     return records, ("walltime" if "walltime" in statuses else "completed")
 
 
-def _settle_costs_and_memory(study: dict, cfgs: list, reference_cfgs, groups, wants_grad: bool) -> None:
-    """Measure the attention costs once on all ranks (so every group chooses alike) and
-    check the memory of member 0's cases and of the first reference run."""
+def _settle_costs_and_memory(study: dict, cfgs: list, reference_cfgs, groups, wants_grad: bool):
+    """The context of this group's runs, with the attention costs loaded once on all ranks
+    (every group chooses alike); the memory of member 0's cases and the first reference run checked."""
     from ..attention.costs import machine_costs
-    machine_costs(groups.world)     # one measurement: every group chooses alike
+    from ..model.context import RunContext
+    context = RunContext.create(groups.comm, costs=machine_costs(groups.world))   # one measurement
     for command, cfg in [(study["command"], c) for c in cfgs[0]] + \
             [(study["reference_command"], c) for c in (reference_cfgs or [])[:1]]:
         check_memory(cfg, command, groups.comm, groups.world,
                      differentiable=wants_grad or command == "gradient")
+    return context
 
 
 class _GuardedRuns:
@@ -401,13 +402,13 @@ class _GuardedRuns:
     only if the time elapsed plus twice the longest run so far (the next may be finer)
     stays within ``walltime``, as the group's first rank decides for the group."""
 
-    def __init__(self, comm, timer: Timer, walltime: float | None, wants_grad: bool):
-        self.comm, self.timer, self.walltime, self.wants_grad = comm, timer, walltime, wants_grad
+    def __init__(self, context, timer: Timer, walltime: float | None, wants_grad: bool):
+        self.context, self.timer, self.walltime, self.wants_grad = context, timer, walltime, wants_grad
         self.seconds = []
 
     def __call__(self, command: str, cfg: dict, what: str, phase: str) -> Case | None:
         """One run, or None where the walltime guard stops before it."""
-        comm = self.comm
+        comm = self.context.comm
         expected = 2.0 * max(self.seconds) if self.seconds else 0.0   # the next may be finer
         if self.walltime is not None and comm.bcast(
                 self.timer.elapsed() + expected > self.walltime if comm.rank == 0 else None):
@@ -417,7 +418,7 @@ class _GuardedRuns:
             return None
         try:
             with self.timer.phase(phase):
-                case = Case(command, cfg, comm, self.timer, self.wants_grad)
+                case = Case(command, cfg, self.context, self.timer, self.wants_grad)
         except PdeformerError as e:    # say which run of the study it was
             raise within(e, what) from None
         self.seconds.append(case.seconds)

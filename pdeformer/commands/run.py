@@ -35,7 +35,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..fem import _dolfinx as dfx
-from ..attention.costs import costs_record, machine_costs
+from ..attention.costs import costs_record
 from ..tools.blas import describe_choice
 from ..solvers.budget import check_memory, room_for_tape
 from ..tools.machine import peak_memory
@@ -226,7 +226,7 @@ class Run:
                                       "tol": self.cfg["attention"]["tol"],
                                       **groups.sum_stats(sv.velocity_field.stats),
                                       # the costs its choices were made from
-                                      "costs_s": costs_record(machine_costs())})
+                                      "costs_s": costs_record(p.context.costs)})
         summary["parallel"] = parallel_report(self.comm, groups, meter, self.timer)
         peak = self.comm.allreduce(peak_memory(), op=MPI.MAX)
         summary["memory"] = {"estimate_per_rank_gb": self.memory["total"] / 2**30,

@@ -101,7 +101,8 @@ class ParticleSolver:
         self.scheme = SCHEMES[self.disc.scheme]
         attention = dataclasses.replace(opts.attention, **({"backend": backend} if backend else {}))
         self.velocity_field = VelocityField(AttentionVelocity(None, problem.heads, attention, self.comm,
-                                                              self.geometry), problem.terms)
+                                                              self.geometry, costs=problem.context.costs),
+                                            problem.terms)
         self.stats = {"steps": 0, "velocity_evaluations": 0}
         self.current_prompt, self.evaluations = None, 0   # set per prompt (laplace plan keys)
         self.prompt_info = [{"name": n, "tokens": len(p.points) if p.kind == "points" else self.tokens}

@@ -38,7 +38,7 @@ from .kernels import KERNELS
 from ..attention.laplace import (LaplaceTable, TablePlan, TablePlanner, direct_seconds,
                                 exact_pair_vjp, laplace_seconds, largest_size, panel_nodes,
                                 source_extent, table_sizes)
-from ..attention.costs import machine_costs
+from ..attention.costs import Costs, machine_costs
 from ..tools.parallel import allgather_rows, any_rank
 from .geometry import Flat, Geometry
 
@@ -233,12 +233,15 @@ class AttentionVelocity:
     (particles)."""
 
     def __init__(self, targets, heads: HeadMeasure, attention, comm, geometry: Geometry | None = None,
-                 kernel=None):
+                 kernel=None, costs: Costs | None = None):
         """``attention``: the ``[attention]`` options (schema.SECTIONS["attention"]);
         ``geometry``: the space of the tokens (default flat R^d), on which the targets
         are projected and whose tangent space the velocity is projected onto; ``kernel``:
         what is summed (:mod:`pdeformer.model.kernels`; default the options' kernel),
-        which the options' backend sums."""
+        which the options' backend sums; ``costs``: the seconds its choices between ways
+        of summing are made from (the run's, :class:`~pdeformer.model.context.RunContext`;
+        default this machine's, :func:`~pdeformer.attention.costs.machine_costs`,
+        collective over ``comm``)."""
         self.geometry = Flat(heads.dim) if geometry is None else geometry
         self.targets = targets if targets is None else self.geometry.project(targets)
         self.kernel = KERNELS[attention.kernel].from_options(attention) if kernel is None else kernel
@@ -250,7 +253,8 @@ class AttentionVelocity:
         self.chunk_mb = attention.chunk_mb
         self.tape_mb = attention.tape_mb   # tables kept for an adjoint (forward.py)
         self.comm = comm
-        self.planner = TablePlanner(comm, self.tol)
+        self.costs = machine_costs(comm) if costs is None else costs
+        self.planner = TablePlanner(comm, self.tol, self.costs)
         self._gathered = None  # (points object, all points, slice of this rank)
         self._limits = {}      # key -> (A, points, targets, n_max): the auto cost model
         self.misses = {}       # key -> (evaluations still to sum directly, misses in a row): auto
@@ -293,8 +297,8 @@ class AttentionVelocity:
 
     def worthwhile_size(self, points, A, x, key) -> int | None:
         """The largest table size worth building (``auto``): the largest whose cost (table
-        and interpolation) is below direct summation's, in this machine's seconds
-        (attention/costs.py; None: none is). Kept per key while heads, sources and
+        and interpolation) is below direct summation's, in the seconds of
+        :attr:`costs` (None: none is). Kept per key while heads, sources and
         targets stay."""
         cached = self._limits.get(key)
         if cached is not None and cached[1] is points and cached[2] is x and np.array_equal(cached[0], A):
@@ -308,10 +312,9 @@ class AttentionVelocity:
         extent = source_extent(points, self.comm)
         finite = bool(np.all(np.isfinite(lo)) and np.all(np.isfinite(hi)))
         nodes = [panel_nodes(max(abs(lo[a]), abs(hi[a])), extent[a]) for a in range(d)] if finite else None
-        costs = machine_costs(self.comm)
-        direct = direct_seconds(costs, N, H, M)
+        direct = direct_seconds(self.costs, N, H, M)
         cheaper = [n for n in table_sizes(d) if n <= largest_size(d)
-                   and laplace_seconds(costs, n, d, M, N * H, compiled, nodes) < direct]
+                   and laplace_seconds(self.costs, n, d, M, N * H, compiled, nodes) < direct]
         n_max = cheaper[-1] if cheaper else None
         self._limits[key] = (A.copy(), points, x, n_max)
         return n_max

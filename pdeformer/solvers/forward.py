@@ -225,8 +225,7 @@ class PromptMarch:
 
 class ForwardSolver:
     def __init__(self, problem: Problem, timer: Timer | None = None):
-        self.problem = problem
-        self.comm = problem.comm
+        self.problem, self.comm = problem, problem.comm
         self.timer = timer or Timer()
         opts = problem.opts
         disc = self.disc = opts.discretisation
@@ -235,7 +234,8 @@ class ForwardSolver:
             self.transport = DGTransport(problem.mesh, disc.degree, disc.velocity_degree,
                                          disc.quadrature_degree, opts.petsc, comm=self.comm)
             attention = AttentionVelocity(dfx.owned_node_coordinates(self.transport.W), problem.heads,
-                                          opts.attention, self.comm, geometry=problem.geometry)
+                                          opts.attention, self.comm, geometry=problem.geometry,
+                                          costs=problem.context.costs)
             self.velocity_field = VelocityField(attention, problem.terms)
         self.scheme = SCHEMES[disc.scheme]
         # uniform steps per frame with counts frozen at the frame's start (gradients need

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..model.schema import Options, options
 from ..tools.errors import ConfigError, PdeformerError, within
-from ..attention.costs import machine_costs
+from ..model.context import RunContext
 from ..model.geometry import Geometry
 from ..model.heads import BLOCK, HeadMeasure
 from ..fem.mesh import bounding_box, make_mesh, mesh_geometry, shortest_edge, token_dim
@@ -30,7 +30,10 @@ class Problem:
     ``comm`` is the communicator of this rank's prompt group (the world without prompt
     groups): the mesh is partitioned over it and every collective of the group's work
     uses it. ``groups`` (:class:`~pdeformer.tools.parallel.PromptGroups`) says which prompts
-    this group solves (``groups.owned``) and combines results over the world."""
+    this group solves (``groups.owned``) and combines results over the world.
+    ``context`` (:class:`~pdeformer.model.context.RunContext`) carries the communicator,
+    groups and attention costs the solvers are given (default: ``comm``'s, with this
+    machine's costs)."""
 
     comm: object
     cfg: dict                  # the checked config: the record of the run (summary.json)
@@ -45,8 +48,11 @@ class Problem:
     held_out: list = None        # indices of the held-out (test) prompts ([data] test_fraction)
     teacher: HeadMeasure = None  # a teacher whose targets are still to be computed (teacher_pass)
     terms: list = field(default_factory=list)   # token-wise velocity terms (model/terms.py)
+    context: RunContext = None   # the run's communicator, groups and costs
 
     def __post_init__(self):
+        if self.context is None:
+            self.context = RunContext.create(self.comm)
         if self.geometry is None:           # every rank of comm constructs it
             self.geometry = mesh_geometry(self.comm, self.mesh)
         if self.groups is None:
@@ -88,7 +94,7 @@ def build_heads(comm, model, d: int) -> HeadMeasure:
 
 def build_problem(cfg: dict, comm, differentiable: bool = False,
                   groups: PromptGroups | None = None, defer_teacher: bool = False,
-                  params: dict | None = None) -> Problem:
+                  params: dict | None = None, context: RunContext | None = None) -> Problem:
     """Mesh, heads, prompts (and objective, targets) of a checked configuration.
     ``differentiable``: the run takes gradients (gradient, train), so the discrete
     forward map must be smooth in the heads. With ``groups`` the mesh is built on this
@@ -96,12 +102,13 @@ def build_problem(cfg: dict, comm, differentiable: bool = False,
     targets come from a forward run of the teacher, which can break down: with
     ``defer_teacher`` it is left to :func:`teacher_pass` (a run makes it inside its
     output folder, so that a breakdown there is recorded). ``params``: the model's
-    parameter tree (the Python API's, checked), instead of ``[model]``'s file or draw."""
-    # this machine's costs of summing (attention/costs.py): agreed on by all ranks of
-    # the job before any group sums anything
-    machine_costs(groups.world if groups is not None else comm)
-    if groups is not None:
-        comm = groups.comm
+    parameter tree (the Python API's, checked), instead of ``[model]``'s file or draw.
+    ``context``: the run's communicator, groups and costs (default: made from ``comm``
+    and ``groups``, this machine's costs agreed on by all ranks of the job); given,
+    ``comm`` and ``groups`` are taken from it."""
+    if context is None:
+        context = RunContext.create(comm, groups)
+    comm, groups = context.comm, context.groups
     opts = options(cfg)
     if differentiable and opts.objective.kind is None:
         raise ConfigError("objective.kind", "missing: gradient, train and gram need an [objective]")
@@ -125,7 +132,7 @@ def build_problem(cfg: dict, comm, differentiable: bool = False,
         raise ConfigError("output.frames_per_layer",
                           f"{fpl} does not divide discretisation.steps_per_layer = {spl}")
     problem = Problem(comm, cfg, mesh, heads, prompts, objective, targets, groups, options(cfg), geometry,
-                      terms=build_terms(opts.model, d, comm, params))
+                      terms=build_terms(opts.model, d, comm, params), context=context)
     teacher = teacher_heads(comm, opts, heads, d) if teacher_given(cfg["data"]) else None
     if opts.model.init == "teacher":
         near_teacher(heads, teacher, opts.model)

@@ -1,7 +1,7 @@
-"""What a table costs, in flops and in seconds on this machine (its measured costs,
-:func:`pdeformer.attention.costs.machine_costs`): a table's sums directly over the sources
-(:func:`dense_seconds`) or through panel nodes (:func:`panel_seconds`), whichever is
-less; interpolating it at the targets, from the table or its fine grid
+"""What a table costs, in flops and in seconds on this machine (the ``costs`` given, a
+:class:`pdeformer.attention.costs.Costs`: a run's context's): a table's sums directly
+over the sources (:func:`dense_seconds`) or through panel nodes (:func:`panel_seconds`),
+whichever is less; interpolating it at the targets, from the table or its fine grid
 (:func:`laplace_seconds`, :func:`fine_from`); and direct summation
 (:func:`direct_seconds`). The table picks its path per tile from these, and the auto
 backend picks between the table and direct summation."""

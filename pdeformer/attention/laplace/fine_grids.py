@@ -17,7 +17,6 @@ from mpi4py import MPI
 from ...tools.parallel import allgather_shares, allreduce_sum, reduce_shares, share
 from .. import compiled
 from ..compiled import KERNEL_DEGREE, fine_velocity, fine_velocity_vjp
-from ..costs import machine_costs
 from .accuracy import own_samples
 from .chebyshev import barycentric_weights, chebyshev_lobatto
 from .cost_model import fine_from
@@ -241,7 +240,7 @@ def fine_grid(table: "LaplaceTable", tol: float, nf: int | None = None, lib=EVER
         lib = compiled.kernels_on(table.comm)      # one collective call for all candidates
     if nf is not None:
         return FineGrid(table, nf, lib)
-    if table.n < fine_from(lib, machine_costs(table.comm), table.d):
+    if table.n < fine_from(lib, table.costs, table.d):
         return None
     # the local error is to stay below tol/2; its sampled estimate saw 0.4-0.8 of the
     # largest error over all b of the benchmark's targets, so the samples must show tol/4

@@ -81,10 +81,11 @@ class TablePlanner:
     and |m| (M) over the targets bound the error of m by kappa (e_mu s_mu + M e_zeta s_zeta)
     (e_g, s_g: relative errors and sizes of the values), which relative to max(M, s_mu)
     must meet tol; if it does not, the sizes aim that much lower (remembered per key) and
-    the table is built again."""
+    the table is built again. Its tables choose how to sum their tiles and whether to
+    take a fine grid by ``costs`` (:class:`~pdeformer.attention.costs.Costs`)."""
 
-    def __init__(self, comm, tol: float):
-        self.comm, self.tol = comm, tol
+    def __init__(self, comm, tol: float, costs):
+        self.comm, self.tol, self.costs = comm, tol, costs
         self.plans: dict = {}
         self.targets: dict = {}      # key -> the tol the sizes aim at (below tol if signed)
         self._ranges: dict = {}      # key -> (A, targets, lo, hi, check points)
@@ -153,7 +154,7 @@ class TablePlanner:
         lo, hi = np.array(plan.lo), np.array(plan.hi)
         lib = self.lib() if points.shape[1] > 1 else None
         table = LaplaceTable(points, weights, lo, hi, plan.n, self.comm, plan.signed,
-                             self.layout(points, lo, hi, plan.eps), lib)
+                             self.layout(points, lo, hi, plan.eps), lib, costs=self.costs)
         return table, (table if plan.nf is None else FineGrid(table, plan.nf, lib))
 
     def velocity(self, points, weights, x, A, V, key, n_max: int, signed: bool | None = None):
@@ -324,7 +325,7 @@ class TablePlanner:
         else:
             self.stats["searches"] += 1
             table, _ = choose_table(points, weights, lo_b, hi_b, self.comm, target, n_max, signed,
-                                    self.layout(points, lo, hi, panel_eps(target)), lib)
+                                    self.layout(points, lo, hi, panel_eps(target)), lib, costs=self.costs)
             table, interp, a = self._with_fine_grid(table, target, lib, check)
         self.last = a
         if a.fine is not None:
@@ -354,7 +355,7 @@ class TablePlanner:
             sizes = [n for n in table_sizes(table.d) if n <= n_max]
             i = size_index(a.predicted(target), sizes, sizes.index(plan.n) + 1 if plan.n in sizes else 0)
             table, _ = choose_table(points, weights, table.lo, table.hi, self.comm, target,
-                                    n_max, plan.signed, table.layout, lib, start=i)
+                                    n_max, plan.signed, table.layout, lib, start=i, costs=self.costs)
             return self._with_fine_grid(table, target, lib, check)
         if interp is not table and a.fine_error > target / 4:
             return self._with_fine_grid(table, target, lib, check)

@@ -72,7 +72,7 @@ def subsample(points: np.ndarray, fraction: float, scale: float) -> np.ndarray:
 
 def choose_table(points, weights, b_lo, b_hi, comm, tol: float, n_max: int = N_MAX,
                  signed: bool | None = None, layout: SourceLayout | None = None, lib=EVERY_RANK,
-                 start: int | None = None):
+                 start: int | None = None, costs=None):
     """A table on the rounded box whose error estimate meets ``tol``; returns (table,
     estimate); ``table.assessment`` holds the errors per group. Sizes come from SIZES (up
     to n_max). Without ``start`` (an index into the sizes) the size is searched on trial
@@ -84,7 +84,7 @@ def choose_table(points, weights, b_lo, b_hi, comm, tol: float, n_max: int = N_M
     larger ones only while its own estimate misses tol. The search depends on the
     sources and the box alone, so the same inputs give the same table on any number of
     ranks. If no size meets tol, the largest is returned with its estimate (the caller
-    decides)."""
+    decides). ``costs``: the tables' (:class:`~.table.LaplaceTable`)."""
     lo, hi = grid_box(np.asarray(b_lo, float), np.asarray(b_hi, float))
     d = points.shape[1]
     sizes = [n for n in table_sizes(d) if n <= n_max] or [N_MIN]
@@ -95,7 +95,7 @@ def choose_table(points, weights, b_lo, b_hi, comm, tol: float, n_max: int = N_M
     eps = layout.eps if layout is not None else panel_eps(tol)
     # extrapolated from the coarse first table the prediction falls short
     search = _SizeSearch(lo, hi, sizes, comm, tol, signed, lib, eps,
-                         first_margin=PREDICTION_MARGIN if start is None and d < 3 else 1.0)
+                         first_margin=PREDICTION_MARGIN if start is None and d < 3 else 1.0, costs=costs)
     opening = 25 if d == 3 else 33
     i = start if start is not None else (sizes.index(opening) if opening in sizes else 0)
     i = min(i, len(sizes) - 1)
@@ -113,9 +113,10 @@ class _SizeSearch:
     table), at least the next one."""
 
     def __init__(self, lo, hi, sizes: list, comm, tol: float, signed: bool, lib, eps,
-                 first_margin: float):
+                 first_margin: float, costs=None):
         self.lo, self.hi, self.sizes, self.comm, self.tol = lo, hi, sizes, comm, tol
         self.signed, self.lib, self.eps, self.first_margin = signed, lib, eps, first_margin
+        self.costs = costs
 
     def run(self, pts, w, i: int, lay, builds: int | None = None):
         """(index, table, estimate): build at sizes[i], then at larger sizes (at least the
@@ -124,7 +125,7 @@ class _SizeSearch:
         sizes, tol, first = self.sizes, self.tol, i
         while True:
             table = LaplaceTable(pts, w, self.lo, self.hi, sizes[i], self.comm, self.signed, lay, self.lib,
-                                 self.eps)
+                                 self.eps, self.costs)
             lay = table.layout
             table.assessment = assess(table)
             est = table.assessment.estimate

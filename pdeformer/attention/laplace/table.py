@@ -17,6 +17,7 @@ from mpi4py import MPI
 from ...tools.parallel import allreduce_sum, share
 from .. import compiled
 from ..compiled import PANEL_QMAX
+from ..costs import Costs, machine_costs
 from .chebyshev import (barycentric_weights, chebyshev_lobatto, dct_matrix, differentiation_matrix,
                         shell_maxima)
 from .head_sums import HeadSums
@@ -42,17 +43,21 @@ class LaplaceTable(TableSums, SourceCotangents, HeadSums):
     here if not given) mu = S_y / N and zeta = Z / N (d + 1 tables) with
     N = sum_j |w_j| e^{<b, y_j>}, m = mu / zeta at each point. ``layout``: a
     :class:`SourceLayout` of these points for this box (built if not given, with panels
-    accurate to ``eps``)."""
+    accurate to ``eps``). ``costs``: the seconds by which its tiles are summed directly
+    or through panels and its fine grid is chosen (:mod:`pdeformer.attention.costs`: a
+    run's are its context's; default this machine's, collective over ``comm``)."""
 
     assessment = None     # its errors, where assessed (:func:`~.accuracy.assess`)
     _group_scales = None  # group_scales, once found
 
     def __init__(self, points, weights, lo, hi, n: int, comm, signed: bool | None = None,
-                 layout: SourceLayout | None = None, lib=EVERY_RANK, eps: float = PANEL_EPS):
+                 layout: SourceLayout | None = None, lib=EVERY_RANK, eps: float = PANEL_EPS,
+                 costs: Costs | None = None):
         self.d = points.shape[1]
         if self.d > 3:
             raise ValueError("the laplace backend is implemented for d = 1, 2 and 3")
         self.comm, self.n = comm, n
+        self.costs = machine_costs(comm) if costs is None else costs
         self.lo, self.hi = np.asarray(lo, float), np.asarray(hi, float)
         self.axes = [chebyshev_lobatto(n, a, b) for a, b in zip(self.lo, self.hi)]
         self.signed = any_negative(weights, comm) if signed is None else bool(signed)

@@ -20,7 +20,6 @@ import numpy as np
 
 from ...tools.parallel import allreduce_sum, reduce_shares
 from ..compiled import panel_spread
-from ..costs import machine_costs
 from .cost_model import dense_seconds, panel_seconds
 from .layout import Tile
 from .panels import PANEL3_BYTES, blocks_by_key, panel_triples
@@ -35,12 +34,13 @@ class TableSums:
 
     def _panels(self, tile: Tile):
         """The tile's panels, or None where summing over its sources directly is cheaper,
-        from the sizes over all ranks and this machine's costs (costs.py; every rank
-        takes the same path): :func:`dense_seconds` against :func:`panel_seconds`. In 3-D
-        not where the spread sums (ncols K_0 K_1 K_2) would take more than PANEL3_BYTES."""
+        from the sizes over all ranks and the table's ``costs`` (the same on every rank:
+        every rank takes the same path): :func:`dense_seconds` against
+        :func:`panel_seconds`. In 3-D not where the spread sums (ncols K_0 K_1 K_2) would
+        take more than PANEL3_BYTES."""
         if tile.count == 0:
             return None
-        costs = machine_costs(self.comm)
+        costs = self.costs
         K = [len(pa.nodes) for pa in tile.panels]
         if self.d == 3 and self.ncols * np.prod(K, dtype=float) * 8 > PANEL3_BYTES:
             return None
