@@ -1,5 +1,5 @@
-"""The shipped training config on coarse and fine meshes (issue 14): does every run
-train, with the risk going down?
+"""The shipped training config on coarse and fine meshes: does every run train, with
+the risk going down?
 
     python benchmarks/coarse_training.py                      (~10 minutes on 2 cores)
     python benchmarks/coarse_training.py --cells 16 32 --degrees 1 --ranks 1

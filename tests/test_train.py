@@ -316,9 +316,9 @@ def test_the_shipped_config_trains_on_every_coarse_mesh():
 
 
 def test_checkpoints_of_other_objectives_keep_their_fingerprint(tmp_path):
-    """Keys that only the interaction objective reads (added after checkpoints existed)
-    do not enter the fingerprint of other objectives: a checkpoint written before them
-    still restarts. With kind = interaction they do (changing them is another problem)."""
+    """Keys that only the interaction objective reads do not enter the fingerprint of
+    other objectives (changing them does not stop a restart there). With kind =
+    interaction they do (changing them is another problem)."""
     import json
     from pdeformer.model.config import load_config
     from pdeformer.model.schema import options

@@ -113,8 +113,8 @@ class Objective:
     targets: tuple = ()
     adjoint_knob = "the objective's target"
     checks_mesh = False
-    own_keys: tuple = ()   # [objective] keys only this kind reads, added after checkpoints
-                           # existed: other kinds' checkpoints do not fingerprint them
+    own_keys: tuple = ()   # [objective] keys only this kind reads: they are left out of
+                           # other kinds' checkpoint fingerprints (they change nothing there)
 
     @classmethod
     def from_config(cls, opts, d: int) -> "Objective":

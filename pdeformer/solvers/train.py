@@ -48,7 +48,6 @@ import numpy as np
 
 from ..model.config import batches_per_epoch
 from ..model.schema import options
-from ..tools.datasets import data_set_given, teacher_given
 from ..tools.errors import ConfigError, InputError, PdeformerError, SolverBreakdown, reworded
 from ..tools.files import load_npz, open_regular
 from ..model import params as tree
@@ -222,9 +221,6 @@ def fingerprint(opts) -> dict:
         mesh["h5_sha256"] = _file_digest(h5)
     model = dataclasses.asdict(opts.model)
     model["params_sha256"] = _file_digest(model["params"])
-    for key, default in (("init", "random"), ("init_noise", 0.0)):   # (absent from older
-        if model[key] == default:                                    #  checkpoints)
-            del model[key]
     prompts = []
     for p in opts.prompts:
         p = json.loads(json.dumps(p))
@@ -241,13 +237,9 @@ def fingerprint(opts) -> dict:
                                 if k != "max_outflow"},   # (it decides only when a run stops)
              "objective": objective,
              "optimizer": opts.train.optimizer}
-    data = dataclasses.asdict(opts.data)   # a data set, teacher or split (absent otherwise, and
-    if data_set_given(data) or teacher_given(data) or data["test_fraction"]:   # keys at their
-        data["teacher_sha256"] = _file_digest(data["teacher"])          # defaults: older
-        for key, default in (("folder", None), ("test_fraction", 0.0)):  # checkpoints match)
-            if data[key] == default:
-                del data[key]
-        parts["data"] = data
+    data = dataclasses.asdict(opts.data)
+    data["teacher_sha256"] = _file_digest(data["teacher"])
+    parts["data"] = data
     train = opts.train
     if train.batch_size is not None or train.seed != 0:    # the data order and the noise
         parts["sampling"] = {"batch_size": train.batch_size, "seed": train.seed}
