@@ -34,8 +34,7 @@ def fresh(monkeypatch, tmp_path):
 
 def test_measured_costs_are_seconds_of_this_machine(fresh):
     """Every field measured, positive and finite (compiled ones NaN only without the
-    compiled loops); a direct triple costs more than a product flop, a numpy point more
-    than a compiled one."""
+    compiled loops). How they compare is the machine's (and its load's), not asserted."""
     c = costs.measure()
     values = dataclasses.asdict(c)
     compiled = costs.kernels() is not None
@@ -44,9 +43,6 @@ def test_measured_costs_are_seconds_of_this_machine(fresh):
             assert np.isnan(v), k
         else:
             assert np.isfinite(v) and 0 < v < 1, (k, v)
-    assert c.pair > c.flop and c.dense_node > c.flop
-    if compiled:
-        assert c.numpy_point > c.fine_point
 
 
 def test_costs_are_measured_once_and_cached(fresh, monkeypatch):
