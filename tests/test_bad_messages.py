@@ -1,4 +1,4 @@
-"""Messages that name what the user can change (issue 42): errors about drawn prompts name
+"""Messages that name what the user can change: errors about drawn prompts name
 the data.* key that drew them, junk in a data folder names its file, mixtures of many
 components project without deep recursion (and exactly), ntk overflows name b_range,
 queries or head_scale, a sphere of radius 1e-9 runs, attention that cannot be finite
@@ -69,19 +69,19 @@ def diagnostics(folder) -> dict:
 # ---------------------------------------------------------------- a) drawn data sets
 
 @pytest.mark.parametrize("setting, key, words", [
-    # unresolvable Gaussians (before: prompts[0].covs[1], "use cells of at most ...")
+    # unresolvable Gaussians (not prompts[0].covs[1], "use cells of at most ...")
     ("data.std_range=[1e-4,2e-4]", "data.std_range: [0.0001, 0.0002] draws prompts", "(drawn prompt data0000: covs["),
-    # means at the edge: most of the mass off the mesh (before: prompts[0] ('data0000'))
+    # means at the edge: most of the mass off the mesh (not prompts[0] ('data0000'))
     ("data.mean_range=[2.9,3.5]", "data.mean_range: [2.9, 3.5] draws prompts", "lies outside the mesh"),
     # means inside, Gaussians far wider than the mesh: the widths are at fault
     ("data.std_range=[3.0,5.0]", "data.std_range: [3.0, 5.0] draws prompts", "lies outside the mesh"),
-    # every mean off the mesh: refused with the config (before: prompts[0] at the projection)
+    # every mean off the mesh: refused with the config (not prompts[0] at the projection)
     ("data.mean_range=[50.0,60.0]", "data.mean_range: [50.0, 60.0] lies off the mesh in coordinate 0", "within [-3, 3]"),
     ("data.mean_range=[1e300,1e300]", "data.mean_range: [1e+300, 1e+300] lies off the mesh", "within [-3, 3]"),
-    # s^2 overflows / underflows (before: prompts[0].covs[0]: expected a finite number / positive)
+    # s^2 overflows / underflows (not prompts[0].covs[0]: expected a finite number / positive)
     ("data.std_range=[1e300,1e300]", "data.std_range: [1e+300, 1e+300] is not within", "positive finite doubles"),
     ("data.std_range=[1e-300,1e-300]", "data.std_range: [1e-300, 1e-300] is not within", "positive finite doubles"),
-    # (before: "1e+10 cells is more than pdeformer allows")
+    # (not "1e+10 cells is more than pdeformer allows")
     ("data.components=[100000,100000] data.count=20", "data.components: 20 prompts (data.count) of up to 100000",
      "draw fewer"),
 ])
@@ -95,7 +95,7 @@ def test_drawn_prompts_are_reported_against_the_data_key(tmp_path, setting, key,
 
 
 @pytest.mark.parametrize("shape, size, kappa, words", [
-    # (before: a ValueError traceback from the circle's normalisation, n = 16 sqrt(kappa) points)
+    # (not a ValueError traceback from the circle's normalisation, n = 16 sqrt(kappa) points)
     ("circle", "cells = [32]", "[1e300,1e300]", "width radius/sqrt(kappa) = 1e-150"),
     ("sphere", "refinements = 1", "[1e6,1e7]", "the mesh cannot resolve it"),
 ])
@@ -124,13 +124,13 @@ def _empty(path):
 
 
 @pytest.mark.parametrize("name, make, words", [
-    # (before: "not a readable .npz (ValueError: ... pickled data ...)")
+    # (not "not a readable .npz (ValueError: ... pickled data ...)")
     ("b.npz", _empty, "an empty file (0 bytes), not an .npz"),
-    # (before: taken for a point cloud, then "data.teacher_seed: prompt 'b' is a point cloud")
+    # (not taken for a point cloud, then "data.teacher_seed: prompt 'b' is a point cloud")
     ("b.csv", _empty, "an empty file (0 bytes), not a .csv"),
     ("b.csv", lambda p: open(p, "w").write("x0,x1\n"), "a header and no rows"),
     ("b.csv", lambda p: open(p, "w").write("x0,x1,density\n"), "a header and no rows"),
-    # (before: skipped without a word)
+    # (not skipped without a word)
     ("b.npz", os.mkfifo, "is a FIFO (named pipe), not a file"),
     ("b.npz", os.mkdir, "is a folder, not a file"),
     ("b.npz", lambda p: open(p, "w").write("not a zip\n"), "not a readable .npz file (BadZipFile"),
@@ -158,9 +158,9 @@ def _mixtures(tmp_path, means, covs) -> str:
 
 
 def test_a_mixture_of_thousands_of_identical_components_is_the_one_component(tmp_path):
-    """1000 and 10000 copies of one Gaussian project to that Gaussian (before: a
-    RecursionError while its nested UFL sum was built; one form of all terms took 41 s to
-    compile at 1000): the whole forward pass agrees with the single component's to
+    """1000 and 10000 copies of one Gaussian project to that Gaussian (no RecursionError
+    from a nested UFL sum, and no form of all terms, which takes 41 s to compile at
+    1000): the whole forward pass agrees with the single component's to
     round-off."""
     for n in (1000, 10000):
         cfg = _mixtures(tmp_path, ["[[0.3, -0.2]]", "[" + ", ".join(["[0.3, -0.2]"] * n) + "]"],
@@ -208,7 +208,7 @@ def test_a_von_mises_fisher_mixture_of_a_thousand_components(tmp_path):
     ("ntk.head_scale=1e100", "ntk.head_scale: the NTK Gram matrix overflows"),
 ])
 def test_ntk_overflows_name_the_key_responsible(tmp_path, setting, key):
-    """(before: exit 3, numpy warnings and "turn on discretisation.limiter", which was on)"""
+    """Not exit 3 with numpy warnings and "turn on discretisation.limiter" (which is on)."""
     proc = run_cli(["ntk", os.path.join(ROOT, "runs", "ntk", "prompts.toml"), "--set", setting,
                     f"output.dir={tmp_path / 'out'}"], check=False)
     check_one_line_error(proc, key)
@@ -219,8 +219,9 @@ def test_ntk_overflows_name_the_key_responsible(tmp_path, setting, key):
 # ---------------------------------------------------------------- e) tiny and huge spheres
 
 def test_a_sphere_of_radius_1e_9_runs_like_any_other(tmp_path):
-    """(before: "the DG mass solve failed (PETSc KSP reason -11); check the [petsc]
-    options": PETSc's absolute zero-pivot tolerance 2.2e-14 against mass entries of 1e-21)"""
+    """Not "the DG mass solve failed (PETSc KSP reason -11); check the [petsc] options",
+    which PETSc's absolute zero-pivot tolerance 2.2e-14 against mass entries of 1e-21
+    would give."""
     prompt = '\n[[prompts]]\nname = "cap"\nkind = "von_mises_fisher"\nmeans = [[0.0, 0.0, 1.0]]\nconcentrations = [4.0]\n'
     cfg = write_config(tmp_path, SPHERE.format(shape="sphere", size="refinements = 2\nradius = 1e-9") + prompt)
     proc = run_cli(["forward", cfg], cwd=str(tmp_path))
@@ -239,8 +240,8 @@ def test_a_sphere_of_radius_1e_9_runs_like_any_other(tmp_path):
     ("model.init_scale=1e154", "model.init_scale: the attention scores"),
 ])
 def test_attention_that_cannot_be_finite_is_refused_by_its_key(tmp_path, command, setting, key):
-    """(before: numpy RuntimeWarnings with their source lines, then exit 3 "the velocity is
-    NaN or overflows")"""
+    """Not numpy RuntimeWarnings with their source lines, then exit 3 "the velocity is
+    NaN or overflows"."""
     prompt = '\n[[prompts]]\nname = "a"\nkind = "gaussian_mixture"\nmeans = [[0.5, 0.2]]\ncovs = [0.3]\n'
     cfg = write_config(tmp_path, BOX + prompt)
     proc = run_cli([command, cfg, "--set", setting, "particles.tokens=50"], cwd=str(tmp_path), check=False)
@@ -252,7 +253,7 @@ def test_attention_that_cannot_be_finite_is_refused_by_its_key(tmp_path, command
 
 @pytest.mark.parametrize("bandwidth", ["1e-300", "1e200"])
 def test_study_bandwidth_has_the_range_of_objective_bandwidth(tmp_path, bandwidth):
-    """(before: ZeroDivisionError / OverflowError tracebacks once the mmd was measured)"""
+    """Not ZeroDivisionError / OverflowError tracebacks once the mmd is measured."""
     write_config(tmp_path, BOX + '\n[[prompts]]\nkind = "gaussian_mixture"\nmeans = [[0.0, 0.0]]\ncovs = [0.3]\n')
     study = write_config(tmp_path, '[study]\nrun = "run.toml"\ncommand = "particles"\n'
                                    'parameter = "particles.tokens"\nvalues = [50, 100]\nquantities = ["mmd"]\n'
@@ -268,7 +269,7 @@ def test_study_bandwidth_has_the_range_of_objective_bandwidth(tmp_path, bandwidt
     ("data.teacher", '\n[data]\ncount = 2\nteacher = "heads.npz"\n[objective]\nkind = "moments"\n'),
 ])
 def test_a_parameter_file_with_weights_is_refused(tmp_path, key, extra):
-    """(before: 'weights' ignored without a word, the heads averaged with 1/H anyway)"""
+    """Not 'weights' ignored without a word and the heads averaged with 1/H."""
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "heads.npz", Q=rng.normal(size=(1, 2, 2, 2)), K=rng.normal(size=(1, 2, 2, 2)),
              V=rng.normal(size=(1, 2, 2, 2)), weights=np.full((1, 2), 0.5))

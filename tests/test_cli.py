@@ -460,7 +460,7 @@ def test_vtx_output(tmp_path):
     assert "density_blob.bp" in summary["files"]["fields"]
 
 
-# ------------------------------------------------ issue 13, items 7 and 8: bad input
+# ------------------------------------------------ bad input found by its consequence
 @pytest.mark.parametrize("args, expected", [
     # passed the checks, then ZeroDivisionError in the kernel (1e200: OverflowError)
     (["objective.kind=mmd", "objective.bandwidth=1e-300"], "objective.bandwidth: 1e-300 is out of [1e-150, 1e+150]"),

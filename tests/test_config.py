@@ -95,7 +95,7 @@ def test_overrides(tmp_path):
     ("prompts[0].name='" + "a" * 65 + "'", "prompts[0].name", "1 to 64 letters, digits"),
     ("prompts[0].name='a/b'", "prompts[0].name", "1 to 64 letters, digits"),
     ("attention.tape_mb=-1", "attention.tape_mb", "non-negative"),
-    # issue 13, item 8: a tol no table reaches is bad input (exit 2), not a breakdown (3)
+    # a tol no table reaches is bad input (exit 2), not a breakdown (3)
     ("attention.tol=1e-30", "attention.tol", "in [1e-13, 0.1], got 1e-30 (a laplace table's"),
     ("attention.tol=5e-14", "attention.tol", "attention.backend = 'direct'"),
 ])
@@ -197,8 +197,8 @@ MMD = BASE.replace("covs = [0.2]", "covs = [0.2]\ntarget = { kind = 'gaussian_mi
     ("4e8", "is above 3.8e+08 = 2^26 x (mesh diameter 5.66): the kernel is 1 to within one rounding unit"),
 ])
 def test_mmd_bandwidth_out_of_range(tmp_path, bandwidth, words):
-    """Issue 13, item 7: an mmd bandwidth of 1e-300 passed the checks, then 1/bandwidth^2
-    raised ZeroDivisionError (1e200: OverflowError); the kernel exp(-|x-y|^2/(2 bw^2)) is
+    """An mmd bandwidth of 1e-300 is refused by the checks (1/bandwidth^2 would raise
+    ZeroDivisionError; 1e200: OverflowError); the kernel exp(-|x-y|^2/(2 bw^2)) is
     degenerate in double precision below cell/38.6 (0 between points a cell apart) and
     above 2^26 x the mesh's diameter (1 everywhere). On the 8 x 8 box of [-2, 2]^2: cell
     0.5, diameter 4 sqrt(2)."""
@@ -224,9 +224,9 @@ def test_mmd_bandwidth_limits_in_double_precision():
 
 
 def test_gaussian_too_narrow_for_the_mesh():
-    """Issue 13, item 8: a Gaussian far narrower than the cells was reported as lying
-    "outside the mesh" (its projection's quadrature misses it: mass 0.036 of 1 for
-    sigma = h/50), or ran with its mass multiplied (2.9 at h/20, DG-1 triangles). The
+    """A Gaussian far narrower than the cells would look as if it lay "outside the mesh"
+    (its projection's quadrature misses it: mass 0.036 of 1 for sigma = h/50), or run
+    with its mass multiplied (2.9 at h/20, DG-1 triangles). The
     check the mesh solvers make before projecting: sigma (narrowest direction) below h/8
     is bad input naming the component's covariance and the cell size."""
     spec = {"kind": "gaussian_mixture", "name": "p", "weights": None, "means": [[0.0, 0.0], [1.0, 0.0]],

@@ -94,7 +94,7 @@ def check_study_error(tmp_path, study: str, overrides: list, message: str) -> No
 
 def test_walltime_formats():
     """--walltime takes seconds, MM:SS, HH:MM:SS and SLURM's D-HH:MM:SS; NaN, infinity,
-    negative values and malformed days are refused (NaN used to turn the guard off)."""
+    negative values and malformed days are refused (NaN would turn the guard off)."""
     import argparse
     from pdeformer.commands.cli import _duration
     assert [_duration(t) for t in ("90", "0.5", "03:04", "02:03:04", "1-02:03:04")] == \

@@ -427,13 +427,13 @@ def test_auto_uses_the_table_where_it_pays_and_meets_tol():
 
 @pytest.mark.parametrize("kind", ["tokens", "signed", "1-D"])
 def test_reported_estimate_bounds_the_velocity_error(kind):
-    """Issue 13, item 10: the particle model's velocity through 'auto' at tol 1e-8 (2000
-    tokens of a mixture, sources and targets, 8 heads) differs from direct summation by
-    up to 5e-9 of its largest value -- mostly the fine grid's interpolation, within tol/4
-    of the table's values but scaled by |V_h| |m| / max |v| -- while the estimate reported
-    in summary.json was the table's coefficient tail alone, 1.7e-13. Now the reported
-    estimate (stats["largest_estimate"]) bounds the error of every evaluation: also for
-    signed weights (mu / zeta) and in 1-D (barycentric, no fine grid)."""
+    """The particle model's velocity through 'auto' at tol 1e-8 (2000 tokens of a
+    mixture, sources and targets, 8 heads) differs from direct summation by up to 5e-9
+    of its largest value -- mostly the fine grid's interpolation, within tol/4 of the
+    table's values but scaled by |V_h| |m| / max |v| -- where the table's coefficient
+    tail alone says 1.7e-13. The reported estimate (stats["largest_estimate"]) bounds the
+    error of every evaluation: also for signed weights (mu / zeta) and in 1-D
+    (barycentric, no fine grid)."""
     from pdeformer.model.heads import HeadMeasure
     from pdeformer.model.prompts import GaussianMixture
     from pdeformer.model.velocity import AttentionVelocity

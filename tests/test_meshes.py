@@ -182,8 +182,8 @@ def test_read_mesh_dolfinx(name):
 
 
 # ------------------------------------------------------------------ damaged mesh files
-# (issue 13, item 8: dolfinx read a garbage .h5 only after libhdf5 printed its error stack,
-# "HDF5-DIAG: Error detected in HDF5 ...", about 10 lines per rank, before the one line)
+# (checked before dolfinx reads them: libhdf5 would print its error stack, "HDF5-DIAG:
+# Error detected in HDF5 ...", about 10 lines per rank, before the one line)
 
 def _mesh_copy(tmp_path, name="disk", h5=None):
     """meshes/<name>.xdmf copied to tmp_path (its .h5 too, or the bytes ``h5``)."""
@@ -265,10 +265,9 @@ def test_damaged_h5_from_the_command_line(tmp_path):
 
 @pytest.mark.mpi
 def test_a_rank_without_cells(tmp_path):
-    """Issue 13, item 7: a 1-cell mesh on 2 ranks (one rank owns no cell) crashed with a
-    ValueError (reshaping an empty dof list); forward (with fields) and gradient now run and
-    agree with one rank: diagnostics to round-off, the gradient bit for bit (every sum
-    over the empty rank adds nothing)."""
+    """A 1-cell mesh on 2 ranks (one rank owns no cell, an empty dof list): forward (with
+    fields) and gradient run and agree with one rank: diagnostics to round-off, the
+    gradient bit for bit (every sum over the empty rank adds nothing)."""
     pytest.importorskip("dolfinx")
     from conftest import ROOT, run_cli
     from pdeformer.tools.output import read_diagnostics

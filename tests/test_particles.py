@@ -202,7 +202,7 @@ def test_point_cloud_prompt_is_its_own_tokens(tmp_path):
         with open(out / "summary.json") as f:
             summary = json.load(f)
         assert [p["tokens"] for p in summary["prompts"]] == [3, 200, 200]
-        # the log names the counts that run (issue 13, item 9: it said "200 tokens")
+        # the log names the counts that run (not "200 tokens")
         assert f"d = 1, 3/200/200 tokens (per prompt), {steps} steps/layer" in proc.stderr, proc.stderr
         rows = [r for r in read_diagnostics(out / "diagnostics.csv") if r["prompt"] == "cloud"]
         m0, c0 = 0.625, 0.796875      # weights (1, 2, 1)/4 at -0.5, 0.5, 2
@@ -215,8 +215,8 @@ def test_point_cloud_prompt_is_its_own_tokens(tmp_path):
 
 
 def test_log_counts_the_tokens_of_a_point_cloud(tmp_path):
-    """Issue 13, item 9: a points prompt is its own tokens; the log line (describe) said
-    "10000 tokens", the unused [particles] tokens default, while 4 ran."""
+    """A points prompt is its own tokens: the log line (describe) says 4, not "10000
+    tokens", the unused [particles] tokens default."""
     from pdeformer.model.config import check_config
     from pdeformer.solvers.problem import build_problem
     from pdeformer.model.particles import ParticleSolver
@@ -227,12 +227,12 @@ def test_log_counts_the_tokens_of_a_point_cloud(tmp_path):
 
 
 def test_an_overflowing_objective_is_named(tmp_path):
-    """Issue 13, item 8: objective.weight = 1e308 made U = weight/2 |x - c|^2 overflow; the
-    adjoint then stopped with "the adjoint is NaN or overflows (attention too sharp?)" and
-    the particle model finished "completed" with a risk of inf. Both now name the key
+    """objective.weight = 1e308 makes U = weight/2 |x - c|^2 overflow: the adjoint does
+    not stop with "the adjoint is NaN or overflows (attention too sharp?)" nor the
+    particle model finish "completed" with a risk of inf. Both name the key
     (exit status 2). A weight of 1e307 keeps U finite, and the adjoint's overflow is put
     down to the objective's scale; 1e305 gives finite gradients and a finite |gradient|
-    (the norm is scaled: it overflowed past 1e154)."""
+    (the norm is scaled: unscaled it would overflow past 1e154)."""
     from pdeformer.solvers.adjoint import AdjointSolver
     from pdeformer.model.config import check_config
     from pdeformer.tools.errors import ConfigError, SolverBreakdown

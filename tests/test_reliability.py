@@ -1,4 +1,4 @@
-"""Reliability (issue 13): a blow-up without NaN stops the run, output folders tell the
+"""Reliability: a blow-up without NaN stops the run, output folders tell the
 truth (summary.json whatever ends a run, earlier files moved aside, one run per folder),
 temporary files never collide, and a full disk is one line with exit status 3."""
 
@@ -35,7 +35,7 @@ BLOWUP = ["mesh.cells=[16,16]", "discretisation.steps_per_layer=1", "model.init_
 @pytest.mark.parametrize("command", ["forward", "train"])
 def test_a_blowup_without_nan_is_a_breakdown(tmp_path, command):
     """One step per layer with strong heads: the density stays finite but is garbage
-    (negative mass 1.85 against mass 1). It used to finish "completed", exit 0."""
+    (negative mass 1.85 against mass 1): a breakdown, not "completed" with exit 0."""
     out = tmp_path / "out"
     proc = run_cli([command, "runs/default.toml", "--set", f"output.dir={out}", *BLOWUP], check=False)
     check_one_line_error(proc, "prompt 'two_blobs', layer 0, t = 0.125: the density blew up: "
@@ -221,7 +221,7 @@ def test_a_full_disk_is_one_line_and_no_cut_files(tmp_path, small_disk, nprocs):
     (["forward", "runs/default.toml", "--set", "model.heads=20000", "model.layers=500",
       "model.key_dim=1024"], "heads")])
 def test_runs_that_cannot_fit_stop_before_allocating(tmp_path, args, part):
-    """Each of these used to grow for half a minute to a MemoryError traceback."""
+    """Each of these would grow for half a minute to a MemoryError traceback."""
     proc = run_cli(args + [f"output.dir={tmp_path / 'out'}"], check=False, timeout=60)
     check_one_line_error(proc, "output.max_memory_gb: this run needs about")
     assert f"({part} " in proc.stderr
@@ -468,10 +468,10 @@ def test_a_bug_still_leaves_a_summary(tmp_path, monkeypatch):
 
 
 def test_coarse_gradient_runs_end_cleanly(tmp_path):
-    """runs/default.toml on 16x16 cells, 4 layers (issue 14): without the limiter the
+    """runs/default.toml on 16x16 cells, 4 layers: without the limiter the
     undershoot makes the attention's partition function tiny and the velocity runs off;
-    that is caught where it happens, with its cause (it used to go on with unstable
-    frozen steps and end in a NaN adjoint). With the limiter (the default) the gradient
+    that is caught where it happens, with its cause (rather than going on with unstable
+    frozen steps to a NaN adjoint). With the limiter (the default) the gradient
     completes, its frozen plans made again where the velocity grew: no unstable step."""
     args = ["gradient", "runs/default.toml", "--set", f"output.dir={tmp_path / 'out'}",
             "mesh.cells=[16,16]", "model.layers=4"]
@@ -572,7 +572,7 @@ def test_usage_errors_are_one_line():
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
-# ------------------------------------------------------------------ issue 42: nothing lost
+# ------------------------------------------------------------------ nothing lost
 
 def tree(folder) -> dict:
     """{relative path: bytes} of every file below ``folder``."""
@@ -702,12 +702,12 @@ def test_a_lock_that_is_not_a_file(tmp_path, kind):
         OutputFolder(str(folder), "forward").open()
 
 
-# ------------------------------------------------------------------ issue 42: files read safely
+# ------------------------------------------------------------------ files read safely
 
 @pytest.mark.parametrize("what", ["fifo", "device", "folder"])
 def test_files_are_opened_without_blocking(tmp_path, what, monkeypatch):
     """PDEFORMER_COSTS, the config and a mesh file naming a FIFO, /dev/zero or a folder:
-    one line at once (a FIFO used to block forever, /dev/zero to read until memory ran
+    one line at once (a FIFO would block forever, /dev/zero read until memory ran
     out)."""
     from pdeformer.attention import costs
     path = {"fifo": str(tmp_path / "pipe"), "device": "/dev/zero", "folder": str(tmp_path)}[what]
@@ -751,7 +751,7 @@ def test_a_cache_folder_that_cannot_be_written(tmp_path):
     assert (tmp_path / f"pdeformer-cache-{os.getuid()}" / "fenics").is_dir()
 
 
-# ------------------------------------------------------------------ issue 42: studies answer a question
+# ------------------------------------------------------------------ studies answer a question
 
 STUDY = """
 [study]
@@ -845,7 +845,7 @@ def test_a_budget_width_reference_below_its_sweep(tmp_path):
         load_budget(budget)
 
 
-# ------------------------------------------------------------------ issue 42: passes that break down
+# ------------------------------------------------------------------ passes that break down
 
 TEACHER = (CONFIG.split("[[prompts]]")[0].replace("steps_per_layer = 8", "steps_per_layer = 2")
            + '[data]\ncount = 2\nteacher = "teacher.npz"\n')   # CONFIG's run, its prompts drawn
@@ -854,8 +854,8 @@ TEACHER = (CONFIG.split("[[prompts]]")[0].replace("steps_per_layer = 8", "steps_
 @pytest.mark.parametrize("nprocs, groups", [(1, 1), pytest.param(2, 2, marks=pytest.mark.mpi)])
 def test_a_teacher_pass_that_breaks_down_is_recorded(tmp_path, nprocs, groups):
     """A teacher whose forward pass blows up: exit 3, the message says it was the
-    teacher's target pass, and summary.json says "breakdown" (it used to keep the earlier
-    run's "completed", and under prompt groups there was none)."""
+    teacher's target pass, and summary.json says "breakdown" (not the earlier run's
+    "completed"), under prompt groups too."""
     cfg = write_config(tmp_path, TEACHER)
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "teacher.npz", **{n: 5 * rng.normal(size=(2, 2, 2, 2)) for n in "QKV"})
@@ -894,7 +894,7 @@ def test_a_run_whose_mass_has_left_the_mesh_breaks_down(tmp_path, command):
     assert summary_of(tmp_path / "out")["status"] == "breakdown"
 
 
-# ------------------------------------------------------------------ issue 42: hangs
+# ------------------------------------------------------------------ hangs
 
 def test_prompt_checks_scale_and_the_estimate_counts_the_prompts():
     """Duplicate names are found with a set (the check was quadratic: minutes at 10^5
@@ -926,7 +926,7 @@ def test_an_update_that_blows_the_heads_up_stops_there(tmp_path):
 
 def test_a_tape_past_the_memory_limit_breaks_down(tmp_path):
     """A gradient whose steps would take its tape past the room the memory limit leaves
-    it stops before taking them (with fast heads it used to crawl while memory grew)."""
+    it stops before taking them (with fast heads it would crawl while memory grew)."""
     from pdeformer.solvers.adjoint import AdjointSolver
     from pdeformer.solvers.forward import ForwardSolver
     from pdeformer.solvers.problem import build_problem

@@ -280,9 +280,9 @@ def read_risks(folder) -> list[float]:
 
 @pytest.mark.mpi
 def test_the_shipped_config_trains_on_32x32_cells_on_2_ranks(tmp_path):
-    """Issue 14's command: `mpirun -n 2 pdeformer train runs/default.toml --set
-    mesh.cells=[32,32] train.steps=2` stopped at its first step with a NaN adjoint. Now
-    it completes, no step is past the stability limit, and the risk goes down."""
+    """`mpirun -n 2 pdeformer train runs/default.toml --set mesh.cells=[32,32]
+    train.steps=2` completes (no NaN adjoint at its first step), no step is past the
+    stability limit, and the risk goes down."""
     out = tmp_path / "out"
     proc = run_cli(["train", "runs/default.toml", "--set", "mesh.cells=[32,32]", "train.steps=2",
                     f"output.dir={out}"], nprocs=2)

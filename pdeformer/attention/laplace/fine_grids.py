@@ -38,7 +38,7 @@ class FineGrid(HeadSums):
     """Second level for many points (d = 2, 3): the table's Chebyshev interpolant sampled
     on a uniform nf^d grid (d small matrix products, rows divided over ranks and
     all-gathered), then interpolated locally by tensor Lagrange polynomials of degree
-    P_LOCAL (P_LOCAL + 1 points per axis). The cost per point no longer grows with n; the
+    P_LOCAL (P_LOCAL + 1 points per axis). The cost per point does not grow with n; the
     map stays piecewise polynomial, and its reverse mode is the exact transpose
     (scatter-add, then the transposed sampling). Each node holds the table's values
     interleaved: in 2-D (m_0, m_1), or (mu_0, mu_1, zeta, 0) for signed weights; in 3-D
