@@ -648,14 +648,18 @@ def test_no_pictures_with_plots_false(tmp_path):
 
 def _pvbatch(script, png, cwd, *more):
     """pvbatch script --screenshot png [more] under xvfb-run (where there is no display);
-    an X server that fails to start (xvfb-run -a races) is tried again."""
+    an X server that fails to start or to answer (xvfb-run -a races other X servers; a
+    loaded machine starts it slowly) is tried again, on another display, after a pause."""
+    import random
+    import time
     cmd = ["pvbatch", script, "--screenshot", png, *more]
-    if not os.environ.get("DISPLAY"):
-        cmd = ["xvfb-run", "-a", "-s", "-screen 0 1280x1024x24"] + cmd
-    for _ in range(3):
-        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
+    for attempt in range(5):
+        full = cmd if os.environ.get("DISPLAY") else \
+            ["xvfb-run", "-a", "-n", str(random.randrange(100, 900)), "-s", "-screen 0 1280x1024x24"] + cmd
+        proc = subprocess.run(full, cwd=cwd, capture_output=True, text=True, timeout=300)
         if proc.returncode == 0 or "X server" not in proc.stdout + proc.stderr:
             break
+        time.sleep(1 + attempt)
     return proc
 
 
