@@ -10,6 +10,12 @@ import textwrap
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# a pytest-xdist worker inherits the C environment of the controlling process, where
+# importing dolfinx (below) initialised MPI: that job's variables would make the worker's
+# own MPI and every mpirun a test starts fail, so they go before anything starts MPI here
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for key in [k for k in os.environ if k.startswith(("OMPI_", "PMIX_", "ORTE_"))]:
+        del os.environ[key]
 # the costs the attention's choices are made from, pinned (pdeformer/attention/costs.py):
 # no test depends on this machine's speed; subprocesses inherit it
 os.environ.setdefault("PDEFORMER_COSTS", os.path.join(ROOT, "tests", "costs.json"))
