@@ -10,7 +10,7 @@ MPIRUN = mpirun $(shell mpirun --version 2>/dev/null | grep -q "Open MPI" && ech
 
 STUDIES ?= mesh degree layers heads particles
 
-.PHONY: setup run forward test test-slow test-slurm verification training-studies pictures clean help
+.PHONY: setup run forward test test-slow test-slurm verification training-studies pictures docs reference clean help
 
 help:
 	@echo "make setup      install what is missing (Debian packages, .venv, pdeformer)"
@@ -22,6 +22,8 @@ help:
 	@echo "make verification  the convergence studies and the error budget -> docs/verification/ (about 20 min)"
 	@echo "make training-studies  the teacher-student and SGD studies -> docs/training/ (about 1 h)"
 	@echo "make pictures   forward and train $(CONFIG), refresh the README's pictures in docs/pictures/"
+	@echo "make docs       the documentation as HTML -> docs/_build/html (Sphinx; warnings are errors)"
+	@echo "make reference  regenerate docs/reference/ (configuration, CLI, output files, API) from the code"
 
 setup:
 	@bash .ci/bootstrap.sh
@@ -68,6 +70,22 @@ pictures: setup
 	for p in densities training heads; do cp $(PICTURES_RUNS)/train/$$p.png docs/pictures/train-$$p.png; done
 	cd $(PICTURES_RUNS)/forward && xvfb-run -a -s "-screen 0 1280x1024x24" pvbatch paraview.py \
 	  --time 0.5 --screenshot $(CURDIR)/docs/pictures/forward-paraview.png
+
+# the documentation: Debian's Sphinx and MyST (installed where missing, as root), run by
+# the venv's Python so that autodoc imports this checkout's pdeformer
+DOCS_PACKAGES := python3-sphinx python3-myst-parser
+docs: setup
+	@$(PY) -c "import sphinx, myst_parser" 2>/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(DOCS_PACKAGES) >/dev/null; \
+	  fi; \
+	  $(PY) -c "import sphinx, myst_parser" 2>/dev/null || \
+	    { echo "make docs: needs Sphinx and MyST for $(PY) (Debian, as root: apt-get install $(DOCS_PACKAGES))"; exit 1; }; }
+	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
+	@echo "docs/_build/html/index.html"
+
+reference: setup
+	$(PY) docs/reference/generate.py
 
 clean:
 	rm -rf runs/output output .pytest_cache

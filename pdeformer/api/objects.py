@@ -60,7 +60,7 @@ class BoxMesh(Mesh):
 
 @dataclass(frozen=True)
 class CircleMesh(Mesh):
-    """The circle |x| = radius in R^2, in ``cells`` intervals."""
+    """The circle ``|x| = radius`` in R^2, in ``cells`` intervals."""
 
     cells: int
     radius: float = 1.0
@@ -71,7 +71,7 @@ class CircleMesh(Mesh):
 
 @dataclass(frozen=True)
 class SphereMesh(Mesh):
-    """The sphere |x| = radius in R^3: the icosahedron refined ``refinements`` times
+    """The sphere ``|x| = radius`` in R^3: the icosahedron refined ``refinements`` times
     (20 * 4^r triangles)."""
 
     refinements: int
@@ -267,7 +267,7 @@ class VonMisesFisher(Prompt):
 
 @dataclass
 class Harmonics(Prompt):
-    """rho = (1 + sum c Y_lm) / |S| on a circle or sphere: ``coefficients`` [[l, m, c], ...]."""
+    """``rho = (1 + sum c Y_lm) / |S|`` on a circle or sphere: ``coefficients`` [[l, m, c], ...]."""
 
     coefficients: list
     name: str | None = None
@@ -355,7 +355,7 @@ class Objective:
 
 @dataclass
 class Moments(Objective):
-    """F = 1/2 |mean - mean*|^2 + 1/2 |cov - cov*|_F^2 (cov*: a matrix or a variance)."""
+    """F = ``1/2 |mean - mean*|^2 + 1/2 |cov - cov*|_F^2`` (cov*: a matrix or a variance)."""
 
     mean: list
     cov: list | float
@@ -367,8 +367,8 @@ class Moments(Objective):
 
 @dataclass
 class Potential(Objective):
-    """F = int U rho_1: U quadratic (weight |x - center|^2), linear (<direction, x>) or
-    gaussian (weight exp(-|x - center|^2 / (2 width^2)))."""
+    """F = int U rho_1: U quadratic (``weight |x - center|^2``), linear (``<direction, x>``)
+    or gaussian (``weight exp(-|x - center|^2 / (2 width^2))``)."""
 
     potential: str = "quadratic"
     center: list | None = None

@@ -105,14 +105,19 @@ def solve(model: Transformer, prompt, disc, *, frames_per_layer: int = 1, backen
     model : pf.Transformer
     prompt : a prompt object, or a list of them
     disc : pf.DG or pf.Particles
-    frames_per_layer : frames per layer besides t = 0 (the frames of the solution)
-    backend, tol : how the attention is summed ("direct", "laplace", "auto") and the
-        accuracy of a laplace table
-    comm : the communicator the mesh is partitioned over (default MPI.COMM_WORLD)
+    frames_per_layer : int
+        Frames per layer besides t = 0 (the frames of the solution).
+    backend : str
+        How the attention is summed: "direct", "laplace" or "auto".
+    tol : float
+        The accuracy of a laplace table.
+    comm : MPI communicator
+        The communicator the mesh is partitioned over (default MPI.COMM_WORLD).
 
     Returns
     -------
-    Solution (a list of them for a list of prompts): arrays over the frames.
+    Solution, or a list of them for a list of prompts
+        Arrays over the frames.
     """
     prompts, one = _prompt_list(prompt)
     problem, solver = _solver(model, prompts, disc, None, comm, False, frames_per_layer=frames_per_layer,
@@ -161,11 +166,16 @@ class Solution:
 
     Attributes
     ----------
-    t : (F,) depth of each frame
-    mass : (F,) the mass on the mesh (1 for particles)
-    outflow : (F,) the mass that has left the mesh
-    mean : (F, d) and cov : (F, d, d): moments of the normalised density
-    name : the prompt's name
+    t : (F,) array
+        Depth of each frame.
+    mass : (F,) array
+        The mass on the mesh (1 for particles).
+    outflow : (F,) array
+        The mass that has left the mesh.
+    mean, cov : (F, d) and (F, d, d) arrays
+        Moments of the normalised density.
+    name : str
+        The prompt's name.
     """
 
     def __init__(self, problem, solver, record: _Frames, pictures, index: int):
@@ -253,8 +263,10 @@ def value_and_grad(objective: Objective, model: Transformer, prompts, disc, *, f
 
     Returns
     -------
-    (risk, grad): grad is a tree shaped like ``model.params``: grad["attention"]["Q"]
-    (L, H, k, d), "K", "V" (L, H, d, d), the same on every rank.
+    risk : float
+    grad : dict
+        A tree shaped like ``model.params``: ``grad["attention"]["Q"]`` (L, H, k, d),
+        ``"K"``, ``"V"`` (L, H, d, d), the same on every rank.
     """
     prompts, _ = _prompt_list(prompts)
     problem, solver = _solver(model, prompts, disc, objective, comm, True, frames_per_layer=frames_per_layer,

@@ -34,7 +34,7 @@ class Training:
         The parameters after the last step (a new model; the given one is unchanged).
     history : dict
         {column: array over steps 0..steps}: ``risk`` (R at theta_k), ``grad_norm``,
-        ``step_size``, ``displacement`` (|theta_{k+1} - theta_k|), ``wall_time`` and,
+        ``step_size``, ``displacement`` (``|theta_{k+1} - theta_k|``), ``wall_time`` and,
         where they apply, ``penalty``, ``epoch``, ``train_risk``.
     """
 

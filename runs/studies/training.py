@@ -203,7 +203,7 @@ def write_teacher_student(rows: list[dict]) -> None:
             f"{r['observed_rate']:.4g} ({r['window'][0]}–{r['window'][1]}) | "
             f"{_num(r['predicted_rate'])} / {_num(r['predicted_rate_end'])} | {r['plateau']:.3e} |")
     with open(os.path.join(DOCS, "teacher_student.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write("# A teacher-student study\n\n" + "\n".join(lines) + "\n")
     with open(os.path.join(DOCS, "teacher_student.json"), "w") as f:
         json.dump([{k: v for k, v in r.items() if k not in ("steps", "risk", "predicted")} for r in rows], f, indent=2)
     print("\n".join(lines))
@@ -267,7 +267,7 @@ def write_sgd(rows: list[dict]) -> None:
     fig.savefig(os.path.join(DOCS, "sgd.png"), dpi=110)
     plt.close(fig)
     with open(os.path.join(DOCS, "sgd.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write("# Minibatches, noise and weight decay\n\n" + "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
