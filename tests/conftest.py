@@ -1,4 +1,5 @@
-"""Shared test helpers: running the CLI (serially and under mpirun), config files."""
+"""Shared test helpers: running the CLI (serially and under mpirun), config files, one-line
+errors and diagnostics files compared."""
 
 from __future__ import annotations
 
@@ -122,3 +123,18 @@ def check_one_line_error(proc, expected, status=2):
     assert "Traceback" not in text, text
     ours = [l for l in proc.stderr.splitlines() if l.startswith("pdeformer: error:")]
     assert len(ours) == 1 and expected in ours[0], proc.stderr
+
+
+def assert_same_diagnostics(file_a, file_b, tol=1e-10):
+    """Two diagnostics.csv files have the same rows, prompt by prompt, every number within
+    tol (NaN matching NaN); returns both as read."""
+    import numpy as np
+    from pdeformer.tools.output import read_diagnostics
+    a, b = read_diagnostics(str(file_a)), read_diagnostics(str(file_b))
+    assert len(a) == len(b) > 0
+    for ra, rb in zip(a, b):
+        assert ra["prompt"] == rb["prompt"]
+        for k in ra:
+            if k != "prompt" and not (np.isnan(ra[k]) and np.isnan(rb[k])):
+                assert abs(ra[k] - rb[k]) < tol, (k, ra[k], rb[k])
+    return a, b

@@ -11,6 +11,8 @@ from pdeformer.attention.softmax import Sources, attention_matrices, attention_v
 from pdeformer.model.objectives import L2, MMD, Interaction, Moments, Potential
 from pdeformer.model.prompts import GaussianMixture, UniformBox
 
+from checks import (assert_exact_gradient, assert_taylor, central_derivative, directional_difference,
+                    heads_direction, perturbed_risk)
 from conftest import requires_dolfinx
 
 TARGETS = {
@@ -39,9 +41,8 @@ def test_objective_derivative_by_finite_differences(kind):
     obj, t = objective(kind), TARGETS[kind]
     F, dF = obj.value_and_gradient(pts, meas, rho, t, MPI.COMM_SELF)
     direction = rng.normal(size=150)
-    eps = 1e-5
-    fd = (obj.value_and_gradient(pts, meas, rho + eps * direction, t, MPI.COMM_SELF)[0]
-          - obj.value_and_gradient(pts, meas, rho - eps * direction, t, MPI.COMM_SELF)[0]) / (2 * eps)
+    fd = directional_difference(lambda r: obj.value_and_gradient(pts, meas, r, t, MPI.COMM_SELF)[0],
+                                rho, direction, 1e-5)
     # central differences: error ~ eps^2 |F'''| ~ 1e-10 here
     assert abs(fd - dF @ direction) < 1e-8 * max(1.0, abs(fd)), (fd, dF @ direction)
 
@@ -86,9 +87,8 @@ def test_interaction_particle_gradient_by_finite_differences(kind):
     r2 = np.sum((x[:, None] - x[None]) ** 2, axis=-1)
     assert F == pytest.approx(0.5 * w @ obj.W(r2) @ w, rel=1e-13)
     d = rng.normal(size=x.shape)
-    eps = 1e-6
-    fd = (obj.particle_value_and_gradient(x + eps * d, w, None, MPI.COMM_SELF)[0]
-          - obj.particle_value_and_gradient(x - eps * d, w, None, MPI.COMM_SELF)[0]) / (2 * eps)
+    fd = directional_difference(lambda z: obj.particle_value_and_gradient(z, w, None, MPI.COMM_SELF)[0],
+                                x, d, 1e-6)
     assert abs(fd - np.sum(dF * d)) < 1e-8 * abs(fd), (fd, np.sum(dF * d))
 
 
@@ -105,7 +105,6 @@ def test_velocity_reverse_mode_by_finite_differences():
         return np.sum(g * attention_velocity(x, Sources.from_arrays(y, w), A, V))
 
     ct = attention_velocity_vjp(x, y, w, A, V, g, chunk_mb=1e-4)  # several chunks
-    eps = 1e-6
     for name, cot in (("w", ct.weights), ("A", ct.A), ("V", ct.V)):
         d = rng.normal(size=cot.shape)
         def args(t):
@@ -113,7 +112,7 @@ def test_velocity_reverse_mode_by_finite_differences():
             moved[name] = moved[name] + t * d
             return moved["w"], moved["A"], moved["V"]
 
-        fd = (f(*args(eps)) - f(*args(-eps))) / (2 * eps)
+        fd = central_derivative(lambda e: f(*args(e)), 1e-6)
         assert abs(fd - np.sum(cot * d)) < 1e-8 * max(1, abs(fd)), (name, fd, np.sum(cot * d))
 
 
@@ -121,7 +120,7 @@ def test_velocity_reverse_mode_by_finite_differences():
 
 def gradient_problem(tmp_path, kind="moments", cells=8, heads=None, disc=None, means=None, covs=None,
                      attention=None):
-    from test_transport import make_solver
+    from configs import make_solver
     from pdeformer.solvers.adjoint import AdjointSolver
     from pdeformer.model.heads import HeadMeasure
     heads = heads or HeadMeasure.random(2, 2, 2, 2, seed=3, scale=0.8)
@@ -132,18 +131,6 @@ def gradient_problem(tmp_path, kind="moments", cells=8, heads=None, disc=None, m
                          disc={"limiter": False, **(disc or {"steps_per_layer": 12})},
                          attention=attention)
     return AdjointSolver(solver, objective(kind), [TARGETS[kind]])
-
-
-def perturbed_risk(adj, direction, eps):
-    heads = adj.forward.problem.heads
-    base = {n: getattr(heads, n).copy() for n in "QKV"}
-    try:
-        for n in "QKV":
-            getattr(heads, n)[:] = base[n] + eps * direction[n]
-        return adj.risk()[0]
-    finally:
-        for n in "QKV":
-            getattr(heads, n)[:] = base[n]
 
 
 @requires_dolfinx
@@ -157,23 +144,6 @@ def test_gradient_taylor_remainder_falls_as_eps_squared(tmp_path, kind):
     assert_exact_gradient(adj, adj.gradient(), fd_step=1e-4)
 
 
-def assert_exact_gradient(adj, g, fd_step: float) -> None:
-    """Taylor remainders at eps = 4e-3, 2e-3, 1e-3 fall as eps^2 (orders within 0.15 of
-    2) and central differences with ``fd_step`` agree to 1e-5 relative, along a random
-    direction; the risk of the frozen plan repeats the gradient's to 1e-13."""
-    rng = np.random.default_rng(1)
-    direction = {n: rng.normal(size=g.params["attention"][n].shape) for n in "QKV"}
-    slope = sum(np.sum(g.params["attention"][n] * direction[n]) for n in "QKV")
-    R0 = adj.risk()[0]
-    assert R0 == pytest.approx(g.risk, rel=1e-13)
-    eps = np.array([4e-3, 2e-3, 1e-3])
-    rem = np.array([abs(perturbed_risk(adj, direction, e) - R0 - e * slope) for e in eps])
-    orders = np.log2(rem[:-1] / rem[1:])
-    assert np.all(np.abs(orders - 2) < 0.15), (rem, orders)
-    fd = (perturbed_risk(adj, direction, fd_step) - perturbed_risk(adj, direction, -fd_step)) / (2 * fd_step)
-    assert abs(fd - slope) < 1e-5 * abs(slope), (fd, slope)
-
-
 @requires_dolfinx
 def test_gradient_through_the_laplace_table(tmp_path):
     """backend = laplace (tables, fine grid and the compiled loop where it builds): the
@@ -184,14 +154,9 @@ def test_gradient_through_the_laplace_table(tmp_path):
     g = adj.gradient()
     assert adj.forward.velocity_field.stats["laplace"] > 0
     assert adj.forward.velocity_field.stats["direct"] == 0
-    rng = np.random.default_rng(1)
-    direction = {n: rng.normal(size=g.params["attention"][n].shape) for n in "QKV"}
-    slope = sum(np.sum(g.params["attention"][n] * direction[n]) for n in "QKV")
+    direction, slope = heads_direction(g, np.random.default_rng(1))
     R0 = adj.risk()[0]
-    eps = np.array([4e-3, 2e-3, 1e-3])
-    rem = np.array([abs(perturbed_risk(adj, direction, e) - R0 - e * slope) for e in eps])
-    orders = np.log2(rem[:-1] / rem[1:])
-    assert np.all(np.abs(orders - 2) < 0.15), (rem, orders)
+    assert_taylor(lambda e: perturbed_risk(adj, direction, e), slope, tol=0.15, f0=R0)
     exact = gradient_problem(tmp_path, "moments").gradient()
     for n in "QKV":
         a, b = g.params["attention"][n], exact.params["attention"][n]
@@ -241,10 +206,8 @@ def test_frozen_step_plan_without_steps_per_layer(tmp_path):
     g = adj.gradient()
     counts = {k: [list(s) for s in plan.segments] for k, plan in adj.forward.step_counts.items()}
     assert counts and all(plan.steps >= 1 for plan in adj.forward.step_counts.values())
-    rng = np.random.default_rng(2)
-    direction = {n: rng.normal(size=g.params["attention"][n].shape) for n in "QKV"}
-    slope = sum(np.sum(g.params["attention"][n] * direction[n]) for n in "QKV")
-    fd = (perturbed_risk(adj, direction, 1e-4) - perturbed_risk(adj, direction, -1e-4)) / 2e-4
+    direction, slope = heads_direction(g, np.random.default_rng(2))
+    fd = central_derivative(lambda e: perturbed_risk(adj, direction, e), 1e-4)
     assert {k: plan.segments for k, plan in adj.forward.step_counts.items()} == counts
     assert abs(fd - slope) < 1e-5 * abs(slope), (fd, slope)
 
@@ -282,7 +245,7 @@ def test_limiter_jacobian_against_finite_differences(tmp_path, degree):
     projection with undershoots (made generic: no ties of a cell's minimum) and one cell
     of negative mean (flattened to its mean), <bar, dLimit(c) d> by central differences
     equals <limit_vjp(bar), d>."""
-    from test_transport import make_solver
+    from configs import make_solver
     from pdeformer.model.heads import HeadMeasure
     s = make_solver(tmp_path, lower=[-2.0, -2.0], upper=[2.0, 2.0], cells=[10, 10], degree=degree,
                     heads=HeadMeasure.random(1, 2, 2, 2, seed=3),
@@ -302,8 +265,7 @@ def test_limiter_jacobian_against_finite_differences(tmp_path, degree):
     bar = rng.normal(size=c.shape)
     for _ in range(3):
         d = rng.normal(size=c.shape)
-        eps = 1e-7
-        fd = (bar @ tr.limit(c + eps * d) - bar @ tr.limit(c - eps * d)) / (2 * eps)
+        fd = directional_difference(lambda z: bar @ tr.limit(z), c, d, 1e-7)
         assert abs(fd - tr.limit_vjp(limited, bar) @ d) < 1e-6 * abs(fd)
 
 
@@ -409,9 +371,7 @@ def test_frozen_plans_are_made_again_when_the_velocity_grows(tmp_path, caplog):
     assert replanned and all(s[-1][0] == s[-1][1] and s[0][1] < s[0][0] for s in replanned), plans
     assert adj.risk()[0] == pytest.approx(g.risk, rel=1e-13)
     for seed in (3, 4):
-        rng = np.random.default_rng(seed)
-        direction = {n: rng.normal(size=g.params["attention"][n].shape) for n in "QKV"}
-        slope = sum(np.sum(g.params["attention"][n] * direction[n]) for n in "QKV")
-        fd = (perturbed_risk(adj, direction, 1e-6) - perturbed_risk(adj, direction, -1e-6)) / 2e-6
+        direction, slope = heads_direction(g, np.random.default_rng(seed))
+        fd = central_derivative(lambda e: perturbed_risk(adj, direction, e), 1e-6)
         assert abs(fd - slope) < 1e-5 * abs(slope), (fd, slope)
     assert {k: p.segments for k, p in adj.forward.step_counts.items()} == plans

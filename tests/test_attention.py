@@ -7,6 +7,7 @@ from decimal import Decimal, getcontext
 import numpy as np
 import pytest
 
+from checks import central_derivative
 from pdeformer.attention.softmax import (Sources, attention_matrices, attention_velocity,
                                  tilted_moments)
 
@@ -154,7 +155,7 @@ def test_reverse_mode_where_signed_weights_make_the_partition_function_negative(
     ct = attention_velocity_vjp(x, y, w, A, V, g, positions=True)
     f = lambda w, y, x: np.sum(g * attention_velocity(x, Sources.from_arrays(y, w), A, V))
     dw, dy, dx = rng.normal(size=w.shape), rng.normal(size=y.shape), rng.normal(size=x.shape)
-    fd = (f(w + 1e-6 * dw, y + 1e-6 * dy, x + 1e-6 * dx) - f(w - 1e-6 * dw, y - 1e-6 * dy, x - 1e-6 * dx)) / 2e-6
+    fd = central_derivative(lambda e: f(w + e * dw, y + e * dy, x + e * dx), 1e-6)
     ad = ct.weights @ dw + np.sum(ct.points * dy) + np.sum(ct.targets * dx)
     assert abs(fd - ad) < 1e-6 * max(1.0, abs(fd)), (fd, ad)
 

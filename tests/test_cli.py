@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from conftest import ROOT, check_one_line_error, requires_dolfinx, run_cli, write_config
+from conftest import ROOT, assert_same_diagnostics, check_one_line_error, requires_dolfinx, run_cli, write_config
 
 pytestmark = [requires_dolfinx]
 
@@ -49,18 +49,6 @@ def outputs(folder):
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     return out, read_diagnostics(os.path.join(out, "diagnostics.csv")), summary
-
-
-def assert_same_diagnostics(file_a, file_b, tol=1e-10):
-    from pdeformer.tools.output import read_diagnostics
-    a, b = read_diagnostics(str(file_a)), read_diagnostics(str(file_b))
-    assert len(a) == len(b) > 0
-    for ra, rb in zip(a, b):
-        assert ra["prompt"] == rb["prompt"]
-        for k in ra:
-            if k != "prompt" and not (np.isnan(ra[k]) and np.isnan(rb[k])):
-                assert abs(ra[k] - rb[k]) < tol, (k, ra[k], rb[k])
-    return a, b
 
 
 def vtu_integral(data, field):

@@ -122,7 +122,7 @@ def test_slurm_template_reads_limits_of_a_day_or_more(tmp_path):
 
 
 def test_walltime_guard_stops_training_with_a_checkpoint(tmp_path):
-    from test_train import CONFIG, history
+    from configs import CONFIG, history
     cfg = write_config(tmp_path, CONFIG)
     run_cli(["train", cfg, "--set", "output.dir=full"], cwd=str(tmp_path))
     proc = run_cli(["train", cfg, "--walltime", "0.05", "--set", "output.dir=cut"], cwd=str(tmp_path))

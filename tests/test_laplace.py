@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from checks import central_derivative
 from pdeformer.model.schema import AttentionOptions
 from pdeformer.attention.softmax import Sources, attention_matrices, tilted_moments
 from pdeformer.attention.laplace import (LaplaceTable, b_range, barycentric_weights, chebyshev_lobatto,
@@ -95,7 +96,7 @@ def test_sharp_attention_does_not_overflow():
     def pairing(e):
         return np.sum(mbar * LaplaceTable(y, w + e * d, lo, hi, 17, COMM).values)
 
-    fd = (pairing(1e-6) - pairing(-1e-6)) / 2e-6
+    fd = central_derivative(pairing, 1e-6)
     assert abs(fd - wbar @ d) < 1e-7 * max(1.0, abs(fd)), (fd, wbar @ d)
 
 
@@ -131,7 +132,7 @@ def test_reverse_mode_is_the_derivative_of_the_table_map():
             moved[name] = moved[name] + e * d
             return moved["w"], moved["A"], moved["V"]
 
-        fd = (f(*args(1e-6)) - f(*args(-1e-6))) / 2e-6
+        fd = central_derivative(lambda e: f(*args(e)), 1e-6)
         assert abs(fd - np.sum(cot[name] * d)) < 1e-7 * max(1, abs(fd)), (name, fd, np.sum(cot[name] * d))
 
 
@@ -271,9 +272,8 @@ def test_compiled_fine_grid_loop_is_the_numpy_map_and_its_exact_reverse(kernel_b
     rng = np.random.default_rng(4)
     for name, arr, ct in (("A", A, dA), ("V", V, dV)):
         d = rng.normal(size=arr.shape)
-        f = [np.sum(g * fg.velocity(x, A + e * d if name == "A" else A, V + e * d if name == "V" else V))
-             for e in (1e-6, -1e-6)]
-        fd = (f[0] - f[1]) / 2e-6
+        fd = central_derivative(lambda e: np.sum(g * fg.velocity(x, A + e * d if name == "A" else A,
+                                                                  V + e * d if name == "V" else V)), 1e-6)
         assert abs(fd - np.sum(ct * d)) < 1e-7 * max(1.0, abs(fd)), (name, fd, np.sum(ct * d))
     # v is linear in the table's m: <mbar, T> = <g, v with m replaced by T>
     T = rng.normal(size=fg.table.m.shape)
@@ -652,7 +652,7 @@ def test_position_cotangents_are_the_derivative_of_the_table_map(compiled):
                                    rtol=0, atol=1e-12 * np.abs(xbar).max())
     dx, dy = rng.normal(size=x.shape), rng.normal(size=y.shape)
     f = lambda e: np.sum(g * interp(y + e * dy).velocity(x + e * dx, A, V))
-    fd = (f(1e-6) - f(-1e-6)) / 2e-6
+    fd = central_derivative(f, 1e-6)
     assert abs(fd - np.sum(xbar * dx) - np.sum(ybar * dy)) < 1e-7 * max(1.0, abs(fd)), \
         (fd, np.sum(xbar * dx), np.sum(ybar * dy))
 
@@ -908,7 +908,7 @@ def test_signed_reverse_mode_is_the_derivative_and_near_direct(loops, monkeypatc
     for name, arr, got in (("w", w, ct.weights), ("A", A, ct.A), ("V", V, ct.V)):
         d = rng.normal(size=arr.shape) * (np.abs(w) if name == "w" else 1)
         moved = lambda e: {"w": w, "A": A, "V": V} | {name: arr + e * d}
-        fd = (f(*moved(1e-6).values()) - f(*moved(-1e-6).values())) / 2e-6
+        fd = central_derivative(lambda e: f(*moved(e).values()), 1e-6)
         assert abs(fd - np.sum(got * d)) < 1e-7 * max(1.0, abs(fd)), (name, fd, np.sum(got * d))
 
 
@@ -1026,7 +1026,7 @@ def test_3d_reverse_mode_is_the_derivative_of_the_table_map():
     dw, dy, dx = rng.normal(size=w.shape) * w, rng.normal(size=y.shape), rng.normal(size=x.shape)
     dAd, dVd = rng.normal(size=A.shape), rng.normal(size=V.shape)
     f = lambda e: np.sum(g * interp(y + e * dy, w + e * dw).velocity(x + e * dx, A + e * dAd, V + e * dVd))
-    fd = (f(1e-6) - f(-1e-6)) / 2e-6
+    fd = central_derivative(f, 1e-6)
     ad = sum(np.sum(a * b) for a, b in ((wbar, dw), (ybar, dy), (xbar, dx), (dA, dAd), (dV, dVd)))
     assert abs(fd - ad) < 1e-7 * max(1.0, abs(fd)), (fd, ad)
 
@@ -1056,7 +1056,7 @@ def test_3d_signed_weights_meet_tol_and_reverse_mode(loops, monkeypatch):
     dw = np.random.default_rng(11).normal(size=w.shape) * np.abs(w)
     field.freeze = True
     f = lambda e: np.sum(g * field.planner.velocity_of(y, w + e * dw, x, *field.matrices(0), plan))
-    fd = (f(1e-6) - f(-1e-6)) / 2e-6
+    fd = central_derivative(f, 1e-6)
     assert abs(fd - wbar @ dw) < 1e-7 * max(1.0, abs(fd)), (fd, wbar @ dw)
 
 

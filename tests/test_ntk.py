@@ -10,6 +10,7 @@ import os
 import numpy as np
 import pytest
 
+from checks import central_difference
 from conftest import ROOT, requires_dolfinx, run_cli, write_config
 from pdeformer.model.heads import HeadMeasure
 from pdeformer.model.params import layer_slice
@@ -194,25 +195,14 @@ def test_jacobians_match_finite_differences():
         return np.concatenate([V @ log_laplace(mu, (A @ xp)[None])[1][0] for xp in x])
 
     h = 1e-6
-    fd = []
-    for arr in ("V", "Q", "K"):
-        base = {"Q": Q[0], "K": K[0], "V": V[0]}
-        for idx in np.ndindex(base[arr].shape):
-            plus, minus = {n: a.copy() for n, a in base.items()}, {n: a.copy() for n, a in base.items()}
-            plus[arr][idx] += h
-            minus[arr][idx] -= h
-            fd.append((gamma(**plus) - gamma(**minus)) / (2 * h))
-    fd = np.array(fd).T                                      # (P*d, n_params): V, Q, K order
+    base = {"Q": Q[0], "K": K[0], "V": V[0]}
+    fd = np.concatenate([central_difference(lambda a: gamma(**(base | {arr: a})), base[arr], h)
+                         .reshape(base[arr].size, -1) for arr in ("V", "Q", "K")]).T   # (P*d, n_params)
     J = head_jacobians(mu, x, {"Q": Q, "K": K, "V": V}, "all")[0]
     np.testing.assert_allclose(J, fd, atol=1e-8)
     A = np.einsum("ki,kj->ij", K[0], Q[0])
-    fdA = []
-    for idx in np.ndindex(d, d):
-        Ap, Am = A.copy(), A.copy()
-        Ap[idx] += h
-        Am[idx] -= h
-        fdA.append((gamma(Q[0], K[0], V[0], Ap) - gamma(Q[0], K[0], V[0], Am)) / (2 * h))
-    np.testing.assert_allclose(head_jacobians(mu, x, {"Q": Q, "K": K, "V": V}, "A")[0], np.array(fdA).T, atol=1e-8)
+    fdA = central_difference(lambda a: gamma(Q[0], K[0], V[0], a), A, h).reshape(d * d, -1)
+    np.testing.assert_allclose(head_jacobians(mu, x, {"Q": Q, "K": K, "V": V}, "A")[0], fdA.T, atol=1e-8)
 
 
 def test_matched_pairing_and_its_data_degeneracy():

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from checks import assert_taylor_order_two
 from conftest import requires_dolfinx, run_cli, write_config
 
 pytestmark = [requires_dolfinx]
@@ -61,22 +62,6 @@ def test_particle_moments_agree_with_the_eulerian_solver(tmp_path):
     euler = np.concatenate([mean_e, cov_e.ravel()[[0, 1, 3]]])
     se = runs.std(axis=0, ddof=1) / np.sqrt(len(runs))
     assert np.all(np.abs(runs.mean(axis=0) - euler) < 3 * se), (runs.mean(0), euler, se)
-
-
-def assert_taylor_order_two(adj, g, heads, rng):
-    """|R(theta + eps d) - R - eps <g, d>| falls as eps^2 (g is exact for the risk)."""
-    d = {n: rng.normal(size=getattr(heads, n).shape) for n in "QKV"}
-    slope = sum(np.sum(g.params["attention"][n] * d[n]) for n in "QKV")
-    base = {n: getattr(heads, n).copy() for n in "QKV"}
-
-    def R(eps):
-        for n in "QKV":
-            getattr(heads, n)[:] = base[n] + eps * d[n]
-        return adj.risk()[0]
-
-    R0 = R(0.0)
-    rem = np.array([abs(R(e) - R0 - e * slope) for e in (4e-3, 2e-3, 1e-3)])
-    assert np.all(np.abs(np.log2(rem[:-1] / rem[1:]) - 2) < 0.1), rem
 
 
 def test_particle_gradient_is_exact_and_approaches_the_eulerian_one(tmp_path):
@@ -153,7 +138,7 @@ covs = [0.3]
 @pytest.mark.mpi
 def test_particles_command_same_on_one_and_two_ranks(tmp_path):
     from pdeformer.tools.output import read_pvd, read_vtu
-    from test_cli import assert_same_diagnostics
+    from conftest import assert_same_diagnostics
     cfg = write_config(tmp_path, CONFIG)
     run_cli(["particles", cfg, "--gradient", "--set", "output.dir=s"], cwd=str(tmp_path))
     run_cli(["particles", cfg, "--gradient", "--set", "output.dir=p"], nprocs=2, cwd=str(tmp_path))

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 from conftest import ROOT, check_one_line_error, run_cli, write_config
-from test_train import CONFIG
+from configs import CONFIG
 
 from pdeformer.tools.errors import ConfigError, InputError, OutputError
 from pdeformer.tools.outdir import LOCK, PREVIOUS, STALE_AFTER, OutputFolder

@@ -13,6 +13,7 @@ import json
 import numpy as np
 import pytest
 
+from checks import central_derivative
 from conftest import check_one_line_error, requires_dolfinx, run_cli, write_config
 from pdeformer.solvers.train import Batches, history_columns, langevin_noise, weight_penalty
 from pdeformer.model.config import check_config
@@ -98,11 +99,9 @@ def test_penalty_gradient_and_noise():
     squares = {b: sum(np.sum(a ** 2) for a in arrays.values()) for b, arrays in params.items()}
     assert P == pytest.approx(0.15 * (squares["heads"] / 6 + squares["neurons"] / 10), rel=1e-14)
     d = tree_map(lambda a: rng.normal(size=a.shape), params)
-    eps = 1e-6
-    plus = weight_penalty(tree_map(lambda a, b: a + eps * b, params, d), 0.3)[0]
-    minus = weight_penalty(tree_map(lambda a, b: a - eps * b, params, d), 0.3)[0]
+    fd = central_derivative(lambda e: weight_penalty(tree_map(lambda a, b: a + e * b, params, d), 0.3)[0], 1e-6)
     slope = sum(np.sum(a * b) for (_, a), (_, b) in zip(leaves(dP), leaves(d)))
-    assert (plus - minus) / (2 * eps) == pytest.approx(slope, rel=1e-8)
+    assert fd == pytest.approx(slope, rel=1e-8)
     shapes = tree_map(np.shape, params)
     a, b = langevin_noise(7, 3, shapes), langevin_noise(7, 3, shapes)
     assert all(np.array_equal(x, y) for (_, x), (_, y) in zip(leaves(a), leaves(b)))

@@ -315,7 +315,7 @@ def test_gradient_on_the_sphere_is_exact(tmp_path, backend):
     from pdeformer.solvers.adjoint import AdjointSolver
     from pdeformer.solvers.forward import ForwardSolver
     from pdeformer.solvers.problem import build_problem
-    from test_adjoint import assert_exact_gradient
+    from checks import assert_exact_gradient
     raw = manifold_config("sphere", 2, {"kind": "von_mises_fisher", "means": [[1, 0.2, 0], [0, 0, -1]],
                                         "concentrations": [3, 2],
                                         "target": {"mean": [0.1, 0.2, 0.3], "cov": 0.1}},
@@ -522,7 +522,7 @@ def test_particle_gradient_on_the_sphere_is_exact(tmp_path, shape, backend):
     from mpi4py import MPI
     from pdeformer.model.particles import ParticleAdjoint, ParticleSolver
     from pdeformer.solvers.problem import build_problem
-    from test_particles import assert_taylor_order_two
+    from checks import assert_taylor_order_two
     d = 3 if shape == "sphere" else 2
     raw = manifold_config(shape, 1 if d == 3 else 16,
                           {"kind": "von_mises_fisher", "means": [[1, 0.2, 0][:d], [0, -1, -1][:d]],

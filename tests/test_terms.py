@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from checks import assert_taylor
 from conftest import requires_dolfinx
 
 from pdeformer.model import params as tree
@@ -186,13 +187,6 @@ def test_a_linear_term_moves_a_gaussian_as_its_exact_flow():
     assert errors[1] < 2e-7 and errors[0] > 4 * errors[1], errors
 
 
-def taylor_orders(risk, slope, eps=(4e-3, 2e-3, 1e-3)):
-    """Observed orders of the first-order Taylor remainders |R(eps) - R(0) - eps slope|."""
-    R0 = risk(0.0)
-    rem = np.array([abs(risk(e) - R0 - e * slope) for e in eps])
-    return np.log2(rem[:-1] / rem[1:]), rem
-
-
 def assert_exact_tree_gradient(adjoint, params, g):
     """Along a random direction over every block of the tree the Taylor remainder falls
     as eps^2 (orders within 0.2 of 2): the gradient is that of the discrete risk, for
@@ -211,8 +205,7 @@ def assert_exact_tree_gradient(adjoint, params, g):
         finally:
             for (block, name), a in tree.leaves(params):
                 a[:] = base[block][name]
-    orders, rem = taylor_orders(risk, slope)
-    assert np.all(np.abs(orders - 2) < 0.2), (orders, rem)
+    assert_taylor(risk, slope, order=2, tol=0.2)
 
 
 @requires_dolfinx

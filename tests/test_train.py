@@ -10,58 +10,11 @@ import os
 import numpy as np
 import pytest
 
+from configs import CONFIG, history
 from conftest import requires_dolfinx, run_cli, write_config
 from conftest import check_one_line_error
 
 pytestmark = [requires_dolfinx]
-
-CONFIG = """
-[mesh]
-lower = [-3.0, -3.0]
-upper = [3.0, 3.0]
-cells = [10, 10]
-
-[discretisation]
-limiter = false
-steps_per_layer = 8
-
-[model]
-layers = 2
-heads = 2
-seed = 3
-init_scale = 0.8
-
-[objective]
-kind = "moments"
-
-[train]
-steps = 5
-lr = 0.05
-checkpoint_every = 2
-
-[output]
-dir = "out"
-fields = false
-
-[[prompts]]
-name = "a"
-kind = "gaussian_mixture"
-means = [[0.5, 0.2], [-0.6, 0.1]]
-covs = [0.2, 0.3]
-target = { mean = [0.3, -0.2], cov = [[0.4, 0.1], [0.1, 0.3]] }
-
-[[prompts]]
-name = "b"
-kind = "gaussian_mixture"
-means = [[-0.2, -0.4]]
-covs = [0.25]
-target = { mean = [0.0, 0.5], cov = 0.3 }
-"""
-
-
-def history(folder):
-    with open(os.path.join(folder, "history.csv"), newline="") as f:
-        return [{k: float(v) for k, v in r.items()} for r in csv.DictReader(f)]
 
 
 def summary(folder):

@@ -6,35 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from configs import make_solver
 from conftest import requires_dolfinx
 
 pytestmark = [requires_dolfinx]
-
-
-def make_solver(tmp_path, *, lower, upper, cells, cell=None, degree=1, heads=None,
-                prompt=None, disc=None, attention=None):
-    from mpi4py import MPI
-    from pdeformer.model.config import check_config
-    from pdeformer.model.schema import options
-    from pdeformer.solvers.forward import ForwardSolver
-    from pdeformer.solvers.problem import Problem
-    from pdeformer.fem.mesh import make_mesh
-    from pdeformer.model.prompts import make_prompt
-    d = len(lower)
-    raw = {"mesh": {"lower": lower, "upper": upper, "cells": cells},
-           "discretisation": {"degree": degree, **(disc or {})},
-           "model": {"layers": heads.layers, "heads": heads.heads},
-           "output": {"fields": False},
-           "prompts": [prompt]}
-    if cell:
-        raw["mesh"]["cell"] = cell
-    if attention:
-        raw["attention"] = attention
-    cfg = check_config(raw, str(tmp_path))
-    mesh = make_mesh(MPI.COMM_WORLD, options(cfg).mesh)
-    problem = Problem(MPI.COMM_WORLD, cfg, mesh, heads,
-                      [(p["name"], make_prompt(p, d, i)) for i, p in enumerate(cfg["prompts"])])
-    return ForwardSolver(problem)
 
 
 def uniform_attention_heads(d, layers=2, heads=1):
