@@ -55,7 +55,7 @@ FILES = [
     ("budget.png", "budget", "the terms against L, H, N and h"),
     ("*.tmp", "every command", "a file being written: renamed over its name when complete"),
     ("fields.npz", "forward, train, particles", "the frames the pictures draw ([below](#fieldsnpz))"),
-    ("paraview.py", "forward, train, particles", "a ParaView session that opens the run's field series "
+    ("paraview.py", "forward, train, particles", "a ParaView script that opens the run's field series "
                                                  "([plots](../plots.md))"),
     ("densities.*", "forward, train, particles", "picture: each prompt's density over depth"),
     ("diagnostics.*", "forward, particles", "picture: mean, covariance, mass and outflow over depth"),
