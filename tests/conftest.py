@@ -17,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.environ.get("PYTEST_XDIST_WORKER"):
     for key in [k for k in os.environ if k.startswith(("OMPI_", "PMIX_", "ORTE_"))]:
         del os.environ[key]
+os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 # the costs the attention's choices are made from, pinned (pdeformer/attention/costs.py):
 # no test depends on this machine's speed; subprocesses inherit it
 os.environ.setdefault("PDEFORMER_COSTS", os.path.join(ROOT, "tests", "costs.json"))

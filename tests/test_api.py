@@ -208,3 +208,32 @@ def test_train_takes_the_steps_of_the_train_command(tmp_path):
     last = np.load(tmp_path / "out" / "params_0003.npz")
     for n, a in trained.model.params["attention"].items():
         np.testing.assert_allclose(a, last[n], rtol=0, atol=1e-13 * np.abs(a).max())
+
+
+def test_train_restarts_from_its_checkpoint(tmp_path):
+    """pf.train(steps=2, outdir) then pf.train(steps=4, outdir, restart=True) reaches the
+    history and parameters of one run of 4 steps, adam's state and the minibatches'
+    random state included: the parameters are the checkpoint's, not the model given
+    (another draw here); restart without outdir, or from a checkpoint of another
+    problem, is refused."""
+    import pdeformer as pf
+    from pdeformer.tools.errors import ConfigError, InputError
+    model = pf.Transformer.random(layers=2, heads=2, dim=2, seed=1, init_scale=0.8)
+    prompts = [pf.GaussianMixture(weights=[1.0], means=[[x, 0]], covs=[0.3], name=f"p{i}")
+               for i, x in enumerate((-0.5, 0.0, 0.5))]
+    disc = pf.DG(pf.BoxMesh(lower=[-4, -4], upper=[4, 4], cells=[8, 8]), degree=1, steps_per_layer=2)
+    objective = pf.Moments(mean=[0, 0], cov=0.5)
+    kw = dict(lr=0.05, optimizer="adam", batch_size=2, seed=3)
+    whole = pf.train(objective, model, prompts, disc, steps=4, **kw)
+    pf.train(objective, model, prompts, disc, steps=2, outdir=str(tmp_path), **kw)
+    other = pf.Transformer.random(layers=2, heads=2, dim=2, seed=2, init_scale=0.8)
+    resumed = pf.train(objective, other, prompts, disc, steps=4, outdir=str(tmp_path), restart=True, **kw)
+    for c in ("risk", "grad_norm", "step_size", "displacement"):
+        np.testing.assert_allclose(resumed.history[c], whole.history[c], rtol=1e-12, atol=1e-15, err_msg=c)
+    for n, a in whole.model.params["attention"].items():
+        np.testing.assert_allclose(resumed.model.params["attention"][n], a, rtol=0, atol=1e-13)
+    with pytest.raises(ConfigError, match="^restart: .*give outdir"):
+        pf.train(objective, model, prompts, disc, steps=4, restart=True, **kw)
+    with pytest.raises(InputError, match="another problem"):
+        pf.train(pf.Moments(mean=[1, 0], cov=0.5), model, prompts, disc, steps=4, outdir=str(tmp_path),
+                 restart=True, **kw)

@@ -472,14 +472,17 @@ class HeadLayer:
 
 @pytest.mark.parametrize("why", ["d = 4", "sharp attention", "sharp attention, d = 3", "absurd heads",
                                  "tol out of reach", "tol out of reach, d = 3", "many tiles, d = 3"])
-def test_auto_falls_back_to_direct_and_laplace_refuses(why):
+def test_auto_falls_back_to_direct_and_laplace_refuses(why, monkeypatch):
     """auto sums directly where the table cannot serve (d = 4; |b| x extent so large that
     the tiles would exceed MAX_TILES, or in 3-D their sums TILE_SUMS3_BYTES; tol below
     what the largest table reaches) and
     gives the direct result; backend 'laplace' raises a SolverBreakdown (a ConfigError
     for d = 4, at once) that names the reason instead of returning a less accurate
-    velocity."""
+    velocity. The forced search stops at auto's largest size here: its sizes beyond
+    (up to 1025, 10 s of tables) would only repeat the refusal."""
+    from pdeformer.attention.laplace import chebyshev
     from pdeformer.tools.errors import ConfigError, SolverBreakdown
+    monkeypatch.setattr(chebyshev, "N_MAX_FORCED", chebyshev.N_MAX)
     d = 4 if why == "d = 4" else 3 if why.endswith("d = 3") else 2
     rng = np.random.default_rng(5)
     y = rng.uniform(-3, 3, (2000, d))

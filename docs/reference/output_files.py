@@ -56,7 +56,7 @@ FILES = [
     ("*.tmp", "every command", "a file being written: renamed over its name when complete"),
     ("fields.npz", "forward, train, particles", "the frames the pictures draw ([below](#fieldsnpz))"),
     ("paraview.py", "forward, train, particles", "a ParaView script that opens the run's field series "
-                                                 "([plots](../plots.md))"),
+                                                 "([ParaView](../howto/paraview.md))"),
     ("densities.*", "forward, train, particles", "picture: each prompt's density over depth"),
     ("diagnostics.*", "forward, particles", "picture: mean, covariance, mass and outflow over depth"),
     ("training.*", "train", "picture: risk, gradient norm and step size over the steps"),

@@ -42,7 +42,7 @@ new temporary folder. Under SLURM, ``srun`` starts the ranks (below).
 #     srun pdeformer train runs/default.toml
 #
 # (`.venv/bin/pdeformer` without an activated environment), and `runs/slurm.sh` is a
-# template that adds what a long run needs (docs/hpc.md):
+# template that adds what a long run needs (docs/howto/cluster.md):
 #
 #     sbatch --ntasks=32 --time=04:00:00 runs/slurm.sh train runs/default.toml
 #

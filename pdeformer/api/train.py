@@ -50,8 +50,8 @@ class Training:
 def train(objective: Objective, model: Transformer, prompts, disc, *, steps: int, lr: float,
           optimizer: str = "gd", weight_decay: float = 0.0, temperature: float = 0.0,
           batch_size: int | None = None, seed: int = 0, frames_per_layer: int = 1,
-          backend: str = "auto", tol: float = 1e-8, outdir: str | None = None, comm=None,
-          **adam) -> Training:
+          backend: str = "auto", tol: float = 1e-8, outdir: str | None = None,
+          restart: bool = False, comm=None, **adam) -> Training:
     """Train ``model`` for ``steps`` steps on ``prompts`` (module docstring).
 
     Parameters
@@ -64,6 +64,11 @@ def train(objective: Objective, model: Transformer, prompts, disc, *, steps: int
     outdir :
         A folder for the files ``pdeformer train`` writes there (history.csv,
         params_XXXX.npz, heads_XXXX.vtu, checkpoint.npz); None: no files.
+    restart :
+        Continue from ``outdir``'s checkpoint.npz (``pdeformer train --restart``): the
+        parameters, optimiser state, random state and history of the step it was written
+        at, so that the history equals that of one uninterrupted run of ``steps`` steps.
+        A checkpoint of another problem is refused (InputError).
 
     Returns
     -------
@@ -73,6 +78,8 @@ def train(objective: Objective, model: Transformer, prompts, disc, *, steps: int
     prompts, _ = _prompt_list(prompts)
     if not isinstance(disc, DG):
         raise ConfigError("discretisation", "pf.train trains on the mesh: expected pf.DG(mesh, ...)")
+    if restart and outdir is None:
+        raise ConfigError("restart", "continues from outdir's checkpoint.npz: give outdir")
     options = {"steps": steps, "lr": lr, "optimizer": optimizer, "weight_decay": weight_decay,
                "temperature": temperature, "seed": seed, **adam,
                **({"batch_size": batch_size} if batch_size is not None else {})}
@@ -81,6 +88,8 @@ def train(objective: Objective, model: Transformer, prompts, disc, *, steps: int
     if outdir is not None and solver.comm.rank == 0:
         os.makedirs(outdir, exist_ok=True)
     trainer = trainer_for(problem, solver, outdir)
+    if restart:
+        trainer.restart()
     rows = trainer.run()
     columns = {c: np.array([np.nan if r.get(c) is None else r[c] for r in rows], dtype=float)
                for c in trainer.columns}

@@ -189,7 +189,7 @@ def write_session(folder: str, out: str | None = None, names: list[str] | None =
     return SCRIPT_NAME
 
 
-SCRIPT = r'''"""The ParaView session of this pdeformer run (written by pdeformer: see docs/plots.md).
+SCRIPT = r'''"""The ParaView session of this pdeformer run (written by pdeformer: see docs/howto/paraview.md).
 
     paraview --script=paraview.py                            # the GUI, every series open
     pvpython paraview.py --screenshot out.png [--time T]     # all views at depth T (default: the last frame)
