@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 NP ?= 2
 CONFIG ?= runs/default.toml
 PYTEST_ARGS ?=
+# test processes (pytest-xdist); 1 runs the suite in this process. Tests that start
+# `mpirun -n 2` share the cores with the other worker, so more than the cores gains nothing.
+TEST_WORKERS ?= 2
 # Open MPI refuses root and more ranks than cores unless told; other MPIs get no flags.
 MPIRUN = mpirun $(shell mpirun --version 2>/dev/null | grep -q "Open MPI" && echo "--oversubscribe $$([ $$(id -u) = 0 ] && echo --allow-run-as-root)")
 
@@ -16,7 +19,7 @@ help:
 	@echo "make setup      install what is missing (Debian packages, .venv, pdeformer)"
 	@echo "make run        a short training of $(CONFIG) under mpirun -n $(NP)"
 	@echo "make forward    the forward pass of $(CONFIG) under mpirun -n $(NP)"
-	@echo "make test       the test suite (serial and mpirun -n 2 cases)"
+	@echo "make test       the test suite (serial and mpirun -n 2 cases; TEST_WORKERS=2 processes)"
 	@echo "make test-slow  the slow convergence studies"
 	@echo "make test-slurm runs/slurm.sh under a one-node SLURM set up here (root; not in make test)"
 	@echo "make verification  the convergence studies and the error budget -> docs/verification/ (about 20 min)"
@@ -35,7 +38,7 @@ forward: setup
 	$(MPIRUN) -n $(NP) $(VENV)/bin/pdeformer forward $(CONFIG)
 
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(shell [ "$(TEST_WORKERS)" -gt 1 ] 2>/dev/null && $(PY) -c "import xdist" 2>/dev/null && echo "-n $(TEST_WORKERS) --dist loadgroup") $(PYTEST_ARGS)
 
 test-slow: setup
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)

@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 
 VENV=${VENV:-.venv}
 DEBIAN_PACKAGES=(python3-dolfinx-real python3-petsc4py-real python3-mpi4py openmpi-bin
-                 python3-venv python3-pip python3-setuptools python3-pytest python3-scipy
+                 python3-venv python3-pip python3-setuptools python3-pytest python3-pytest-xdist python3-scipy
                  python3-h5py python3-matplotlib python3-dev gcc libc6-dev git
                  libopenblas0-pthread)
 say() { echo "setup: $*"; }

@@ -17,7 +17,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.environ.get("PYTEST_XDIST_WORKER"):
     for key in [k for k in os.environ if k.startswith(("OMPI_", "PMIX_", "ORTE_"))]:
         del os.environ[key]
+# the ranks of the jobs tests start share the cores with the other test worker: a rank
+# that waits yields its core instead of polling (Open MPI's default only when oversubscribed)
 os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+# the Pythons the tests start (mpirun jobs, commands) keep their compiled modules, in a
+# folder of their own where the environment asks not to write them beside the sources:
+# compiling pdeformer afresh costs each of them about 0.1 s
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
+    import tempfile
+    os.environ.setdefault("PYTHONPYCACHEPREFIX",
+                          os.path.join(tempfile.gettempdir(), f"pdeformer-tests-pycache-{os.getuid()}"))
 # the costs the attention's choices are made from, pinned (pdeformer/attention/costs.py):
 # no test depends on this machine's speed; subprocesses inherit it
 os.environ.setdefault("PDEFORMER_COSTS", os.path.join(ROOT, "tests", "costs.json"))

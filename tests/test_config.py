@@ -12,7 +12,7 @@ from pdeformer.tools.errors import ConfigError, InputError
 from pdeformer.model.heads import HeadMeasure
 from pdeformer.model.prompts import make_prompt
 
-from conftest import ROOT, write_config
+from conftest import write_config
 
 BASE = """
 [mesh]
@@ -29,13 +29,6 @@ kind = "gaussian_mixture"
 means = [[0.0, 0.0]]
 covs = [0.2]
 """
-
-
-def test_shipped_configs_load():
-    for name in os.listdir(os.path.join(ROOT, "runs")):
-        if name.endswith(".toml"):
-            cfg = load_config(os.path.join(ROOT, "runs", name))
-            assert cfg["prompts"]
 
 
 def test_defaults_and_paths(tmp_path):

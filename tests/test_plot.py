@@ -20,7 +20,8 @@ import pytest
 
 from conftest import ROOT, check_one_line_error, requires_dolfinx, run_cli, write_config
 
-pytestmark = [requires_dolfinx]
+# one test worker makes the module's runs (the fixture below) once
+pytestmark = [requires_dolfinx, pytest.mark.xdist_group("test_plot")]
 
 CONFIG_2D = """
 [mesh]

@@ -11,17 +11,34 @@ import pytest
 from conftest import ROOT
 
 
-def test_ci_runs_the_readme_test_command():
-    with open(os.path.join(ROOT, ".ci", "run")) as f:
-        assert "make test" in f.read()
+def test_ci_runs_the_readme_test_command(tmp_path):
+    """.ci/run, started from anywhere, runs in the repository the test command the
+    README's "two commands" block gives (a `make` on PATH records what it was asked),
+    and fails when that command fails."""
+    import re
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
-    assert "make run" in readme and "make test" in readme
+    block = readme.split("## The two commands", 1)[1].split("\n\n")[1]
+    commands = [re.sub(r"\s*#.*", "", line).split() for line in block.splitlines()]
+    assert ["make", "run"] in commands and ["make", "test"] in commands, block
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "make").write_text('#!/bin/sh\necho "$PWD $*" >> "$MAKE_LOG"\nexit "${MAKE_STATUS:-0}"\n')
+    os.chmod(fake / "make", 0o755)
+    log = tmp_path / "make.log"
+    env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", MAKE_LOG=str(log))
+    for status in (0, 4):
+        proc = subprocess.run(["bash", os.path.join(ROOT, ".ci", "run")], cwd=str(tmp_path),
+                              env=dict(env, MAKE_STATUS=str(status)), capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == status, proc.stderr
+    assert log.read_text().splitlines() == [f"{ROOT} test"] * 2
 
 
 def test_no_tests_is_a_failure():
     """pytest's exit status 5 (nothing collected) makes `make test` fail."""
-    proc = subprocess.run(["make", "-s", "test", "PYTEST_ARGS=-k no_test_has_this_name -p no:cacheprovider"],
+    proc = subprocess.run(["make", "-s", "test", "TEST_WORKERS=1",
+                           "PYTEST_ARGS=-k no_test_has_this_name -p no:cacheprovider"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "exit" in proc.stderr.lower() or "Error 5" in proc.stderr, proc.stderr
