@@ -24,10 +24,10 @@ CONFIG = """
 [mesh]
 lower = [-4.0, -4.0]
 upper = [4.0, 4.0]
-cells = [12, 12]
+cells = [8, 8]
 
 [discretisation]
-steps_per_layer = 8
+steps_per_layer = 6
 
 [model]
 layers = 2
