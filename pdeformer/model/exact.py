@@ -10,13 +10,24 @@ v_t = Vbar_l m_t with Vbar_l = (1/H) sum_h V_{l,h}. The density is translated ri
     m_t = e^{(t - l/L) \bar V_l} m_{l/L} \quad \text{on layer } l,
 
 (mass conservation makes m' = v, and v is constant in space).
+
+Gaussian prompts (any heads). For rho = N(m, C) the tilted mean of head h is
+m + beta C A_h x, so the velocity sum_h w_h V_h (m + beta C A_h x) is affine in x and a
+Gaussian stays Gaussian on the whole space, its moments solving
+
+.. math::
+
+    m' = \sum_h w_h V_h (I + \beta C A_h) m, \qquad
+    C' = J C + C J^T, \quad J = \beta \sum_h w_h V_h C A_h,
+
+on layer l with that layer's heads and weights w_h (1/H: the mean over the heads).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .heads import HeadMeasure, query_key_derivatives
+from .heads import HeadMeasure, attention_matrices, query_key_derivatives
 
 
 def expm(M: np.ndarray) -> np.ndarray:
@@ -97,3 +108,77 @@ def uniform_attention_moments_gradient(heads: HeadMeasure, m0, C0, mstar, Cstar)
             dA[l, h] = C0 @ heads.V[l, h].T @ (Gamma + 2 * tau * G @ C0) / H
         lam = E[l].T @ lam
     return (*query_key_derivatives(heads, dA), dV)
+
+
+# ------------------------------------------------------------------ Gaussian prompts
+
+def _layer_weights(weights, L: int, H: int) -> np.ndarray:
+    w = np.full((L, H), 1.0 / H) if weights is None else np.asarray(weights)
+    if w.shape != (L, H):
+        raise ValueError(f"weights of shape {w.shape}, expected (L, H) = {(L, H)}")
+    return w
+
+
+def gaussian_moment_rates(m, C, A, V, w, beta: float = 1.0):
+    """(m', C') of the moment ODE above for one layer: A (H, d, d) = K_h^T Q_h,
+    V (H, d, d), w (H,). Real or complex (a complex step differentiates it)."""
+    VW = np.einsum("h,hij->hij", w, V)
+    J = beta * np.einsum("hij,jk,hkl->il", VW, C, A)
+    return VW.sum(axis=0) @ m + J @ m, J @ C + C @ J.T
+
+
+def gaussian_moments(Q, K, V, m0, C0, *, beta: float = 1.0, weights=None, times=(1.0,),
+                     rtol: float = 1e-13, atol: float = 1e-15):
+    """Mean and covariance of the Gaussian prompt N(m0, C0) transported by the heads
+    (Q, K: (L, H, k, d), V: (L, H, d, d), ``weights`` (L, H), default 1/H) at each of
+    ``times`` (increasing, in [0, 1]): arrays (len(times), d) and (len(times), d, d), to
+    about ``rtol`` (scipy's DOP853 layer by layer; complex heads give the complex-step
+    derivative)."""
+    from scipy.integrate import solve_ivp
+    L, H, _, d = np.shape(Q)
+    w = _layer_weights(weights, L, H)
+    times = [float(t) for t in times]
+    state = np.concatenate([np.asarray(m0), np.asarray(C0).ravel()]).astype(
+        np.result_type(*map(np.asarray, (Q, K, V, m0, C0, w)), float))
+    found = [state] * sum(t <= 0 for t in times)
+
+    def rate(_, y, A, Vl, wl):
+        dm, dC = gaussian_moment_rates(y[:d], y[d:].reshape(d, d), A, Vl, wl, beta)
+        return np.concatenate([dm, dC.ravel()])
+
+    for l in range(L):
+        if len(found) == len(times):
+            break
+        t0, t1 = l / L, (l + 1) / L
+        wanted = [t for t in times[len(found):] if t <= t1]
+        sol = solve_ivp(rate, (t0, t1), state, method="DOP853", t_eval=sorted(set(wanted) | {t1}),
+                        rtol=rtol, atol=atol, args=(attention_matrices(Q[l], K[l]), np.asarray(V[l]), w[l]))
+        if not sol.success:
+            raise RuntimeError(f"the Gaussian moment ODE failed on layer {l}: {sol.message}")
+        found += [sol.y[:, k] for k in range(len(wanted))]
+        state = sol.y[:, -1]
+    found = np.array(found)
+    return found[:, :d], found[:, d:].reshape(-1, d, d)
+
+
+def gaussian_moments_risk(Q, K, V, m0, C0, mstar, Cstar, *, beta: float = 1.0, weights=None):
+    """R = 1/2 |m_1 - m*|^2 + 1/2 ||C_1 - C*||_F^2 of the Gaussian prompt N(m0, C0)."""
+    m, C = gaussian_moments(Q, K, V, m0, C0, beta=beta, weights=weights)
+    r, G = m[-1] - np.asarray(mstar), C[-1] - np.asarray(Cstar)
+    return 0.5 * np.sum(r * r) + 0.5 * np.sum(G * G)
+
+
+def gaussian_moments_gradient(Q, K, V, m0, C0, mstar, Cstar, *, beta: float = 1.0, weights=None,
+                              step: float = 1e-30):
+    """dR/dQ, dR/dK, dR/dV of :func:`gaussian_moments_risk`, entry by entry by the complex
+    step R'(theta) e = Im R(theta + i step e) / step: no cancellation, so exact to the
+    ODE's tolerance (one complex solve per entry: small models)."""
+    arrays = [np.asarray(a, float) for a in (Q, K, V)]
+    grads = [np.zeros_like(a) for a in arrays]
+    for a, g in zip(range(3), grads):
+        for idx in np.ndindex(arrays[a].shape):
+            moved = [x.astype(complex) for x in arrays]
+            moved[a][idx] += 1j * step
+            g[idx] = gaussian_moments_risk(*moved, m0, C0, mstar, Cstar, beta=beta,
+                                           weights=weights).imag / step
+    return tuple(grads)
