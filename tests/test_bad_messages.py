@@ -268,17 +268,18 @@ def test_study_bandwidth_has_the_range_of_objective_bandwidth(tmp_path, bandwidt
     ("model.params", ""),
     ("data.teacher", '\n[data]\ncount = 2\nteacher = "heads.npz"\n[objective]\nkind = "moments"\n'),
 ])
-def test_a_parameter_file_with_weights_is_refused(tmp_path, key, extra):
-    """Not 'weights' ignored without a word and the heads averaged with 1/H."""
+def test_a_parameter_file_with_an_unknown_array_is_refused(tmp_path, key, extra):
+    """An array that no block holds ('bias') is not ignored without a word: one line
+    naming it and the arrays a parameter file may hold (the heads' weights among them)."""
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "heads.npz", Q=rng.normal(size=(1, 2, 2, 2)), K=rng.normal(size=(1, 2, 2, 2)),
-             V=rng.normal(size=(1, 2, 2, 2)), weights=np.full((1, 2), 0.5))
+             V=rng.normal(size=(1, 2, 2, 2)), bias=np.full((1, 2), 0.5))
     prompt = '\n[[prompts]]\nkind = "gaussian_mixture"\nmeans = [[0.0, 0.0]]\ncovs = [0.3]\n' if not extra else ""
     cfg = write_config(tmp_path, BOX + prompt + extra)
     args = ["forward", cfg] + (["--set", "model.params=heads.npz"] if key == "model.params" else [])
     proc = run_cli(args, cwd=str(tmp_path), check=False)
-    check_one_line_error(proc, f"{key}: {tmp_path / 'heads.npz'}: array 'weights' is not supported "
-                               "(heads are averaged with weight 1/H)")
+    check_one_line_error(proc, f"{key}: {tmp_path / 'heads.npz'}: array 'bias' is not supported: a parameter "
+                               "file holds the model's arrays (Q, K, V, weights) only; remove it")
 
 
 # ---------------------------------------------------------------- on 2 ranks

@@ -99,9 +99,11 @@ class Transformer:
     """A model: its parameter tree ``params`` and the softmax's ``beta``.
 
     ``params["attention"]`` holds the heads, Q (L, H, k, d), K (L, H, k, d) and
-    V (L, H, d, d); layer l's attention velocity is
+    V (L, H, d, d), and optionally their fixed ``weights`` (L, H), >= 0 and summing to 1
+    over each layer (default 1/H; kept as :attr:`weights`, not trained); layer l's
+    attention velocity is
 
-        v(x) = (1/H) sum_h V_h grad Lambda_rho(beta A_h x),   A_h = K_h^T Q_h,
+        v(x) = sum_h w_h V_h grad Lambda_rho(beta A_h x),   A_h = K_h^T Q_h,
 
     on the depth interval [l/L, (l+1)/L) (docs/model.md). Any other block is a
     registered token-wise term's (pdeformer.model.terms), added to that velocity;
@@ -144,6 +146,18 @@ class Transformer:
         for term in build_terms(drawn, dim, MPI.COMM_SELF):
             params[term.block] = term.params
         return cls(params, beta, options)
+
+    @property
+    def weights(self) -> np.ndarray | None:
+        """The heads' weights (L, H), None where they are averaged with weight 1/H."""
+        return self._heads.weights
+
+    def problem_params(self) -> dict:
+        """The parameter tree with the heads' weights in their block, as a problem is
+        built from it (copies: solving never changes the model)."""
+        tree = {b: {n: np.array(a) for n, a in arrays.items()} for b, arrays in self.params.items()}
+        tree[BLOCK].update(self._heads.files())
+        return tree
 
     def model_options(self):
         """The ``[model]`` options of this model (checked: errors name ``model.<key>``)."""

@@ -22,7 +22,6 @@ from ..solvers.problem import build_problem
 from ..solvers.snapshots import FieldSnapshots, MeshCells, TokenSnapshots
 from ..solvers.trackers import FieldOutput, frame_diagnostics
 from ..model.config import check_config
-from ..model.params import copy
 from .objects import DG, Objective, Particles, Prompt, Transformer
 
 
@@ -69,7 +68,7 @@ def _solver(model, prompts, disc, objective, comm, differentiable, **options):
     cfg = problem_config(model, prompts, disc, objective, **options)
     particles = isinstance(disc, Particles)
     problem = build_problem(cfg, comm or MPI.COMM_WORLD, differentiable and not particles,
-                            params=copy(model.params))   # solving never changes the model
+                            params=model.problem_params())
     solver = ParticleSolver(problem) if particles else ForwardSolver(problem)
     return problem, solver
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..model.heads import BLOCK
 from ..solvers.train import Trainer
 from ..tools.errors import ConfigError
 from .objects import DG, Objective, Transformer
@@ -93,7 +94,8 @@ def train(objective: Objective, model: Transformer, prompts, disc, *, steps: int
     rows = trainer.run()
     columns = {c: np.array([np.nan if r.get(c) is None else r[c] for r in rows], dtype=float)
                for c in trainer.columns}
-    return Training(Transformer(trainer.params, model.beta, model.options), columns)   # (copies them)
+    trained = {**trainer.params, BLOCK: {**trainer.params[BLOCK], **problem.heads.files()}}
+    return Training(Transformer(trained, model.beta, model.options), columns)   # (copies them)
 
 
 def trainer_for(problem, solver, outdir: str | None = None, walltime: float | None = None,

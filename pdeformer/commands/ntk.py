@@ -271,6 +271,9 @@ def ntk_heads(problem) -> tuple[dict, dict]:
                                scale=ntk.head_scale)
         return layer_slice(h.params, 0), {"heads": "sampled", "count": ntk.head_count,
                                           "scale": ntk.head_scale, "seed": ntk.seed, "beta": beta}
+    if heads.weights is not None:
+        raise ConfigError("ntk.heads", "the run's heads are weighted (model.params holds weights): "
+                                       "ntk takes the 1/H mean of its heads; use ntk.heads = 'sampled'")
     layer = ntk.layer
     if layer is None:
         layer = heads.layer_of(ntk.depth) if ntk.depth is not None else 0

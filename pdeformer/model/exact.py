@@ -56,7 +56,7 @@ def uniform_attention_mean(heads: HeadMeasure, m0, t: float) -> np.ndarray:
         t0, t1 = l / L, (l + 1) / L
         if t <= t0:
             break
-        Vbar = heads.V[l].mean(axis=0)
+        Vbar = heads.values(l).mean(axis=0)   # sum_h w_h V_h
         m = expm((min(t, t1) - t0) * Vbar) @ m
     return m
 
@@ -89,6 +89,8 @@ def uniform_attention_moments_gradient(heads: HeadMeasure, m0, C0, mstar, Cstar)
         dR/dA_{l,h} = C0 V_h^T (Gamma_l + 2 tau (C0 - C*) C0) / H,
 
     then dR/dQ = K dR/dA and dR/dK = Q (dR/dA)^T (= 0 at Q = 0)."""
+    if heads.weights is not None:
+        raise ValueError("the uniform-attention gradient is that of unweighted heads")
     L, H = heads.layers, heads.heads
     tau = 1.0 / L
     C0, Cstar = np.asarray(C0, float), np.asarray(Cstar, float)

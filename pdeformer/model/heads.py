@@ -1,8 +1,10 @@
 """The head measure: H head particles theta = (Q, K, V) in each of L layers.
 
 Layer l covers depth t in [l/L, (l+1)/L); its velocity averages its H heads with
-weight 1/H (design §1). Parameters are stored as arrays ``Q (L,H,k,d)``,
-``K (L,H,k,d)``, ``V (L,H,d,d)``, the same layout as the ``.npz`` files.
+weight 1/H (design §1), or with fixed weights w_{l,h} >= 0 summing to 1 over each layer,
+sum_h w_h Gamma_h. Parameters are stored as arrays ``Q (L,H,k,d)``, ``K (L,H,k,d)``,
+``V (L,H,d,d)`` and, where the heads are weighted, ``weights (L,H)``: the layout of the
+``.npz`` files. The weights are not trained.
 """
 
 from __future__ import annotations
@@ -21,8 +23,7 @@ from .params import file_keys, register_block
 
 BLOCK = "attention"         # the heads' block of the model's parameter tree
 ARRAYS = ("Q", "K", "V")    # what a parameter file (model.params, data.teacher) holds
-# why arrays a user may expect to work are refused
-UNSUPPORTED = {"weights": " (heads are averaged with weight 1/H)"}
+WEIGHTS = "weights"         # and may hold: the heads' fixed weights (L, H)
 DEPTHS = ("iid", "smooth")  # how random heads vary with depth (HeadMeasure.random)
 
 # The [model] table: the head measure's sizes, and its parameters read from a file or
@@ -31,7 +32,8 @@ MODEL_KEYS = {
     "layers": Key(integer(1, 10**5), None, "number of layers L"),
     "heads": Key(integer(1, 10**5), None, "heads per layer H"),
     "key_dim": Key(integer(1, 1024), None, "key dimension k (default: d)"),
-    "params": Key(path, None, "head parameters .npz with Q (L,H,k,d), K (L,H,k,d), V (L,H,d,d)"),
+    "params": Key(path, None, "head parameters .npz with Q (L,H,k,d), K (L,H,k,d), V (L,H,d,d) "
+                  "and optionally the heads' fixed weights (L,H), >= 0, summing to 1 per layer"),
     "seed": Key(integer(0, 2**63 - 1), 0, "seed of the random heads"),
     "init_scale": Key(number(positive=True), 1.0, "Q, K, V entries ~ N(0, init_scale^2 / d)"),
     "query_scale": Key(number(nonnegative=True), None,
@@ -51,6 +53,7 @@ class HeadMeasure:
     Q: np.ndarray  # (L, H, k, d)
     K: np.ndarray  # (L, H, k, d)
     V: np.ndarray  # (L, H, d, d)
+    weights: np.ndarray | None = None  # (L, H), each layer summing to 1; None: 1/H
 
     block = BLOCK
 
@@ -62,15 +65,17 @@ class HeadMeasure:
 
     @classmethod
     def from_params(cls, arrays: dict) -> "HeadMeasure":
-        return cls(arrays["Q"], arrays["K"], arrays["V"])
+        """The heads of a block {"Q", "K", "V"} and, where weighted, "weights"."""
+        return cls(arrays["Q"], arrays["K"], arrays["V"], arrays.get(WEIGHTS))
 
     @classmethod
     def checked_block(cls, block, key: str) -> "HeadMeasure":
-        """The heads of a block {"Q", "K", "V"} of arrays (copied as floats); ConfigError
-        naming ``key`` where the block lacks one, their shapes disagree or an entry is
-        not finite."""
-        if not isinstance(block, dict) or set(block) != set(ARRAYS):
-            raise ConfigError(key, f"expected the arrays {', '.join(map(repr, ARRAYS))}")
+        """The heads of a block {"Q", "K", "V"} (and optionally "weights") of arrays
+        (copied as floats); ConfigError naming ``key`` where the block lacks one, their
+        shapes disagree or an entry is not finite, or the weights are not weights."""
+        if not isinstance(block, dict) or not set(ARRAYS) <= set(block) <= {*ARRAYS, WEIGHTS}:
+            raise ConfigError(key, f"expected the arrays {', '.join(map(repr, ARRAYS))} "
+                              f"(and optionally {WEIGHTS!r})")
         arrays = {n: np.array(block[n], dtype=float) for n in ARRAYS}
         Q, K, V = arrays["Q"], arrays["K"], arrays["V"]
         if Q.ndim != 4 or K.shape != Q.shape or V.shape != Q.shape[:2] + (Q.shape[3],) * 2 or 0 in Q.shape:
@@ -79,6 +84,11 @@ class HeadMeasure:
         for n, a in arrays.items():
             if not np.all(np.isfinite(a)):
                 raise ConfigError(key, f"{n} has non-finite entries")
+        if block.get(WEIGHTS) is not None:
+            try:
+                arrays[WEIGHTS] = checked_weights(block[WEIGHTS], Q.shape[:2])
+            except ValueError as e:
+                raise ConfigError(f"{key}.{WEIGHTS}", str(e)) from None
         return cls.from_params(arrays)
 
     def uniform(self) -> bool:
@@ -110,7 +120,15 @@ class HeadMeasure:
         return attention_matrices(self.Q[layer], self.K[layer])
 
     def values(self, layer: int) -> np.ndarray:
-        return self.V[layer]
+        """The values the velocity's 1/H mean sums, (H, d, d): V_h, or H w_h V_h where
+        the heads are weighted (so that (1/H) sum_h of them is sum_h w_h V_h)."""
+        scale = self.value_scale(layer)
+        return self.V[layer] if scale is None else scale[:, None, None] * self.V[layer]
+
+    def value_scale(self, layer: int) -> np.ndarray | None:
+        """H w_h of ``layer`` (H,), None for unweighted heads: d/dV_h of the velocity is
+        this times its derivative in :meth:`values`."""
+        return None if self.weights is None else self.heads * self.weights[layer]
 
     @classmethod
     def random(cls, layers: int, heads: int, key_dim: int, dim: int, *, seed: int = 0,
@@ -181,6 +199,8 @@ class HeadMeasure:
             want["Q"] = want["Q"][:2] + (key_dim, dim)
             want["K"] = want["K"][:2] + (key_dim, dim)
         for n, a in arrays.items():
+            if n == WEIGHTS:
+                continue
             if a.shape != want[n]:
                 raise InputError(
                     f"{filename}: {n} has shape {a.shape}, expected {want[n]} "
@@ -188,11 +208,40 @@ class HeadMeasure:
                     f"key_dim={want['Q'][2]}, d={dim})")
             if not np.all(np.isfinite(a)):
                 raise InputError(f"{filename}: {n} has non-finite entries")
-        return cls(Q, K, V)
+        weights = arrays.get(WEIGHTS)
+        if weights is not None:
+            try:
+                weights = checked_weights(weights, want["V"][:2])
+            except ValueError as e:
+                raise InputError(f"{filename}: {WEIGHTS}: {e}") from None
+        return cls(Q, K, V, weights)
+
+    def files(self) -> dict:
+        """What a parameter file of these heads holds beside the trained arrays: the
+        weights, where the heads are weighted."""
+        return {} if self.weights is None else {WEIGHTS: self.weights}
 
     def save(self, filename: str) -> None:
         from ..tools.output import write_npz
-        write_npz(filename, Q=self.Q, K=self.K, V=self.V)
+        write_npz(filename, Q=self.Q, K=self.K, V=self.V, **self.files())
+
+
+def checked_weights(weights, shape: tuple) -> np.ndarray:
+    """``weights`` as a float array of ``shape`` (L, H), finite, non-negative and summing
+    to 1 over each layer (to 1e-12); ValueError saying which it is not."""
+    try:
+        w = np.array(weights, dtype=float)
+    except (TypeError, ValueError):
+        raise ValueError("expected numbers") from None
+    if w.shape != tuple(shape):
+        raise ValueError(f"shape {w.shape}, expected (L, H) = {tuple(shape)}")
+    if not np.all(np.isfinite(w)) or np.any(w < 0):
+        raise ValueError("expected finite weights >= 0")
+    sums = w.sum(axis=1)
+    bad = np.flatnonzero(np.abs(sums - 1) > 1e-12)
+    if len(bad):
+        raise ValueError(f"layer {bad[0]}'s weights sum to {sums[bad[0]]:.15g}, not 1")
+    return w
 
 
 def read_arrays(filename: str, key: str) -> dict:
@@ -206,14 +255,15 @@ def read_arrays(filename: str, key: str) -> dict:
     checkpoint = "meta" in names     # a training's checkpoint: its heads, and its optimiser's state
     known = file_keys()
     for n in names:
-        if n not in known and not (checkpoint and (n == "meta" or n.startswith("adam_"))):
-            raise InputError(f"{key}: {filename}: array {n!r} is not supported{UNSUPPORTED.get(n, '')}: "
-                             f"a parameter file holds the model's arrays ({', '.join(known)}) only; remove it")
+        if n not in known and n != WEIGHTS and not (checkpoint and (n == "meta" or n.startswith("adam_"))):
+            raise InputError(f"{key}: {filename}: array {n!r} is not supported: a parameter file holds "
+                             f"the model's arrays ({', '.join([*known, WEIGHTS])}) only; remove it")
     for n in ARRAYS:
         if n not in names:
             raise InputError(f"{key}: {filename}: array {n!r} missing (need Q, K, V)")
     try:
-        return {n: np.asarray(a, dtype=float) for n, a in load_npz(filename, key, ARRAYS).items()}
+        wanted = ARRAYS + ((WEIGHTS,) if WEIGHTS in names else ())
+        return {n: np.asarray(a, dtype=float) for n, a in load_npz(filename, key, wanted).items()}
     except (TypeError, ValueError) as e:   # not numbers (strings, structured arrays)
         raise InputError(f"{key}: {filename}: an array is not numeric ({e})") from None
 

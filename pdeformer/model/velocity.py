@@ -424,10 +424,11 @@ class AttentionVelocity:
         return {self.heads.block: self.heads.params}
 
     def gain(self, layer: int, params: dict | None = None) -> float:
-        """(1/H) sum_h |V_h|_2 of ``layer``: |v(x)| <= gain max_y |y| for a density >= 0
-        (``params``: a parameter tree to bound instead of the heads')."""
+        """sum_h w_h |V_h|_2 of ``layer`` (w_h = 1/H unweighted): |v(x)| <= gain max_y |y|
+        for a density >= 0 (``params``: a parameter tree to bound instead of the heads')."""
         V = self.heads.V if params is None else params[self.heads.block]["V"]
-        return value_gain(V[layer])
+        scale = self.heads.value_scale(layer)
+        return value_gain(V[layer] if scale is None else scale[:, None, None] * V[layer])
 
     def zero_cotangent(self, lead: tuple = ()) -> dict:
         """Accumulators of the cotangents of every layer's A_h and V_h (what :meth:`vjp`
@@ -437,10 +438,12 @@ class AttentionVelocity:
                           "V": np.zeros(lead + h.V.shape)}}
 
     def add_cotangent(self, acc: dict, layer: int, ct: VelocityCotangent, at: tuple = ()) -> None:
-        """acc[at][layer] += the parameter cotangents of one :meth:`vjp`."""
+        """acc[at][layer] += the parameter cotangents of one :meth:`vjp` (that of V_h is
+        H w_h times that of the values summed, where the heads are weighted)."""
         block = acc[self.heads.block]
         block["A"][at + (layer,)] += ct.A
-        block["V"][at + (layer,)] += ct.V
+        scale = self.heads.value_scale(layer)
+        block["V"][at + (layer,)] += ct.V if scale is None else scale[:, None, None] * ct.V
 
     def parameter_gradient(self, acc: dict) -> dict:
         """The cotangents of the parameters from accumulated ones: A = K^T Q, so

@@ -531,7 +531,8 @@ class Trainer:
         if not self._is_output_step(k):
             return
         current = before if before is not None else self.params
-        write_npz(os.path.join(self.outdir, f"params_{k:04d}.npz"), **tree.to_files(current))
+        write_npz(os.path.join(self.outdir, f"params_{k:04d}.npz"), **tree.to_files(current),
+                  **self.adjoint.forward.problem.heads.files())   # and the heads' fixed weights
         for block, arrays in current.items():
             name = points_file(block, k)
             write_points(os.path.join(self.outdir, name), *tree.POINTS[block](arrays))
