@@ -1,7 +1,8 @@
-"""Weighted heads: layer l's velocity sum_h w_{l,h} Gamma_h instead of the 1/H mean, the
-weights fixed (not trained). A weighted model is the unweighted one with V_h scaled by
-H w_h (forward, gradient, particles); weights read from parameter files, checked as bad
-input, and kept in the files a training writes."""
+"""Weighted heads and head laws. Layer l's velocity sum_h w_{l,h} Gamma_h instead of the
+1/H mean, the weights fixed (not trained): a weighted model is the unweighted one with
+V_h scaled by H w_h (forward, gradient, particles); weights read from parameter files,
+checked as bad input, and kept in the files a training writes. Random heads drawn from a
+gaussian law with means, or i.i.d. from a file's weighted atoms."""
 
 from __future__ import annotations
 
@@ -133,3 +134,69 @@ def test_ntk_refuses_the_run_s_weighted_heads(tmp_path):
     config = write_config(tmp_path, CONFIG.replace("PARAMS", str(tmp_path / "heads.npz")))
     proc = run_cli(["ntk", config, "--set", 'ntk.heads="run"'], cwd=str(tmp_path), check=False)
     check_one_line_error(proc, "ntk.heads: the run's heads are weighted")
+
+
+# ------------------------------------------------------------------ head laws
+
+def heads_of(tmp_path, model_table: str):
+    """The heads ``[model]`` gives (the CLI's path: config checked, heads built)."""
+    from pdeformer.model.config import load_config
+    from pdeformer.model.schema import options
+    from pdeformer.solvers.problem import build_heads
+    from mpi4py import MPI
+    text = CONFIG.replace('params = "PARAMS"', model_table)
+    return build_heads(MPI.COMM_SELF, options(load_config(write_config(tmp_path, text))).model, 2)
+
+
+def test_gaussian_law_with_means_is_the_centred_draw_moved(tmp_path):
+    """query_mean, key_mean, value_mean move every head of the centred draw by the same
+    matrices, from the config and from pf.Transformer.random alike."""
+    import pdeformer as pf
+    from pdeformer.model.heads import HeadMeasure
+    means = {"query_mean": [[0.5, 0.0]], "key_mean": [[0.0, 1.0]], "value_mean": [[1.0, 0.2], [0.0, -1.0]]}
+    table = "layers = 2\nheads = 3\nkey_dim = 1\nseed = 4\n" + "".join(f"{k} = {v}\n" for k, v in means.items())
+    h = heads_of(tmp_path, table)
+    centred = HeadMeasure.random(2, 3, 1, 2, seed=4)
+    api = pf.Transformer.random(layers=2, heads=3, dim=2, key_dim=1, seed=4, **means).params["attention"]
+    for n, key in zip("QKV", means):
+        np.testing.assert_allclose(getattr(h, n), getattr(centred, n) + np.array(means[key]), rtol=0, atol=1e-15)
+        np.testing.assert_array_equal(api[n], getattr(h, n))
+
+
+def test_atoms_law_draws_each_atom_with_its_weight(tmp_path):
+    """H = 4000 heads per layer from 3 atoms of weights (0.5, 0.5, 0) and (0.2, 0.2, 0.6):
+    every head is an atom, each atom's share within 4 binomial standard deviations of
+    its weight (an atom of weight 0 never drawn); the first H heads of a larger draw are
+    the same heads."""
+    rng = np.random.default_rng(0)
+    atoms = {n: rng.normal(size=(2, 3) + shape) for n, shape in (("Q", (2, 2)), ("K", (2, 2)), ("V", (2, 2)))}
+    weights = np.array([[0.5, 0.5, 0.0], [0.2, 0.2, 0.6]])
+    np.savez(tmp_path / "atoms.npz", **atoms, weights=weights)
+    h = heads_of(tmp_path, 'layers = 2\nheads = 4000\nseed = 1\nlaw = "atoms"\natoms = "atoms.npz"\n')
+    H = 4000
+    for l in range(2):
+        which = np.array([[np.array_equal(h.V[l, i], atoms["V"][l, j]) and np.array_equal(h.Q[l, i], atoms["Q"][l, j])
+                           for j in range(3)] for i in range(H)])
+        assert np.all(which.sum(axis=1) == 1), l
+        share = which.mean(axis=0)
+        assert np.all(np.abs(share - weights[l]) <= 4 * np.sqrt(weights[l] * (1 - weights[l]) / H)), (l, share)
+    few = heads_of(tmp_path, 'layers = 2\nheads = 5\nseed = 1\nlaw = "atoms"\natoms = "atoms.npz"\n')
+    np.testing.assert_array_equal(few.V, h.V[:, :5])
+
+
+@pytest.mark.parametrize("model_table, expected", [
+    ('layers = 2\nheads = 2\nlaw = "atoms"', "model.atoms: missing: law = 'atoms'"),
+    ('layers = 2\nheads = 2\natoms = "atoms.npz"', "model.atoms: given, but model.law is 'gaussian'"),
+    ('layers = 2\nheads = 2\nlaw = "atoms"\natoms = "atoms.npz"\nvalue_mean = [[1.0, 0.0], [0.0, 1.0]]',
+     "model.value_mean: given, but model.law is 'atoms'"),
+    ('params = "atoms.npz"\nquery_mean = [[1.0, 0.0], [0.0, 1.0]]', "model.query_mean: the heads are read"),
+    ('layers = 2\nheads = 2\nvalue_mean = [[1.0, 0.0]]', "model.value_mean: shape (1, 2), expected (2, 2)"),
+    ('layers = 3\nheads = 2\nlaw = "atoms"\natoms = "atoms.npz"', "model.atoms: "),
+    ('layers = 2\nheads = 2\nlaw = "atoms"\natoms = "none.npz"', "model.atoms: "),
+])
+def test_bad_laws_are_one_line_errors(tmp_path, model_table, expected):
+    """A law's keys without the law, a law beside heads that are read, means of the wrong
+    shape, an atoms file of another depth or none: one line naming the key, exit 2."""
+    np.savez(tmp_path / "atoms.npz", Q=np.zeros((2, 3, 2, 2)), K=np.zeros((2, 3, 2, 2)), V=np.zeros((2, 3, 2, 2)))
+    config = write_config(tmp_path, CONFIG.replace('params = "PARAMS"', model_table))
+    check_one_line_error(run_cli(["forward", config], cwd=str(tmp_path), check=False), expected)

@@ -15,7 +15,7 @@ import numpy as np
 from ..model.geometry import Geometry, geometry_of_config
 from mpi4py import MPI
 
-from ..model.heads import ARRAYS, BLOCK, HeadMeasure
+from ..model.heads import ARRAYS, BLOCK, HeadMeasure, draw_heads
 from ..model.schema import SCHEMA, SECTIONS
 from ..model.terms import build_terms, checked_arrays, term_classes
 from ..tools.errors import ConfigError
@@ -134,14 +134,15 @@ class Transformer:
                init_scale: float = 1.0, query_scale: float | None = None, depth: str = "iid",
                beta: float = 1.0, **options) -> "Transformer":
         """Heads drawn as ``[model]`` draws them: entries of K, V ~ N(0, init_scale^2 / d),
-        of Q ~ N(0, query_scale^2 / d), head (l, h) from its own stream (``depth =
-        "iid"``) or linear in depth (``"smooth"``); the same heads on any rank count.
+        of Q ~ N(0, query_scale^2 / d) (plus ``query_mean``, ``key_mean``, ``value_mean``
+        where given; ``law="atoms", atoms=FILE``: i.i.d. draws from a file's atoms), head
+        (l, h) from its own stream (``depth = "iid"``) or linear in depth (``"smooth"``);
+        the same heads on any rank count.
         ``options``: ``[model]`` keys of the token-wise terms; each term the options
         call for is drawn as ``[model]`` draws it (from ``seed``)."""
-        h = HeadMeasure.random(layers, heads, key_dim or dim, dim, seed=seed, scale=init_scale,
-                               query_scale=query_scale, depth=depth)
         drawn = model_options({"layers": layers, "heads": heads, "key_dim": key_dim, "seed": seed,
                                "init_scale": init_scale, "query_scale": query_scale, "depth": depth, **options})
+        h = draw_heads(drawn, dim)
         params = {BLOCK: h.params}
         for term in build_terms(drawn, dim, MPI.COMM_SELF):
             params[term.block] = term.params

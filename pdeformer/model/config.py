@@ -27,6 +27,7 @@ from ..tools.errors import ConfigError
 from ..tools.keys import REQUIRED, Key, check_table, petsc_options, typename, unknown_key
 from ..tools.tomlfile import apply_override, parse_override, read_toml
 from .geometry import check_mesh_table
+from .heads import GAUSSIAN_MEANS
 from .objectives import MOMENTS_TARGET_KEYS, OBJECTIVES
 from .schema import NAME, PATH_KEYS, PROMPT_COMMON_KEYS, PROMPT_KINDS, SCHEMA, is_path_key, target_kinds
 
@@ -260,6 +261,7 @@ def _check_model(m: dict, data: dict | None = None) -> None:
             raise ConfigError("model.init", "give either model.params or init = 'teacher', not both")
     elif m["init_noise"] != 0.0:
         raise ConfigError("model.init_noise", "given, but model.init is not 'teacher'")
+    _check_law(m)
     if m["params"] is None:
         for k in ("layers", "heads"):
             if m[k] is None:
@@ -267,6 +269,21 @@ def _check_model(m: dict, data: dict | None = None) -> None:
         if m["layers"] * m["heads"] > MAX_HEADS_TOTAL:
             raise ConfigError("model.heads", f"layers x heads = {m['layers'] * m['heads']:.3g} is "
                                              f"more than pdeformer allows ({MAX_HEADS_TOTAL:g})")
+
+
+def _check_law(m: dict) -> None:
+    """The law random heads are drawn from: its own keys only, and none where the heads
+    are read (model.params) or the teacher's."""
+    atoms = m["law"] == "atoms"
+    if atoms and m["atoms"] is None:
+        raise ConfigError("model.atoms", "missing: law = 'atoms' draws the heads from the atoms of this file")
+    given = [k for k in ("atoms",) + GAUSSIAN_MEANS if m[k] is not None]
+    for k in given:
+        if (k == "atoms") != atoms:
+            raise ConfigError(f"model.{k}", f"given, but model.law is {m['law']!r}")
+    if (atoms or given) and (m["params"] is not None or m["init"] == "teacher"):
+        raise ConfigError(f"model.{given[0] if given else 'law'}",
+                          "the heads are read (model.params) or the teacher's, not drawn from a law")
 
 
 def _fill_discretisation(disc: dict) -> None:

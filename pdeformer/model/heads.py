@@ -18,13 +18,15 @@ import numpy as np
 from ..attention.softmax import attention_matrices
 from ..tools.errors import ConfigError, InputError
 from ..tools.files import load_npz, npz_names
-from ..tools.keys import Key, integer, number, path, string
+from ..tools.keys import Key, array, integer, number, path, string
 from .params import file_keys, register_block
 
 BLOCK = "attention"         # the heads' block of the model's parameter tree
 ARRAYS = ("Q", "K", "V")    # what a parameter file (model.params, data.teacher) holds
 WEIGHTS = "weights"         # and may hold: the heads' fixed weights (L, H)
 DEPTHS = ("iid", "smooth")  # how random heads vary with depth (HeadMeasure.random)
+LAWS = ("gaussian", "atoms")  # what random heads are drawn from
+GAUSSIAN_MEANS = ("query_mean", "key_mean", "value_mean")   # the gaussian law's means of Q, K, V
 
 # The [model] table: the head measure's sizes, and its parameters read from a file or
 # drawn (HeadMeasure.random), or the data set's teacher's
@@ -40,6 +42,15 @@ MODEL_KEYS = {
                        "scale of Q (default init_scale; 0: uniform attention)"),
     "depth": Key(string(DEPTHS), "iid",
                  "random heads independent per layer, or linear in depth per head"),
+    "law": Key(string(LAWS), "gaussian",
+               "law of the random heads: gaussian (init_scale, query_scale and the *_mean keys), or "
+               "i.i.d. draws from weighted atoms (model.atoms)"),
+    "query_mean": Key(array, None, "law = 'gaussian': the mean of every Q (k x d; default 0)"),
+    "key_mean": Key(array, None, "law = 'gaussian': the mean of every K (k x d; default 0)"),
+    "value_mean": Key(array, None, "law = 'gaussian': the mean of every V (d x d; default 0)"),
+    "atoms": Key(path, None, "law = 'atoms': .npz of the atoms, Q (L,K,k,d), K (L,K,k,d), V (L,K,d,d) "
+                 "and weights (L,K) (default equal); head (l, h) is atom j of layer l with probability "
+                 "weights[l, j]"),
     "init": Key(string(("random", "teacher")), "random",
                 "the heads at the start: drawn (or model.params), or the data set's teacher's "
                 "plus init_noise (a student near the teacher)"),
@@ -133,7 +144,7 @@ class HeadMeasure:
     @classmethod
     def random(cls, layers: int, heads: int, key_dim: int, dim: int, *, seed: int = 0,
                scale: float = 1.0, query_scale: float | None = None,
-               depth: str = "iid") -> "HeadMeasure":
+               depth: str = "iid", means: tuple | None = None) -> "HeadMeasure":
         """Random heads: entries of K, V ~ N(0, scale^2 / d), of Q ~ N(0, query_scale^2 / d)
         (query_scale = 0: uniform attention, every token attends to all equally).
 
@@ -143,14 +154,30 @@ class HeadMeasure:
         measure that is a smooth function of depth, so L -> infinity is a real limit.
         Either way a head's value depends neither on the number of ranks nor on H (the
         first H heads of a larger draw are the same heads: H -> infinity is a real
-        mean-field sequence)."""
+        mean-field sequence). ``means``: the law's means of Q, K and V ((k, d), (k, d),
+        (d, d); None for a centred one), added to every head."""
         qs = scale if query_scale is None else query_scale
         sd = np.array([qs, scale, scale]) / math.sqrt(dim)
         shapes = [(key_dim, dim), (key_dim, dim), (dim, dim)]
         out = [np.empty((layers, heads) + sh) for sh in shapes]
         with np.errstate(over="ignore", invalid="ignore"):   # too large a scale: inf, refused on the mesh
             cls._draw(out, sd, shapes, layers, heads, seed, depth)
+            for arr, mean in zip(out, means or (None,) * 3):
+                if mean is not None:
+                    arr += np.asarray(mean, dtype=float)
         return cls(*out)
+
+    @classmethod
+    def from_atoms(cls, atoms: "HeadMeasure", heads: int, seed: int = 0) -> "HeadMeasure":
+        """H heads per layer drawn i.i.d. from a layer's atoms (the K heads of ``atoms``,
+        atom j with probability its weight w_{l,j}, 1/K unweighted): head (l, h) from its
+        own stream (seed, l, h), so the first H of a larger draw are the same heads."""
+        L, K = atoms.layers, atoms.heads
+        p = np.full((L, K), 1.0 / K) if atoms.weights is None else atoms.weights
+        pick = np.array([[np.random.default_rng([seed, l, h, 1]).choice(K, p=p[l]) for h in range(heads)]
+                         for l in range(L)])
+        layer = np.arange(L)[:, None]
+        return cls(atoms.Q[layer, pick], atoms.K[layer, pick], atoms.V[layer, pick])
 
     @staticmethod
     def _draw(out, sd, shapes, layers, heads, seed, depth) -> None:
@@ -324,3 +351,33 @@ def head_points(arrays: dict) -> tuple[np.ndarray, dict]:
 
 
 register_block(BLOCK, ARRAYS, prefix="", particles="heads", points=head_points, colour="norm_A")
+
+
+def law_means(model, key_dim: int, dim: int) -> tuple | None:
+    """The gaussian law's means of Q, K, V of ``[model]`` (options) as arrays, None where
+    centred; ConfigError naming the key whose shape is not (k, d) or (d, d)."""
+    if all(getattr(model, k) is None for k in GAUSSIAN_MEANS):
+        return None
+    out = []
+    for k, shape in zip(GAUSSIAN_MEANS, ((key_dim, dim), (key_dim, dim), (dim, dim))):
+        value = getattr(model, k)
+        a = None if value is None else np.array(value, dtype=float)
+        if a is not None and a.shape != shape:
+            raise ConfigError(f"model.{k}", f"shape {a.shape}, expected {shape} (k = {key_dim}, d = {dim})")
+        out.append(a)
+    return tuple(out)
+
+
+def draw_heads(model, dim: int, atoms: HeadMeasure | None = None) -> HeadMeasure:
+    """Heads drawn from ``[model]``'s law (its options): ``atoms`` (read from
+    ``model.atoms`` where not given) or gaussian, with k = d where ``key_dim`` is not
+    given."""
+    if model.law == "atoms":
+        if atoms is None:
+            if model.atoms is None:
+                raise ConfigError("model.atoms", "missing: law = 'atoms' draws the heads from the atoms of this file")
+            atoms = HeadMeasure.load(model.atoms, dim, model.layers, None, model.key_dim, key="model.atoms")
+        return HeadMeasure.from_atoms(atoms, model.heads, model.seed)
+    k = model.key_dim or dim
+    return HeadMeasure.random(model.layers, model.heads, k, dim, seed=model.seed, scale=model.init_scale,
+                              query_scale=model.query_scale, depth=model.depth, means=law_means(model, k, dim))

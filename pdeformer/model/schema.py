@@ -147,8 +147,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
 }
 
 # Config keys that are paths, relative to the config file's folder
-PATH_KEYS = (("mesh", "file"), ("model", "params"), ("output", "dir"), ("data", "teacher"),
-             ("data", "folder"))
+PATH_KEYS = (("mesh", "file"), ("model", "params"), ("model", "atoms"), ("output", "dir"),
+             ("data", "teacher"), ("data", "folder"))
 
 
 def is_path_key(parts: tuple) -> bool:

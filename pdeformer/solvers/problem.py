@@ -13,7 +13,7 @@ from ..model.schema import Options, options
 from ..tools.errors import ConfigError, PdeformerError, within
 from ..model.context import RunContext
 from ..model.geometry import Geometry
-from ..model.heads import BLOCK, HeadMeasure
+from ..model.heads import BLOCK, HeadMeasure, draw_heads
 from ..fem.mesh import bounding_box, make_mesh, mesh_geometry, shortest_edge, token_dim
 from ..tools.datasets import data_errors, split_prompts, teacher_given
 from ..tools.parallel import PromptGroups, moment_sums, on_root
@@ -85,11 +85,15 @@ class Problem:
 
 def build_heads(comm, model, d: int) -> HeadMeasure:
     """The heads of ``[model]`` (its options): read from ``params`` (on rank 0, broadcast)
-    or drawn at random, with k = d where ``key_dim`` is not given."""
+    or drawn from its law (gaussian, or the atoms of a file), with k = d where
+    ``key_dim`` is not given."""
     if model.params is not None:
         return on_root(comm, HeadMeasure.load, model.params, d, model.layers, model.heads, model.key_dim)
-    return HeadMeasure.random(model.layers, model.heads, model.key_dim or d, d, seed=model.seed,
-                              scale=model.init_scale, query_scale=model.query_scale, depth=model.depth)
+    atoms = None
+    if model.law == "atoms":
+        atoms = on_root(comm, HeadMeasure.load, model.atoms, d, model.layers, None, model.key_dim,
+                        key="model.atoms")
+    return draw_heads(model, d, atoms)
 
 
 def build_problem(cfg: dict, comm, differentiable: bool = False,
