@@ -200,3 +200,59 @@ def test_bad_laws_are_one_line_errors(tmp_path, model_table, expected):
     np.savez(tmp_path / "atoms.npz", Q=np.zeros((2, 3, 2, 2)), K=np.zeros((2, 3, 2, 2)), V=np.zeros((2, 3, 2, 2)))
     config = write_config(tmp_path, CONFIG.replace('params = "PARAMS"', model_table))
     check_one_line_error(run_cli(["forward", config], cwd=str(tmp_path), check=False), expected)
+
+
+LAW_RUN = """
+[mesh]
+lower = [-3.0, -3.0]
+upper = [3.0, 3.0]
+cells = [16, 16]
+[discretisation]
+limiter = false
+[model]
+layers = 2
+heads = 2
+LAW
+[attention]
+backend = "direct"
+[output]
+fields = false
+plots = false
+[[prompts]]
+kind = "gaussian_mixture"
+means = [[0.3, -0.2]]
+covs = [[[0.2, 0.03], [0.03, 0.15]]]
+"""
+
+
+@pytest.mark.parametrize("law", [
+    'query_mean = [[0.6, 0.0], [0.1, 0.6]]\nkey_mean = [[0.8, 0.2], [0.0, 0.8]]\n'
+    'value_mean = [[0.5, -0.3], [0.3, 0.5]]\ninit_scale = 1e-7',
+    'law = "atoms"\natoms = "atoms.npz"',
+])
+def test_expectation_reference_of_a_law_is_its_mean_field_limit(tmp_path, law):
+    """converge's `expectation` reference for a law that moves the prompt: a gaussian law
+    of almost no spread around its means (every head is the mean head), or atoms of which
+    one has all the weight (every head is that atom). Each finite H then is its own
+    limit, so the errors against the closed form are DG-1's on 16^2 (mean 1.1e-3, cov
+    1.4e-3, the density's L2 2.7e-2), while the limit itself moves the prompt's mean by
+    more than 0.2."""
+    import csv
+    import json
+    np.savez(tmp_path / "atoms.npz", Q=np.array([[[[0.6, 0.0], [0.1, 0.6]]] * 2] * 2),
+             K=np.array([[[[0.8, 0.2], [0.0, 0.8]]] * 2] * 2), V=np.array([[[[0.5, -0.3], [0.3, 0.5]], np.eye(2)]] * 2),
+             weights=[[1.0, 0.0], [1.0, 0.0]])
+    write_config(tmp_path, LAW_RUN.replace("LAW", law), "run.toml")
+    study = write_config(tmp_path, '[study]\nrun = "run.toml"\nparameter = "model.heads"\nvalues = [2, 4]\n'
+                         'reference = "expectation"\nquantities = ["mean", "cov", "l2"]\n', "study.toml")
+    run_cli(["converge", study, "--set", f"output.dir={tmp_path}/out"], cwd=str(tmp_path))
+    with open(tmp_path / "out" / "convergence.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    bound = {"mean": 3e-3, "cov": 3e-3, "l2": 0.05}
+    assert len(rows) == 6 and all(float(r["error"]) < bound[r["quantity"]] for r in rows), rows
+    with open(tmp_path / "out" / "summary.json") as f:
+        assert "mean head" in json.load(f)["reference"]
+    from pdeformer.model.exact import mean_head_moments
+    m1, _ = mean_head_moments(([[0.6, 0.0], [0.1, 0.6]], [[0.8, 0.2], [0.0, 0.8]], [[0.5, -0.3], [0.3, 0.5]]),
+                              2, np.array([0.3, -0.2]), np.array([[0.2, 0.03], [0.03, 0.15]]))
+    assert np.linalg.norm(m1 - [0.3, -0.2]) > 0.2

@@ -28,9 +28,11 @@ Study file::
 
 References: ``exact`` is the exact solution of uniform attention (Q = 0: a translation of
 the prompt); ``expectation`` the H -> infinity limit exactly, where the head law allows
-it: heads drawn by the model's random law have V centred and independent of (Q, K), so
+it: heads drawn by a centred gaussian law have V centred and independent of (Q, K), so
 the mean-field velocity E[V m_theta(x)] = E[V] E[m_theta(x)] vanishes and the limit of
-every draw is the prompt itself; ``finest`` the last case (of the same member of an
+every draw is the prompt itself; with ``query_mean``, ``key_mean``, ``value_mean`` (or
+``law = "atoms"``) a Gaussian prompt stays Gaussian in the limit, its moments those of
+the one mean head (of the weighted atoms: pdeformer.model.exact); ``finest`` the last case (of the same member of an
 ensemble); ``run`` another run (``reference_run`` with ``reference_set``), computed once;
 ``paired`` that run with each member's seeds, computed per member (e.g. the Eulerian
 solution for the same heads as the member's particles); ``draw`` an independent draw of
@@ -78,7 +80,7 @@ from ..tools.errors import ConfigError, InputError, PdeformerError, status_of, w
 from ..tools.output import atomic_write, provenance, save_figure, write_csv, write_json
 from ..tools.parallel import (Meter, PromptGroups, Timer, allgather_rows, describe_parallel, metered,
                               on_root, parallel_report)
-from .study import check_members_differ, describe_reference, prepare, size_of, study_inputs
+from .study import check_members_differ, describe_reference, exact_reference, prepare, size_of, study_inputs
 
 log = logging.getLogger("pdeformer")
 
@@ -161,37 +163,13 @@ class Case:
         return self.grad.vector()
 
 
-def _exact(case: Case, kind: str):
-    """Per prompt (final mean, cov, prompt, shift) of the exact reference: uniform
-    attention translates the prompt by the shift (``exact``); the H -> infinity limit of
-    the model's random head law leaves it where it is (``expectation``)."""
-    from ..model.exact import uniform_attention_mean
-    from ..model.prompts import GaussianMixture
-    p = case.problem
-    if kind == "exact" and not p.heads.uniform():
-        raise ConfigError("study.reference", "'exact' needs uniform attention (Q = 0: model.query_scale = 0)")
-    if kind == "expectation" and (case.cfg["model"]["params"] is not None
-                                  or case.cfg["model"]["init"] != "random"):
-        raise ConfigError("study.reference", "'expectation' needs heads drawn from the model's random "
-                          "law (no model.params, model.init = 'random'): only there is V centred and "
-                          "independent of (Q, K), so that the limit velocity vanishes")
-    out = []
-    for name, prompt in p.prompts:
-        if not isinstance(prompt, GaussianMixture):
-            raise ConfigError("study.reference", f"{kind!r} needs Gaussian-mixture prompts ({name!r} is not)")
-        m0 = prompt.mean()
-        m1 = uniform_attention_mean(p.heads, m0, 1.0) if kind == "exact" else m0
-        out.append((m1, prompt.cov(), prompt, m1 - m0))
-    return out
-
-
 def errors(case: Case, ref, kind: str, quantities, bandwidth: float) -> dict:
     """Error of every quantity of ``case`` against the reference: a Case, or the exact
     solution (``kind`` exact or expectation)."""
     comm = case.problem.comm
     out = {}
     S = len(case.problem.prompts)
-    exact = _exact(case, kind) if kind in ("exact", "expectation") else None
+    exact = exact_reference(case.problem, case.cfg, kind) if kind in ("exact", "expectation") else None
     for q in quantities:
         vals = []
         for s in range(S):

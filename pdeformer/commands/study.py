@@ -363,9 +363,10 @@ def describe_reference(study: dict) -> str:
     if kind == "exact":
         return "the exact solution of uniform attention (Q = 0): the prompt translated"
     if kind == "expectation":
-        return ("the exact H -> infinity limit over the head law: V is centred and independent of "
-                "(Q, K), so the mean-field velocity E[V] E[m_theta(x)] vanishes and the limit is the "
-                "prompt itself")
+        return ("the exact H -> infinity limit over the head law: under a centred gaussian law the "
+                "mean-field velocity E[V] E[m_theta(x)] vanishes and the limit is the prompt itself; a "
+                "law with means, or of atoms, moves a Gaussian prompt as its mean head (its weighted "
+                "atoms) does, by the Gaussian moment ODE")
     if kind == "finest":
         return "the finest case" + (" of the same draw" if n > 1 else "")
     if kind in ("run", "paired"):
@@ -390,3 +391,41 @@ def check_members_differ(study: dict, records: list, key: str = "study.seed_keys
             raise ConfigError(key, f"members {same} and {j} gave the same errors in every "
                               f"case: their seeds ({', '.join(study['seed_keys'])}) change nothing in "
                               "these runs, so the ensemble is one run repeated")
+
+
+def exact_reference(problem, cfg: dict, kind: str) -> list:
+    """Per prompt (final mean, cov, prompt, shift) of the exact reference: uniform
+    attention translates the prompt by the shift (``exact``); the H -> infinity limit of
+    heads drawn from the model's law (``expectation``): a centred gaussian law's limit
+    velocity E[V] E[m_theta] vanishes and leaves every Gaussian mixture where it is; with
+    means, or from atoms, a Gaussian prompt follows the moment ODE of the mean head or of
+    the weighted atoms (:mod:`pdeformer.model.exact`)."""
+    from ..model.exact import gaussian_moments, mean_head_moments, uniform_attention_mean
+    from ..model.heads import GAUSSIAN_MEANS, HeadMeasure
+    from ..model.prompts import GaussianMixture
+    model, beta = cfg["model"], cfg["attention"]["beta"]
+    if kind == "exact" and not problem.heads.uniform():
+        raise ConfigError("study.reference", "'exact' needs uniform attention (Q = 0: model.query_scale = 0)")
+    if kind == "expectation" and (model["params"] is not None or model["init"] != "random"):
+        raise ConfigError("study.reference", "'expectation' needs heads drawn from the model's law "
+                          "(no model.params, model.init = 'random')")
+    means = [model[k] for k in GAUSSIAN_MEANS]
+    moved = kind == "expectation" and (model["law"] == "atoms" or any(a is not None for a in means))
+    out = []
+    for name, prompt in problem.prompts:
+        if not isinstance(prompt, GaussianMixture) or (moved and len(prompt.weights) != 1):
+            raise ConfigError("study.reference", f"{kind!r} needs {'Gaussian' if moved else 'Gaussian-mixture'} "
+                              f"prompts ({name!r} is not)")
+        m0, C0 = prompt.mean(), prompt.cov()
+        if kind == "exact":
+            m1, C1 = uniform_attention_mean(problem.heads, m0, 1.0), C0
+        elif model["law"] == "atoms":
+            atoms = HeadMeasure.load(model["atoms"], len(m0), model["layers"], key="model.atoms")
+            m1, C1 = (a[-1] for a in gaussian_moments(atoms.Q, atoms.K, atoms.V, m0, C0, beta=beta,
+                                                      weights=atoms.weights))
+        else:
+            m1, C1 = mean_head_moments(means, model["layers"], m0, C0, beta=beta) if moved else (m0, C0)
+        if moved:   # the limit density itself, N(m1, C1), unmoved
+            prompt, m0 = GaussianMixture([1.0], [m1], [C1]), m1
+        out.append((m1, C1, prompt, m1 - m0))
+    return out

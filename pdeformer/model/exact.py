@@ -184,3 +184,19 @@ def gaussian_moments_gradient(Q, K, V, m0, C0, mstar, Cstar, *, beta: float = 1.
             g[idx] = gaussian_moments_risk(*moved, m0, C0, mstar, Cstar, beta=beta,
                                            weights=weights).imag / step
     return tuple(grads)
+
+
+
+def mean_head_moments(means, layers: int, m0, C0, *, beta: float = 1.0):
+    """Final (mean, covariance) of N(m0, C0) in the H -> infinity limit of heads drawn
+    i.i.d. with Q, K and V independent, of means ``means`` = (Qbar (k, d), Kbar (k, d),
+    Vbar (d, d)), None for zero: the limit velocity is
+    E[V (m + beta C K^T Q x)] = Vbar (m + beta C Kbar^T Qbar x) on every layer, that of
+    the one mean head."""
+    d = len(m0)
+    k = next((np.shape(a)[0] for a in means[:2] if a is not None), 1)
+    Qbar, Kbar, Vbar = (np.zeros(shape) if a is None else np.asarray(a, float)
+                        for a, shape in zip(means, ((k, d), (k, d), (d, d))))
+    one = [np.broadcast_to(a, (layers, 1) + a.shape) for a in (Qbar, Kbar, Vbar)]
+    m, C = gaussian_moments(*one, m0, C0, beta=beta)
+    return m[-1], C[-1]
