@@ -1,9 +1,10 @@
 """`pdeformer budget`: the terms' constants, the sum at the check points, bad input.
 
-A tiny budget (3 draws per case, coarse meshes): the numbers are rough, so the test
-checks the bookkeeping against an independent recomputation from the sweeps' rows
-(budget.csv), not the physics; the shipped budget (runs/studies/budget.toml) is measured
-in docs/verification.md."""
+A tiny budget (3 draws per case, L, H, N = 2, 4, 200, meshes of 4 to 8 cells a side,
+attention summed directly): the numbers are rough, so the test checks the bookkeeping
+against an independent recomputation from the sweeps' rows (budget.csv), not the
+physics; the shipped budget (runs/studies/budget.toml) is measured in
+docs/verification.md."""
 
 from __future__ import annotations
 
@@ -19,11 +20,11 @@ from conftest import ROOT, requires_dolfinx, run_cli
 
 pytestmark = [requires_dolfinx]
 BUDGET = os.path.join(ROOT, "runs", "studies", "budget.toml")
-TINY = ["budget.seeds=3", "budget.groups=1", "budget.layers=[2,4]", "budget.layers_reference=8",
-        "budget.heads=[4,16]", "budget.tokens=[100,400]", "budget.checks=[[4,16,400]]",
-        "budget.cells=[[6,6],[8,8]]", "budget.cells_reference=[16,16]",
-        "budget.set=[\"model.depth=\\\"smooth\\\"\",\"mesh.cells=[12,12]\",\"output.fields=false\","
-        "\"particles.steps_per_layer=2\",\"discretisation.tail_tolerance=1\"]"]
+TINY = ["budget.seeds=3", "budget.groups=1", "budget.transformer=[2,4,200]", "budget.layers=[1,2]",
+        "budget.layers_reference=4", "budget.heads=[2,8]", "budget.tokens=[50,200]", "budget.checks=[[1,8,100]]",
+        "budget.cells=[[4,4],[6,6]]", "budget.cells_reference=[8,8]",
+        "budget.set=[\"model.depth=\\\"smooth\\\"\",\"mesh.cells=[8,8]\",\"output.fields=false\","
+        "\"particles.steps_per_layer=2\",\"discretisation.tail_tolerance=1\",\"attention.backend=\\\"direct\\\"\"]"]
 
 
 def test_shipped_budget_loads():
@@ -39,7 +40,7 @@ def test_budget_constants_and_sums_follow_from_the_sweeps(tmp_path):
     with open(tmp_path / "b" / "budget.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     orders = {"depth": 2.0, "width": 0.5, "tokens": 0.5, "mesh": 2.0}      # DG-1: k + 1 = 2
-    swept = {"depth": ["2", "4"], "width": ["4", "16"], "tokens": ["100", "400"], "mesh": ["[6, 6]", "[8, 8]"]}
+    swept = {"depth": ["1", "2"], "width": ["2", "8"], "tokens": ["50", "200"], "mesh": ["[4, 4]", "[6, 6]"]}
     for term, p in orders.items():
         for q in ("mean", "cov"):
             sel = [r for r in rows if r["sweep"] == term and r["quantity"] == q]
@@ -49,13 +50,13 @@ def test_budget_constants_and_sums_follow_from_the_sweeps(tmp_path):
             assert out["terms"][term][q]["constant"] == pytest.approx(c.mean(), rel=1e-10)
             assert out["terms"][term][q]["low"] < c.mean() < out["terms"][term][q]["high"]
     checks = out["checks"]
-    assert [c["point"] for c in checks] == [[8, 8, 1000], [8, 8, 1000], [4, 16, 400], [4, 16, 400]]
+    assert [c["point"] for c in checks] == [[2, 4, 200], [2, 4, 200], [1, 8, 100], [1, 8, 100]]
     for c in checks:
         L, H, N = c["point"]
         k = {t: out["terms"][t][c["quantity"]]["constant"] for t in orders}
-        s = math.sqrt(8 / H)                   # depth and mesh scale like a draw's velocity
+        s = math.sqrt(4 / H)                   # depth and mesh scale like a draw's velocity
         parts = [k["depth"] / L ** 2 * s, k["width"] / math.sqrt(H), k["tokens"] / math.sqrt(N),
-                 k["mesh"] / 12 ** 2 * s]
+                 k["mesh"] / 8 ** 2 * s]
         assert c["sum"] == pytest.approx(sum(parts), rel=1e-12)
         assert c["rss"] == pytest.approx(math.sqrt(sum(x * x for x in parts)), rel=1e-12)
         assert c["low"] < c["measured"] < c["high"] and c["measured"] > 0

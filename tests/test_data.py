@@ -85,7 +85,7 @@ upper = [4.0, 4.0]
 cells = [16, 16]
 
 [discretisation]
-steps_per_layer = 16
+steps_per_layer = 8
 limiter = false
 
 [model]
@@ -95,7 +95,7 @@ seed = 1
 init_scale = 0.7
 
 [data]
-count = 4
+count = 2
 seed = 3
 teacher_seed = 9
 
@@ -118,7 +118,7 @@ def test_teacher_targets_are_the_teacher_s_output(tmp_path):
     problem = build_problem(load_config(cfg), MPI.COMM_WORLD, differentiable=True)
     run_cli(["forward", cfg, "--set", "model.seed=9", "output.dir=teacher", "output.fields=false"], cwd=str(tmp_path))
     final = json.loads((tmp_path / "teacher" / "summary.json").read_text())["final_diagnostics"]
-    assert len(final) == len(problem.targets) == 4
+    assert len(final) == len(problem.targets) == 2
     for target, diag in zip(problem.targets, final):
         np.testing.assert_allclose(target["mean"], diag["mean"], rtol=0, atol=1e-12)
         np.testing.assert_allclose(target["cov"], diag["cov"], rtol=0, atol=1e-12)
@@ -137,10 +137,13 @@ def test_teacher_targets_are_the_teacher_s_output(tmp_path):
 @pytest.mark.mpi
 def test_data_set_and_teacher_targets_on_two_ranks_and_prompt_groups(tmp_path):
     """The same data set, targets, risk and gradient on 1 rank, 2 ranks and 2 ranks in 2
-    prompt groups (each group runs the teacher on its prompts), to 1e-10."""
+    prompt groups (each group runs the teacher on its prompts), to 1e-10, for a student
+    near the teacher (model.init = "teacher", init_noise 0.05: the noise is drawn alike
+    on every rank)."""
     cfg = write_config(tmp_path, CONFIG)
+    near = ['model.init="teacher"', "model.init_noise=0.05"]
     for name, nprocs, extra in (("serial", 1, []), ("two", 2, []), ("groups", 2, ["parallel.prompt_groups=2"])):
-        run_cli(["gradient", cfg, "--set", f"output.dir={name}", *extra], nprocs=nprocs, cwd=str(tmp_path))
+        run_cli(["gradient", cfg, "--set", f"output.dir={name}", *near, *extra], nprocs=nprocs, cwd=str(tmp_path))
     ref = json.loads((tmp_path / "serial" / "summary.json").read_text())
     g_ref = np.load(tmp_path / "serial" / "gradient.npz")
     for name in ("two", "groups"):
@@ -172,18 +175,17 @@ def test_training_on_a_data_set_restarts_and_refuses_another_teacher(tmp_path):
 @requires_dolfinx
 def test_a_student_near_the_teacher(tmp_path):
     """[model] init = "teacher": with no noise the student is the teacher (risk zero); with
-    init_noise 0.05 its risk is small next to a random student's, the same on 2 ranks;
-    a teacher of other sizes is refused in one line."""
+    init_noise 0.05 its risk is small next to a random student's (the same on 2 ranks:
+    test_data_set_and_teacher_targets_on_two_ranks_and_prompt_groups); a teacher of
+    other sizes is refused in one line."""
     cfg = write_config(tmp_path, CONFIG)
     risk = {}
-    for name, nprocs, extra in (("exact", 1, ['model.init="teacher"']),
-                                ("near", 1, ['model.init="teacher"', "model.init_noise=0.05"]),
-                                ("near2", 2, ['model.init="teacher"', "model.init_noise=0.05"]),
-                                ("random", 1, [])):
-        run_cli(["gradient", cfg, "--set", f"output.dir={name}", *extra], nprocs=nprocs, cwd=str(tmp_path))
+    for name, extra in (("exact", ['model.init="teacher"']),
+                        ("near", ['model.init="teacher"', "model.init_noise=0.05"]),
+                        ("random", [])):
+        run_cli(["gradient", cfg, "--set", f"output.dir={name}", *extra], cwd=str(tmp_path))
         risk[name] = json.loads((tmp_path / name / "summary.json").read_text())["risk"]
     assert risk["exact"] < 1e-25 and 0 < risk["near"] < 0.1 * risk["random"], risk
-    assert abs(risk["near2"] - risk["near"]) <= 1e-10 * risk["near"], risk
     from pdeformer.model.heads import HeadMeasure
     HeadMeasure.random(2, 3, 2, 2, seed=9, scale=0.7).save(str(tmp_path / "three.npz"))   # 3 heads
     other = write_config(tmp_path, CONFIG.replace("teacher_seed = 9", 'teacher = "three.npz"'), "three.toml")

@@ -65,26 +65,34 @@ def test_particle_moments_agree_with_the_eulerian_solver(tmp_path):
 
 
 def test_particle_gradient_is_exact_and_approaches_the_eulerian_one(tmp_path):
+    """The particle adjoint's gradient approaches the Eulerian one (DG-1, 32^2 cells) as
+    the tokens grow: its Monte Carlo error scales as N^-1/2, so the mean relative error
+    of 4 runs of 1000 tokens (about 0.17) is under 0.75 times that of 16 runs of 250
+    tokens (about 0.38; ratio 0.5 expected) and under 0.3. And it is the exact
+    derivative of the particle risk (Taylor remainder of order 2), checked on a
+    250-token run: exactness does not depend on N."""
     from pdeformer.solvers.adjoint import AdjointSolver
     from pdeformer.solvers.forward import ForwardSolver
     from pdeformer.model.particles import ParticleAdjoint, ParticleSolver
     p = problem(tmp_path)
     ge = AdjointSolver(ForwardSolver(p), p.objective, p.targets).gradient()
-    ref = np.concatenate([ge.params["attention"]["Q"].ravel(), ge.params["attention"]["K"].ravel(), ge.params["attention"]["V"].ravel()])
-    errors = {}
-    for N in (250, 2000):
+    ref = np.concatenate([ge.params["attention"][n].ravel() for n in "QKV"])
+    errors, runs = {}, {}
+    for N, seeds in ((250, 16), (1000, 4)):
         errors[N] = []
-        for seed in range(3):
+        for seed in range(seeds):
             pp = problem(tmp_path, tokens=N, seed=seed)
             adj = ParticleAdjoint(ParticleSolver(pp, backend="direct"), pp.objective, pp.targets)
             g = adj.gradient()
-            v = np.concatenate([g.params["attention"]["Q"].ravel(), g.params["attention"]["K"].ravel(), g.params["attention"]["V"].ravel()])
+            v = np.concatenate([g.params["attention"][n].ravel() for n in "QKV"])
             errors[N].append(np.linalg.norm(v - ref) / np.linalg.norm(ref))
-    # Monte Carlo error ~ N^-1/2: about 0.4 at N = 250 and 0.15 at N = 2000 here
-    assert np.mean(errors[2000]) < 0.6 * np.mean(errors[250]), errors
-    assert np.mean(errors[2000]) < 0.25, errors
+            runs.setdefault(N, (adj, g, pp.heads))
+    # with these seeds' spread (sd 0.2 at 250, 0.07 at 1000 tokens) a resampled set of
+    # runs fails the ratio about 1 time in 100 and the bound 1 in 10^4
+    assert np.mean(errors[1000]) < 0.75 * np.mean(errors[250]), errors
+    assert np.mean(errors[1000]) < 0.3, errors
     # and it is the exact derivative of the particle risk: Taylor remainder ~ eps^2
-    assert_taylor_order_two(adj, g, pp.heads, np.random.default_rng(4))
+    assert_taylor_order_two(*runs[250], np.random.default_rng(4))
 
 
 def test_particle_gradient_through_the_laplace_table(tmp_path):
