@@ -23,7 +23,8 @@ DEBIAN_PACKAGES=(python3-dolfinx-real python3-petsc4py-real python3-mpi4py openm
 say() { echo "setup: $*"; }
 die() { echo "setup: error: $*" >&2; exit 2; }
 
-has_dolfinx() { "$1" -c 'import dolfinx, petsc4py, mpi4py' >/dev/null 2>&1; }
+# a Python that imports dolfinx, petsc4py and mpi4py prints "executable version dolfinx-version"
+probe() { "$1" -c 'import sys, dolfinx, petsc4py, mpi4py; print(sys.executable, sys.version.split()[0], dolfinx.__version__)' 2>/dev/null; }
 on_debian() { [ -f /etc/debian_version ] && command -v apt-get >/dev/null && command -v dpkg-query >/dev/null; }
 is_root() { [ "$(id -u)" = 0 ]; }
 
@@ -48,15 +49,15 @@ install_debian_packages() {
 }
 
 # ---- 1. the base Python -------------------------------------------------------------
-base=""
+base="" base_id=""
 if [ -n "${PDEFORMER_PYTHON:-}" ]; then
-  has_dolfinx "$PDEFORMER_PYTHON" || die "PDEFORMER_PYTHON=$PDEFORMER_PYTHON cannot import dolfinx, petsc4py and mpi4py"
+  base_id=$(probe "$PDEFORMER_PYTHON") || die "PDEFORMER_PYTHON=$PDEFORMER_PYTHON cannot import dolfinx, petsc4py and mpi4py"
   base=$PDEFORMER_PYTHON
 else
   for cand in ${PDEFORMER_SETUP_CANDIDATES:-python3 /usr/bin/python3}; do
     exe=$(command -v "$cand" 2>/dev/null) || continue
     case "$exe" in "$PWD/$VENV"/*) continue ;; esac
-    if has_dolfinx "$exe"; then base=$exe; break; fi
+    if base_id=$(probe "$exe"); then base=$exe; break; fi
   done
 fi
 if [ -z "$base" ] || [ "$base" = /usr/bin/python3 ]; then
@@ -74,8 +75,8 @@ if [ -z "$base" ] || [ "$base" = /usr/bin/python3 ]; then
     [ -z "$missing" ] || say "warning: Debian packages missing (need root to install): $missing"
   fi
 fi
+[ -n "$base_id" ] || base_id=$(probe "$base") || die "$base cannot import dolfinx, petsc4py and mpi4py"
 base=$("$base" -c 'import sys; print(sys.executable)')
-base_id=$("$base" -c 'import sys, dolfinx; print(sys.executable, sys.version.split()[0], dolfinx.__version__)')
 
 # ---- 2. the venv ----------------------------------------------------------------------
 stamp="$VENV/.pdeformer-setup"
