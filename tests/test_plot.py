@@ -307,19 +307,25 @@ def test_diagnostics_picture_is_the_table(runs):
 def test_heads_picture_moves_every_head(runs):
     """One panel per layer; each head's path from the first to the last step has the
     length of its move in the two leading principal directions (all of it here: two
-    heads at two steps span at most three directions, and the picture keeps two)."""
+    heads at two steps span at most three directions, and the picture keeps two).
+    Weighted heads are drawn with areas in proportion to their weights."""
     from pdeformer.commands.plot import head_vectors, heads_figure, principal_coordinates
     from pdeformer.commands.run_files import read_params
     params = read_params(runs["train_1"])
     assert [s for s, _ in params] == [0, 1, 2]
-    fig = heads_figure(params)
-    panels = [ax for ax in fig.axes if ax.get_visible()]
-    assert [ax.get_title() for ax in panels] == ["layer 0", "layer 1"]
-    for layer, ax in enumerate(panels):
-        first, last = ax.get_lines()[-2], ax.get_lines()[-1]
-        xy = principal_coordinates(np.vstack([head_vectors(params[0][1], layer), head_vectors(params[-1][1], layer)]))
-        np.testing.assert_allclose(np.c_[first.get_xdata(), first.get_ydata()], xy[:2])
-        np.testing.assert_allclose(np.c_[last.get_xdata(), last.get_ydata()], xy[2:])
+    weights = np.array([[0.25, 0.75], [1.0, 0.0]])
+    for w in (None, weights):
+        fig = heads_figure(params, w)
+        panels = [ax for ax in fig.axes if ax.get_visible()]
+        assert [ax.get_title() for ax in panels] == ["layer 0", "layer 1"]
+        for layer, ax in enumerate(panels):
+            first, last = ax.collections[-2], ax.collections[-1]
+            xy = principal_coordinates(np.vstack([head_vectors(params[0][1], layer),
+                                                  head_vectors(params[-1][1], layer)]))
+            np.testing.assert_allclose(first.get_offsets(), xy[:2])
+            np.testing.assert_allclose(last.get_offsets(), xy[2:])
+            area = np.broadcast_to(16.0 if w is None else 32.0 * w[layer], (2,))
+            np.testing.assert_allclose(last.get_sizes() * np.ones(2), area)
 
 
 def settings_of(script: str) -> dict:

@@ -39,8 +39,8 @@ from ..model import params as tree
 from ..tools.errors import InputError, OutputError
 from ..tools.figures import CMAP, DPI, density_figure, diagnostics_figure, figure_grid, training_figure
 from ..tools.output import save_figure
-from .run_files import (read_diagnostics_table, read_gradient, read_params, read_snapshots, read_table, run_inputs,
-                        summary_format)
+from .run_files import (read_diagnostics_table, read_gradient, read_npz, read_params, read_snapshots,
+                        read_table, run_inputs, summary_format)
 
 PICTURES = ("densities", "diagnostics", "training", "heads", "gradient")   # <name>.<format>
 
@@ -64,7 +64,8 @@ def draw_run(folder: str, fmt: str = "png", out: str | None = None, prompts: lis
     if "history" in inputs:
         figures["training"] = (inputs["history"], lambda: training_figure(read_table(inputs["history"])))
     if "params" in inputs:
-        figures["heads"] = (inputs["params"][-1], lambda: heads_figure(read_params(folder)))
+        figures["heads"] = (inputs["params"][-1],
+                            lambda: heads_figure(read_params(folder), read_npz(inputs["params"][-1]).get("weights")))
     if "gradient" in inputs:
         figures["gradient"] = (inputs["gradient"], lambda: gradient_figure(read_gradient(inputs["gradient"])))
     drawn = []
@@ -110,10 +111,12 @@ def principal_coordinates(points: np.ndarray) -> np.ndarray:
     return out
 
 
-def heads_figure(params: list[tuple[int, dict]]):
+def heads_figure(params: list[tuple[int, dict]], weights: np.ndarray | None = None):
     """The head measure of each layer as a cloud: every head theta_{l,h} at the first
     (open) and last (filled) step in the two leading principal directions of that
-    layer's heads at both steps, with the path between them. None without params."""
+    layer's heads at both steps, with the path between them; weighted heads (``weights``
+    (L, H), the heads alone) with areas in proportion to their weights. None without
+    params."""
     if not params:
         return None
     (first_step, first), (last_step, last) = params[0], params[-1]
@@ -129,8 +132,9 @@ def heads_figure(params: list[tuple[int, dict]]):
         xa, xb = xy[:len(a)], xy[len(a):]
         for p, q in zip(xa, xb):
             ax.plot([p[0], q[0]], [p[1], q[1]], "-", color="0.7", lw=0.8)
-        ax.plot(xa[:, 0], xa[:, 1], "o", mfc="none", color="C0", ms=4, label=f"step {first_step}")
-        ax.plot(xb[:, 0], xb[:, 1], "o", color="C1", ms=4, label=f"step {last_step}")
+        area = 16.0 if weights is None or len(first) > 1 else 16.0 * len(a) * np.asarray(weights)[l]
+        ax.scatter(xa[:, 0], xa[:, 1], s=area, facecolors="none", edgecolors="C0", label=f"step {first_step}")
+        ax.scatter(xb[:, 0], xb[:, 1], s=area, color="C1", label=f"step {last_step}")
         ax.set_title(f"layer {l}", fontsize=9)
         ax.tick_params(labelsize=7)
         ax.set_xlabel("θ · e₁", fontsize=8)
