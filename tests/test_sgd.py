@@ -124,10 +124,11 @@ def test_epochs_give_the_steps_and_history_has_the_columns_that_apply():
     assert check_config(raw(), ".")["train"]["steps"] == 20
     t = section(cfg, "train")
     assert history_columns(t, True, True) == ["step", "risk", "epoch", "train_risk", "test_risk",
-                                              "grad_norm", "step_size", "displacement", "wall_time"]
+                                              "grad_norm", "step_size", "displacement", "gauge_drift",
+                                              "wall_time"]
     t = section(check_config(raw(weight_decay=0.1), "."), "train")
     assert history_columns(t, False, False) == ["step", "risk", "penalty", "grad_norm", "step_size",
-                                                "displacement", "wall_time"]
+                                                "displacement", "gauge_drift", "wall_time"]
 
 
 @pytest.mark.parametrize("train, data, message", [

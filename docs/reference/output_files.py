@@ -95,6 +95,8 @@ HISTORY = {
     "grad_norm": ("always", "\\|dR/dθ\\| over every parameter"),
     "step_size": ("always", "gd: lr L W of the largest block; adam: lr"),
     "displacement": ("always", "\\|θ_{k+1} − θ_k\\| (0 at the last step)"),
+    "gauge_drift": ("always", "max over heads of \\|G_h(θ_k) − G_h(θ_0)\\|_F, G_h = Q Qᵀ − K Kᵀ: "
+                              "the gradient flow keeps G_h, its gd steps move it by O(lr)"),
     "wall_time": ("always", "seconds since training started (continued over a restart)"),
 }
 

@@ -381,3 +381,12 @@ def draw_heads(model, dim: int, atoms: HeadMeasure | None = None) -> HeadMeasure
     k = model.key_dim or dim
     return HeadMeasure.random(model.layers, model.heads, k, dim, seed=model.seed, scale=model.init_scale,
                               query_scale=model.query_scale, depth=model.depth, means=law_means(model, k, dim))
+
+
+def gauge(arrays: dict) -> np.ndarray:
+    """G_h = Q_h Q_h^T - K_h K_h^T of every head (L, H, k, k). A = K^T Q is unchanged by
+    (Q, K) -> (M Q, M^{-T} K), and the gradient flow of any risk of A keeps G_h fixed
+    (dG/dt = -(K dA Q^T + Q dA^T K^T) + (Q dA^T K^T + K dA Q^T) = 0): its drift
+    measures how far a discrete training strays from the flow."""
+    Q, K = arrays["Q"], arrays["K"]
+    return np.einsum("lhia,lhja->lhij", Q, Q) - np.einsum("lhia,lhja->lhij", K, K)

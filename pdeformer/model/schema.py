@@ -103,7 +103,9 @@ TRAIN_KEYS = {
     "weight_decay": Key(number(nonnegative=True), 0.0, "L2 penalty (weight_decay / 2) x the mean "
                         "over heads of |Q|^2 + |K|^2 + |V|^2, added to the risk"),
     "lr": Key(number(positive=True), 0.05, "learning rate (gd: particles move by -lr L H dR/dtheta)"),
-    "optimizer": Key(string(("gd", "adam")), "gd", "gd (the gradient flow's Euler step) or adam"),
+    "optimizer": Key(string(("gd", "heun", "adam")), "gd",
+                     "gd (the gradient flow's Euler step), heun (its second-order Heun step: two "
+                     "gradients a step) or adam"),
     "beta1": Key(number(nonnegative=True, hi=0.999999), 0.9, "adam: first-moment decay"),
     "beta2": Key(number(nonnegative=True, hi=0.999999999), 0.999, "adam: second-moment decay"),
     "eps": Key(number(positive=True), 1e-8, "adam: denominator floor"),

@@ -51,6 +51,7 @@ from ..model.schema import options
 from ..tools.errors import ConfigError, InputError, PdeformerError, SolverBreakdown, reworded
 from ..tools.files import load_npz, open_regular
 from ..model import params as tree
+from ..model.heads import BLOCK, gauge
 from ..tools.output import write_csv, write_npz, write_points, write_pvd
 from ..tools.parallel import on_root
 from .forward import MAX_STEPS_PER_LAYER
@@ -59,7 +60,7 @@ log = logging.getLogger("pdeformer")
 
 HEADS_BLOWUP = 100.0        # an update that multiplies the steps a forward pass needs by this ...
 STEPS_WORTH_A_LOOK = 1000   # ... to more than this many per layer is a blow-up of the heads
-HISTORY = ["step", "risk", "grad_norm", "step_size", "displacement", "wall_time"]
+HISTORY = ["step", "risk", "grad_norm", "step_size", "displacement", "gauge_drift", "wall_time"]
 
 
 def history_columns(train, minibatches: bool, held_out: bool) -> list[str]:
@@ -154,6 +155,21 @@ class GradientDescent:
         pass
 
 
+class Heun(GradientDescent):
+    """Heun's step of the gradient flow: theta* = theta - s g(theta), then
+    theta <- theta - (s/2) (g(theta) + g(theta*)), s = lr L W per block; second order in
+    lr where gd is first order. ``regrad`` gives the gradient at the current parameters."""
+
+    name = "heun"
+
+    def step(self, params: dict, grads: dict, regrad=None) -> None:
+        start = tree.copy(params)
+        super().step(params, grads)
+        trial = regrad()
+        for (block, n), p in tree.leaves(params):
+            p[...] = start[block][n] - 0.5 * self.scales[block] * (grads[block][n] + trial[block][n])
+
+
 class Adam:
     """Adam on L W dR/dtheta (per block), its moments a tree like the parameters."""
 
@@ -194,7 +210,7 @@ def make_optimizer(train, params: dict):
     """The optimizer of the ``[train]`` options for a parameter tree."""
     if train.optimizer == "adam":
         return Adam(train.lr, params, train.beta1, train.beta2, train.eps)
-    return GradientDescent(train.lr, params)
+    return (Heun if train.optimizer == "heun" else GradientDescent)(train.lr, params)
 
 
 # ------------------------------------------------------------------ fingerprints
@@ -249,14 +265,17 @@ def fingerprint(opts) -> dict:
 # ------------------------------------------------------------------ checkpoints
 
 def write_checkpoint(filename: str, params: dict, optimizer, step: int, history: list,
-                     rng: np.random.Generator, opts) -> None:
-    """Atomic: written next to the target, flushed to disk, then renamed over it."""
+                     rng: np.random.Generator, opts, gauge0: np.ndarray | None = None) -> None:
+    """Atomic: written next to the target, flushed to disk, then renamed over it
+    (``gauge0``: the heads' gauge at step 0, which the drift is measured from)."""
     meta = {"step": step, "history": history, "optimizer": optimizer.name,
-            "rng": rng.bit_generator.state, "fingerprint": fingerprint(opts)}
+            "rng": rng.bit_generator.state, "fingerprint": fingerprint(opts),
+            "gauge0": [] if gauge0 is None else gauge0.tolist()}
     write_npz(filename, sync=True, **tree.to_files(params), meta=np.array(json.dumps(meta)), **optimizer.state())
 
 
-CHECKPOINT_META = {"step": int, "history": list, "optimizer": str, "rng": dict, "fingerprint": dict}
+CHECKPOINT_META = {"step": int, "history": list, "optimizer": str, "rng": dict, "fingerprint": dict,
+                   "gauge0": list}
 
 
 def read_checkpoint(filename: str, opts, like: dict | None = None, columns: list | None = None) -> dict:
@@ -346,6 +365,7 @@ class Trainer:
         self.rng = np.random.default_rng(self.opts.model.seed)
         self.history: list[dict] = []
         self.start = 0
+        self.gauge0 = gauge(self.params[BLOCK])   # G_h = Q Q^T - K K^T at step 0: its drift is recorded
         self.frames = {block: [] for block in self.params}   # block -> [(step, .vtu file)]
         self.checkpoint_file = os.path.join(outdir, "checkpoint.npz") if outdir is not None else None
         self.walltime = walltime
@@ -364,6 +384,11 @@ class Trainer:
             a[:] = data.pop(tree.file_key(block, n))
         self.optimizer.load_state(data)
         self.rng.bit_generator.state = meta["rng"]
+        gauge0 = np.array(meta["gauge0"], dtype=float)
+        if gauge0.shape != self.gauge0.shape or not np.all(np.isfinite(gauge0)):
+            raise InputError(f"--restart: {self.checkpoint_file}: its gauge at step 0 is damaged "
+                             f"(shape {gauge0.shape}, expected {self.gauge0.shape})")
+        self.gauge0 = gauge0
         self.history = meta["history"]
         self.start = meta["step"]
         steps = [int(r["step"]) for r in self.history if self._is_output_step(int(r["step"]))]
@@ -391,7 +416,7 @@ class Trainer:
             log.warning("warning: walltime guard: stopping before step %d (%.0f s of %.0f s "
                         "used); continue with --restart", k, time.perf_counter() - started, self.walltime)
         on_root(self.comm, write_checkpoint, self.checkpoint_file, self.params, self.optimizer,
-                k, self.history, self.rng, self.opts)
+                k, self.history, self.rng, self.opts, self.gauge0)
 
     def _step(self, k: int, t0: float) -> None:
         """Iteration k: R and dR/dtheta at theta_k (history row k), the files of step k,
@@ -412,10 +437,12 @@ class Trainer:
                        {c: None for c in ("train_risk", "test_risk") if c in self.columns})
         before = tree.copy(self.params) if k < steps else None
         if k < steps:
-            self._update(k, g.params, dP)
+            with self._step_context(k):
+                self._update(k, g.params, dP, lambda: self._gradient(batch))
         disp = math.sqrt(tree.sum_squares(tree.tree_map(np.subtract, self.params, before))) \
             if before is not None else 0.0
         row.update(grad_norm=g.norm(), step_size=self.optimizer.step_size, displacement=disp,
+                   gauge_drift=self._gauge_drift(before if before is not None else self.params),
                    wall_time=time.perf_counter() - t0)
         self.history.append(row)
         log.info("train step %4d  risk=%.10e%s  |grad|=%.3e  step=%.3g  %7.1f s", k, g.risk,
@@ -428,13 +455,29 @@ class Trainer:
         if self.outdir is not None and k < steps and ((k + 1) % self.train.checkpoint_every == 0
                                                       or k + 1 == steps):
             on_root(self.comm, write_checkpoint, self.checkpoint_file, self.params, self.optimizer,
-                    k + 1, self.history, self.rng, self.opts)
+                    k + 1, self.history, self.rng, self.opts, self.gauge0)
         self.last_gradient = g
 
-    def _update(self, k: int, grads: dict, dP: dict | None) -> None:
-        """theta_k -> theta_{k+1}: the optimiser's step, then (gd) the Langevin noise
-        sqrt(2 lr T) xi (Euler-Maruyama)."""
-        self.optimizer.step(self.params, grads)
+    def _gauge_drift(self, params: dict) -> float:
+        """max_h |G_h(theta) - G_h(theta_0)|_F (:func:`pdeformer.model.heads.gauge`)."""
+        diff = gauge(params[BLOCK]) - self.gauge0
+        return float(np.sqrt(np.sum(diff * diff, axis=(-2, -1))).max())
+
+    def _gradient(self, batch: list[int]) -> dict:
+        """dR/dtheta (with the weight decay's penalty) of ``batch`` at the current
+        parameters: heun's second gradient."""
+        g = self.adjoint.gradient(prompts=batch).params
+        if self.train.weight_decay > 0:
+            g = tree.tree_map(np.add, g, weight_penalty(self.params, self.train.weight_decay)[1])
+        return g
+
+    def _update(self, k: int, grads: dict, dP: dict | None, regrad=None) -> None:
+        """theta_k -> theta_{k+1}: the optimiser's step (heun's asks ``regrad`` for its
+        second gradient), then (gd) the Langevin noise sqrt(2 lr T) xi (Euler-Maruyama)."""
+        if isinstance(self.optimizer, Heun):
+            self.optimizer.step(self.params, grads, regrad)
+        else:
+            self.optimizer.step(self.params, grads)
         noise = 0.0
         if self.train.temperature > 0:
             xi = langevin_noise(self.train.seed, k, tree.shapes(self.params))
