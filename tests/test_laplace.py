@@ -614,8 +614,9 @@ if r == 0:
 @pytest.mark.parametrize("d", [2, 3])
 def test_two_ranks_give_the_serial_velocity_and_cotangents(tmp_path, d):
     """Sources and targets dealt to 2 ranks: the same table (size, fine grid) and the
-    same velocity and reverse-mode cotangents as one rank, to 1e-10 (in 2-D the table
-    built through panel nodes, each rank spreading its own sources)."""
+    same velocity and reverse-mode cotangents as one rank, to 1e-10, the table built
+    through panel nodes (pairs in 2-D, triples in 3-D), each rank spreading its own
+    sources."""
     import json
     import subprocess
     import sys
@@ -626,7 +627,7 @@ def test_two_ranks_give_the_serial_velocity_and_cotangents(tmp_path, d):
                    timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp_path)
     res = json.loads(out.read_text())
     assert res["n"][0] == res["n"][1] and res["nf"][0] == res["nf"][1] is not None, res
-    assert res["panels"] or NO_COMPILED or d == 3, res
+    assert res["panels"] or NO_COMPILED, res
     for key in ("v", "w", "A", "V"):
         assert res[key] <= 1e-10, res
 
