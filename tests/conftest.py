@@ -17,6 +17,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.environ.get("PYTEST_XDIST_WORKER"):
     for key in [k for k in os.environ if k.startswith(("OMPI_", "PMIX_", "ORTE_"))]:
         del os.environ[key]
+    # one BLAS thread per worker (before numpy loads): the workers share the cores, and
+    # OpenBLAS threads that wait for a core spin (a fifth of the suite's CPU went there)
+    for key in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        os.environ.setdefault(key, "1")
 # the ranks of the jobs tests start share the cores with the other test worker: a rank
 # that waits yields its core instead of polling (Open MPI's default only when oversubscribed)
 os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
