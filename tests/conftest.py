@@ -152,3 +152,9 @@ def assert_same_diagnostics(file_a, file_b, tol=1e-10):
             if k != "prompt" and not (np.isnan(ra[k]) and np.isnan(rb[k])):
                 assert abs(ra[k] - rb[k]) < tol, (k, ra[k], rb[k])
     return a, b
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests that start mpirun jobs first (the longest; order kept otherwise): run
+    in two workers, a long one started last would end the suite alone."""
+    items.sort(key=lambda item: item.get_closest_marker("mpi") is None)
