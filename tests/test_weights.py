@@ -256,3 +256,34 @@ def test_expectation_reference_of_a_law_is_its_mean_field_limit(tmp_path, law):
     m1, _ = mean_head_moments(([[0.6, 0.0], [0.1, 0.6]], [[0.8, 0.2], [0.0, 0.8]], [[0.5, -0.3], [0.3, 0.5]]),
                               2, np.array([0.3, -0.2]), np.array([[0.2, 0.03], [0.03, 0.15]]))
     assert np.linalg.norm(m1 - [0.3, -0.2]) > 0.2
+
+
+def test_atoms_reference_is_the_atoms_own_weighted_run(tmp_path):
+    """converge with reference = 'atoms': the reference is the run whose heads are the
+    atoms, weighted (read back here from a forward run of the atoms file), and each case's
+    mean error is its distance to that run's final mean; the reference is refused for a
+    law that is not of atoms."""
+    import csv
+    import json
+    rng = np.random.default_rng(5)
+    np.savez(tmp_path / "atoms.npz", Q=0.6 * rng.normal(size=(2, 3, 2, 2)), K=0.6 * rng.normal(size=(2, 3, 2, 2)),
+             V=0.5 * rng.normal(size=(2, 3, 2, 2)), weights=[[0.2, 0.5, 0.3], [0.6, 0.1, 0.3]])
+    write_config(tmp_path, LAW_RUN.replace("LAW", 'law = "atoms"\natoms = "atoms.npz"\nseed = 2'), "run.toml")
+    study = write_config(tmp_path, '[study]\nrun = "run.toml"\nparameter = "model.heads"\nvalues = [4, 64]\n'
+                         'reference = "atoms"\nquantities = ["mean", "cov"]\n', "study.toml")
+    run_cli(["converge", study, "--set", f"output.dir={tmp_path}/out"], cwd=str(tmp_path))
+    with open(tmp_path / "out" / "convergence.csv", newline="") as f:
+        found = {(r["value"], r["quantity"]): float(r["error"]) for r in csv.DictReader(f)}
+    law = LAW_RUN.replace("LAW", 'law = "atoms"\natoms = "atoms.npz"\nseed = 2')
+    own = LAW_RUN.replace("LAW", 'params = "atoms.npz"').replace("layers = 2\nheads = 2\n", "")
+    means = {}
+    for name, text, sets in (("ref", own, []), ("h4", law, ["model.heads=4"])):
+        config = write_config(tmp_path, text, f"{name}.toml")
+        run_cli(["forward", config, "--set", f"output.dir={tmp_path}/{name}", *sets], cwd=str(tmp_path))
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        means[name] = np.array(summary["final_diagnostics"][0]["mean"])
+    assert found[("4", "mean")] == pytest.approx(np.linalg.norm(means["h4"] - means["ref"]), rel=1e-9)
+    assert found[("64", "mean")] < found[("4", "mean")]
+    write_config(tmp_path, LAW_RUN.replace("LAW", ""), "run.toml")
+    proc = run_cli(["converge", study, "--set", f"output.dir={tmp_path}/no"], cwd=str(tmp_path), check=False)
+    check_one_line_error(proc, "study.reference: 'atoms' needs heads drawn from atoms")

@@ -14,7 +14,7 @@ Study file::
                                     # model.layers, model.heads, particles.tokens,
                                     # discretisation.cfl, ... (any config key)
     values = [[8, 8], [16, 16], [32, 32]]
-    reference = "exact"             # exact | expectation | finest | run | paired | draw
+    reference = "exact"             # exact | expectation | finest | run | paired | draw | atoms
     reference_run = "other.toml"    # with reference = "run"/"paired" (relative to this file)
     reference_command = "forward"
     reference_set = []              # overrides of the reference run (run, paired, draw)
@@ -37,7 +37,9 @@ ensemble); ``run`` another run (``reference_run`` with ``reference_set``), compu
 ``paired`` that run with each member's seeds, computed per member (e.g. the Eulerian
 solution for the same heads as the member's particles); ``draw`` an independent draw of
 the study's own run with ``reference_set`` applied (e.g. ``model.heads=4096``) and every
-seed key set to base + seeds, a seed no member uses.
+seed key set to base + seeds, a seed no member uses; ``atoms`` (for ``model.law = "atoms"``)
+the run with the atoms themselves as its heads, weighted by their weights: the exact
+H -> infinity limit of i.i.d. draws from them, for any prompt.
 
 Ensembles (``seeds = n``): member j of every case runs with each of ``seed_keys`` set to
 its base value + j (so member 0 is the base run, and any member is reproduced with

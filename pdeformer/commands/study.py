@@ -20,7 +20,7 @@ from ..tools.errors import ConfigError
 
 
 QUANTITIES = ("mean", "cov", "risk", "l2", "l1", "mmd", "gradient")
-REFERENCES = ("exact", "expectation", "finest", "run", "paired", "draw")
+REFERENCES = ("exact", "expectation", "finest", "run", "paired", "draw", "atoms")
 DEFAULTS = {"forward": ["l2", "mean", "cov"], "particles": ["mean", "cov", "mmd"],
             "gradient": ["risk", "gradient"]}
 STUDY = {
@@ -253,12 +253,24 @@ def prepare(study: dict) -> tuple[list, list | None, list]:
                           for j in range(n)]
     elif study["reference"] == "draw":     # seeds base + n: no member uses them
         reference_cfgs = [load_config(study["run"], study["set"] + study["reference_set"] + sets[n])]
+    elif study["reference"] == "atoms":
+        reference_cfgs = [atoms_run(load_config(study["run"], study["set"] + study["reference_set"]))]
     check_measurable(study, cfgs[0][0], reference_cfgs[0] if reference_cfgs else None)
     if study["reference"] == "finest":
         check_finest_last(study)
     for j, ref in enumerate(reference_cfgs or ()):      # a paired reference: member j's
         check_reference(study, cfgs[j if study["reference"] == "paired" else 0][0], ref)
     return cfgs, reference_cfgs, sets
+
+
+def atoms_run(cfg: dict) -> dict:
+    """The run of a law of atoms with the atoms themselves as its heads, weighted by their
+    weights: the exact H -> infinity limit of i.i.d. draws from them (reference = 'atoms')."""
+    model = cfg["model"]
+    if model["law"] != "atoms" or model["params"] is not None:
+        raise ConfigError("study.reference", "'atoms' needs heads drawn from atoms (model.law = 'atoms')")
+    model.update(params=model["atoms"], law="gaussian", atoms=None, heads=None)
+    return cfg
 
 
 def _reference_key(study: dict) -> str:
@@ -329,6 +341,8 @@ def check_reference(study: dict, case: dict, ref: dict) -> None:
                                   "not the study's: its risks answer another question")
     param = study["parameter"]
     free = {param} | (set(study["seed_keys"]) if study["reference"] == "draw" else set())
+    if study["reference"] == "atoms":   # the atoms as heads, where the cases draw from them
+        free |= {f"model.{k}" for k in ("params", "law", "atoms", "heads", "seed")}
     for name in sorted(set(case["model"]) | set(ref["model"])):
         mine, theirs = case["model"].get(name), ref["model"].get(name)
         if f"model.{name}" in free or mine == theirs:
@@ -369,6 +383,8 @@ def describe_reference(study: dict) -> str:
                 "atoms) does, by the Gaussian moment ODE")
     if kind == "finest":
         return "the finest case" + (" of the same draw" if n > 1 else "")
+    if kind == "atoms":
+        return f"the atoms as weighted heads{extra}: the exact H -> infinity limit of i.i.d. draws from them"
     if kind in ("run", "paired"):
         rel = os.path.relpath(study["reference_run"], os.path.dirname(study["study_file"]))
         return f"the run `{rel}`{extra}, " + ("with each member's seeds" if kind == "paired" else "computed once")
