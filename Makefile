@@ -11,7 +11,7 @@ TEST_WORKERS ?= 2
 # Open MPI refuses root and more ranks than cores unless told; other MPIs get no flags.
 MPIRUN = mpirun $(shell mpirun --version 2>/dev/null | grep -q "Open MPI" && echo "--oversubscribe $$([ $$(id -u) = 0 ] && echo --allow-run-as-root)")
 
-STUDIES ?= mesh degree layers heads particles
+STUDIES ?= mesh degree layers heads heads_law particles
 
 .PHONY: setup run forward test test-slow test-slurm verification training-studies pictures docs reference clean help
 

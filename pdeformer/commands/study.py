@@ -314,6 +314,16 @@ def _prompt_question(cfg: dict, targets: bool) -> list[dict]:
     return [{k: v for k, v in p.items() if targets or k != "target"} for p in cfg["prompts"]]
 
 
+def _free_keys(study: dict) -> set:
+    """The keys in which a reference may differ from the cases: the swept parameter, a
+    drawn reference's seeds, the atoms reference's heads (the atoms, where the cases
+    draw from them)."""
+    free = {study["parameter"]} | (set(study["seed_keys"]) if study["reference"] == "draw" else set())
+    if study["reference"] == "atoms":
+        free |= {f"model.{k}" for k in ("params", "law", "atoms", "heads", "seed")}
+    return free
+
+
 def check_reference(study: dict, case: dict, ref: dict) -> None:
     """A reference answers the study's question: the same prompts (names, kinds, values;
     with their targets, objective and held-out prompts where risks or gradients are
@@ -340,9 +350,7 @@ def check_reference(study: dict, case: dict, ref: dict) -> None:
                 raise ConfigError(key, f"the reference's {section + ('.' + name if name else '')} is "
                                   "not the study's: its risks answer another question")
     param = study["parameter"]
-    free = {param} | (set(study["seed_keys"]) if study["reference"] == "draw" else set())
-    if study["reference"] == "atoms":   # the atoms as heads, where the cases draw from them
-        free |= {f"model.{k}" for k in ("params", "law", "atoms", "heads", "seed")}
+    free = _free_keys(study)
     for name in sorted(set(case["model"]) | set(ref["model"])):
         mine, theirs = case["model"].get(name), ref["model"].get(name)
         if f"model.{name}" in free or mine == theirs:
