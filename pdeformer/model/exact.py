@@ -177,7 +177,7 @@ def gaussian_moments_gradient(Q, K, V, m0, C0, mstar, Cstar, *, beta: float = 1.
     ODE's tolerance (one complex solve per entry: small models)."""
     arrays = [np.asarray(a, float) for a in (Q, K, V)]
     grads = [np.zeros_like(a) for a in arrays]
-    for a, g in zip(range(3), grads):
+    for a, g in enumerate(grads):
         for idx in np.ndindex(arrays[a].shape):
             moved = [x.astype(complex) for x in arrays]
             moved[a][idx] += 1j * step
