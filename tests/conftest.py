@@ -7,8 +7,11 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
+
+from rankpool import RankPool, run_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a pytest-xdist worker inherits the C environment of the controlling process, where
@@ -60,15 +63,19 @@ def run_cli(args, nprocs: int = 1, cwd: str | None = None, timeout: int = 600,
     """``pdeformer ARGS``: under ``mpirun -n nprocs`` when nprocs > 1 (or ``isolated``: a
     fresh process, where its peak memory or environment is the point), else in this
     process through ``pdeformer.commands.cli.main`` (what the command runs, without the start-up of
-    a Python and dolfinx per call). Either way a CompletedProcess: exit status, stdout,
+    a Python and dolfinx per call). A run under mpirun that is to succeed (``check``) goes
+    to ranks kept between tests (tests/rankpool.py). Either way a CompletedProcess: exit status, stdout,
     stderr. Runs draw no pictures unless ``plots`` (``--set output.plots=false`` is added:
     drawing takes about a second a run; tests/test_plot.py checks the pictures)."""
     args = list(map(str, args))
     if not plots and args and args[0] in RUN_COMMANDS and "--help" not in args:
         args += ["--set", "output.plots=false"]
+    proc = None
     if nprocs == 1 and not isolated:
-        proc = _in_process(list(map(str, args)), cwd or ROOT)
-    else:
+        proc = run_in_process(args, cwd or ROOT)
+    elif check and not isolated and POOLS_WANTED:
+        proc = _pool_run(args, nprocs, cwd or ROOT, timeout)
+    if proc is None:
         cmd = [sys.executable, "-m", "pdeformer", *map(str, args)]
         if nprocs > 1:
             from pdeformer.tools.parallel import mpirun_command
@@ -82,44 +89,56 @@ def run_cli(args, nprocs: int = 1, cwd: str | None = None, timeout: int = 600,
     return proc
 
 
-def _in_process(args: list, cwd: str) -> subprocess.CompletedProcess:
-    """cli.main(args) run from ``cwd`` with stdout and stderr captured; an exception that
-    escapes it is printed as a traceback with exit status 1, as Python would. The
-    logging set-up that main makes is undone afterwards (pytest's capture keeps working)."""
-    import contextlib
-    import io
-    import logging
-    import traceback
-    import warnings
-    from pdeformer.commands.cli import main
-    logger = logging.getLogger("pdeformer")
-    saved = (list(logger.handlers), logger.propagate, logger.level,
-             [(h, h.level) for h in logging.root.handlers])
-    out, err = io.StringIO(), io.StringIO()
+# ranks kept between the tests' mpirun runs (tests/rankpool.py); PDEFORMER_TEST_POOLS=0
+# starts a job for each run instead
+POOLS_WANTED = os.environ.get("PDEFORMER_TEST_POOLS", "1") != "0"
+_pools: dict = {}
 
-    def show(message, category, filename, lineno, file=None, line=None):   # as Python would: on stderr
-        err.write(warnings.formatwarning(message, category, filename, lineno, line))
-    here = os.getcwd()
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = show
-            try:
-                status = main(args)
-            except SystemExit as e:
-                status = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
-            except Exception:
-                traceback.print_exc()
-                status = 1
-    finally:
-        os.chdir(here)
-        logger.handlers[:] = saved[0]
-        logger.propagate, logger.level = saved[1], saved[2]
-        logging.root.handlers[:] = [h for h, _ in saved[3]]
-        for h, level in saved[3]:
-            h.setLevel(level)
-    return subprocess.CompletedProcess(["pdeformer", *args], status, out.getvalue(), err.getvalue())
+
+def _pool_run(args: list, nprocs: int, cwd: str, timeout: int, **kwargs) -> subprocess.CompletedProcess | None:
+    """A run expected to succeed, on the kept ranks; None where it failed there (the
+    caller then runs it as a job of its own, whose outcome is the test's)."""
+    pool = _pools.get(nprocs)
+    if pool is False:             # could not start here before
+        return None
+    if pool is None or not pool.alive:
+        try:
+            pool = _pools[nprocs] = RankPool(nprocs)
+        except RuntimeError as e:
+            warnings.warn(f"{e}: each run starts a job of its own")
+            _pools[nprocs] = False
+            return None
+    proc = pool.run(args, cwd, timeout, **kwargs)
+    if proc is not None and proc.returncode == 0:
+        return proc
+    command = " ".join(map(str, [kwargs.get("script") or "pdeformer", *args]))
+    warnings.warn(f"{command} failed on the ranks kept between tests; run as a job of its own")
+    return None
+
+
+def run_script(script, args=(), nprocs: int = 1, cwd: str | None = None, timeout: int = 300,
+               env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS`` under ``mpirun -n nprocs`` (a plain python for 1), for a
+    script that is to succeed and leaves the modules it imports as it found them: on
+    ranks kept between tests (tests/rankpool.py, a one-rank pool for 1), else, or where
+    it fails there, as a job of its own. ``env``: its environment (default: this
+    process's, one OpenMP thread)."""
+    script, args, cwd = str(script), list(map(str, args)), str(cwd or ROOT)
+    env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = _pool_run(args, nprocs, cwd, timeout, script=script, env=env) if POOLS_WANTED else None
+    if proc is None:
+        cmd = [sys.executable, script, *args]
+        if nprocs > 1:
+            from pdeformer.tools.parallel import mpirun_command
+            cmd = mpirun_command(nprocs) + cmd
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    return proc
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for pool in _pools.values():
+        if pool:
+            pool.close()
 
 
 def write_config(folder, text: str, name: str = "run.toml") -> str:

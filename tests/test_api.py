@@ -5,14 +5,11 @@ value_and_grad, and two models in one process."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, requires_dolfinx, run_cli, write_config
+from conftest import requires_dolfinx, run_cli, run_script, write_config
 
 from pdeformer.tools.output import read_diagnostics
 
@@ -50,12 +47,7 @@ def run_example(tmp_path, nprocs: int, steps: int = 8) -> dict:
     script = tmp_path / "example.py"
     script.write_text(EXAMPLE.replace("STEPS", str(steps)))
     result = tmp_path / f"out{nprocs}.json"
-    cmd = [sys.executable, str(script), str(result)]
-    if nprocs > 1:
-        from pdeformer.tools.parallel import mpirun_command
-        cmd = mpirun_command(nprocs) + cmd
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+    proc = run_script(script, [result], nprocs, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     return json.loads(result.read_text())
 

@@ -8,7 +8,6 @@ import copy
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 from contextlib import contextmanager
 
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import ROOT, requires_dolfinx
+from conftest import ROOT, requires_dolfinx, run_script
 
 pytestmark = [requires_dolfinx]
 
@@ -134,12 +133,8 @@ print("apart", flush=True)
 def test_two_problems_keep_apart_on_two_ranks(tmp_path):
     """The same on 2 ranks, where each context's meter counts its own problem's
     collectives and ghost updates and none of the other's."""
-    from pdeformer.tools.parallel import mpirun_command
     script = tmp_path / "apart.py"
     script.write_text(SCRIPT)
-    proc = subprocess.run(mpirun_command(2) + [sys.executable, str(script), os.path.join(ROOT, "tests"),
-                                               str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+    proc = run_script(script, [os.path.join(ROOT, "tests"), tmp_path], nprocs=2)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("apart") == 2, proc.stdout

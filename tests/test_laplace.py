@@ -618,13 +618,11 @@ def test_two_ranks_give_the_serial_velocity_and_cotangents(tmp_path, d):
     through panel nodes (pairs in 2-D, triples in 3-D), each rank spreading its own
     sources."""
     import json
-    import subprocess
-    import sys
-    from pdeformer.tools.parallel import mpirun_command
+    from conftest import run_script
     script, out = tmp_path / "partition.py", tmp_path / "out.json"
     script.write_text(PARTITION_SCRIPT)
-    subprocess.run(mpirun_command(2) + [sys.executable, str(script), str(out), str(d)], check=True,
-                   timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp_path)
+    proc = run_script(script, [out, d], nprocs=2, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads(out.read_text())
     assert res["n"][0] == res["n"][1] and res["nf"][0] == res["nf"][1] is not None, res
     assert res["panels"] or NO_COMPILED, res

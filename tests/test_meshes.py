@@ -380,15 +380,11 @@ def test_the_partition_gives_every_rank_the_same_share(tmp_path, nprocs):
     16,526 and 16,242; and every rank has ghost cells (the DG fluxes across ranks need
     them)."""
     import json
-    import subprocess
-    import sys
+    from conftest import run_script
     pytest.importorskip("dolfinx")
-    from pdeformer.tools.parallel import mpirun_command
     script, out = tmp_path / "balance.py", tmp_path / "out.json"
     script.write_text(BALANCE_SCRIPT)
-    proc = subprocess.run(mpirun_command(nprocs) + [sys.executable, str(script), str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))   # Python's view: not MPI_Init's
+    proc = run_script(script, [out], nprocs, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for name, ranks in json.loads(out.read_text()).items():
         owned = [o for o, _ in ranks]

@@ -234,14 +234,14 @@ def read_risks(folder) -> list[float]:
 @pytest.mark.mpi
 def test_the_shipped_config_trains_on_32x32_cells_on_2_ranks(tmp_path):
     """`mpirun -n 2 pdeformer train runs/default.toml --set mesh.cells=[32,32]
-    train.steps=2` completes (no NaN adjoint at its first step), no step is past the
+    train.steps=1` completes (no NaN adjoint at its first step), no step is past the
     stability limit, and the risk goes down."""
     out = tmp_path / "out"
-    proc = run_cli(["train", "runs/default.toml", "--set", "mesh.cells=[32,32]", "train.steps=2",
+    proc = run_cli(["train", "runs/default.toml", "--set", "mesh.cells=[32,32]", "train.steps=1",
                     f"output.dir={out}"], nprocs=2)
     assert "stability limit" not in proc.stderr + proc.stdout
     risks = read_risks(out)
-    assert len(risks) == 3 and risks[0] > risks[1] > risks[2], risks
+    assert len(risks) == 2 and risks[0] > risks[1], risks
 
 
 @pytest.mark.slow

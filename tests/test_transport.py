@@ -366,14 +366,11 @@ def test_density_ghosts_are_updated_where_the_forms_read_them(tmp_path):
     and velocity (the adjoint's tape) give them too, with other ghosts in place before."""
     import json
     import os
-    import subprocess
-    import sys
-    from pdeformer.tools.parallel import mpirun_command
+    from conftest import ROOT, run_script
     script, out = tmp_path / "ghosts.py", tmp_path / "out.json"
     script.write_text(GHOSTS_SCRIPT)
-    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "default.toml")
-    subprocess.run(mpirun_command(2) + [sys.executable, str(script), str(out), config], check=True,
-                   timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp_path)
+    proc = run_script(script, [out, os.path.join(ROOT, "runs", "default.toml")], nprocs=2, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads(out.read_text())
     assert res["ghosts"] > 0 and res["stale_is_a"] and res["ghosts_differ"] > 1e-3, res
     assert res["lazy"] == 0.0 and res["repeat"] == 0.0 and res["owned"], res
