@@ -287,3 +287,32 @@ def test_atoms_reference_is_the_atoms_own_weighted_run(tmp_path):
     write_config(tmp_path, LAW_RUN.replace("LAW", ""), "run.toml")
     proc = run_cli(["converge", study, "--set", f"output.dir={tmp_path}/no"], cwd=str(tmp_path), check=False)
     check_one_line_error(proc, "study.reference: 'atoms' needs heads drawn from atoms")
+
+
+def test_bias_quantities_are_the_members_deviations_along_their_mean(tmp_path):
+    """mean_bias and cov_bias over 3 members: ensemble.csv gives each member's deviation
+    along one direction per quantity, no longer than the member's own error (which
+    `mean` reports); the table's error is their mean; an ensemble of 2 is refused."""
+    import csv
+    rng = np.random.default_rng(5)
+    np.savez(tmp_path / "atoms.npz", Q=0.6 * rng.normal(size=(2, 3, 2, 2)), K=0.6 * rng.normal(size=(2, 3, 2, 2)),
+             V=0.5 * rng.normal(size=(2, 3, 2, 2)), weights=[[0.2, 0.5, 0.3], [0.6, 0.1, 0.3]])
+    write_config(tmp_path, LAW_RUN.replace("LAW", 'law = "atoms"\natoms = "atoms.npz"\nseed = 2'), "run.toml")
+    study = write_config(tmp_path, '[study]\nrun = "run.toml"\nparameter = "model.heads"\nvalues = [2, 4]\n'
+                         'reference = "atoms"\nseeds = 3\nquantities = ["mean", "mean_bias", "cov_bias"]\n',
+                         "study.toml")
+    run_cli(["converge", study, "--set", f"output.dir={tmp_path}/out"], cwd=str(tmp_path))
+    with open(tmp_path / "out" / "ensemble.csv", newline="") as f:
+        members = {(r["value"], r["member"], r["quantity"]): float(r["error"]) for r in csv.DictReader(f)}
+    with open(tmp_path / "out" / "convergence.csv", newline="") as f:
+        rows = {(r["value"], r["quantity"]): float(r["error"]) for r in csv.DictReader(f)}
+    for value in ("2", "4"):
+        for q in ("mean_bias", "cov_bias"):
+            along = [members[(value, str(j), q)] for j in range(3)]
+            assert rows[(value, q)] == pytest.approx(np.mean(along), rel=1e-12, abs=1e-15)
+        for j in range(3):
+            assert abs(members[(value, str(j), "mean_bias")]) <= members[(value, str(j), "mean")] * (1 + 1e-12)
+    assert rows[("2", "mean_bias")] > 0
+    proc = run_cli(["converge", study, "--set", "study.seeds=2", f"output.dir={tmp_path}/two"],
+                   cwd=str(tmp_path), check=False)
+    check_one_line_error(proc, "study.quantities: 'mean_bias' is a mean over an ensemble: it needs study.seeds >= 3")

@@ -68,7 +68,8 @@ import numpy as np
 from ..fem import _dolfinx as dfx
 from ..model.config import load_config
 from ..tools.keys import Key, integer, path, positive_int_list, string
-from .converge import COLUMNS, ensemble_matrix, error_rows, run_ensemble
+from .converge import run_ensemble
+from .study_tables import COLUMNS, ensemble_matrix, error_rows
 from .study import (check_members_differ, describe_reference, override_strings, prepare, read_study_file, size_of,
                     study_inputs)
 from ..tools.errors import ConfigError, PdeformerError, status_of, within

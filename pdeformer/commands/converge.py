@@ -18,7 +18,7 @@ Study file::
     reference_run = "other.toml"    # with reference = "run"/"paired" (relative to this file)
     reference_command = "forward"
     reference_set = []              # overrides of the reference run (run, paired, draw)
-    quantities = ["l2", "mean", "cov"]
+    quantities = ["l2", "mean", "cov"]  # also risk, l1, mmd, gradient, mean_bias, cov_bias
     expected_order = 2.0            # drawn as a reference slope and reported
     set = ["output.fields=false"]   # overrides applied to every case
     bandwidth = 0.5                 # kernel width of the mmd distance
@@ -57,7 +57,12 @@ Quantities: ``mean`` (|mean - mean_ref|), ``cov`` (||cov - cov_ref||_F) and ``ri
 quadrature; with reference = exact the exact translated prompt) for forward; ``mmd``
 (the kernel distance between tokens and a reference density) for particles; ``gradient``
 (||g - g_ref|| / ||g_ref||) for gradient and particles. The maximum over prompts is
-reported. The size that orders refer to: h ~ 1/cells, 1/L, 1/H, 1/N, 1/steps per layer,
+reported. ``mean_bias`` and ``cov_bias`` (an ensemble of 3 or more) measure the bias
+|E q - q_ref| where ``mean`` and ``cov`` measure the fluctuation E|q - q_ref|: each
+member's deviation (every prompt's mean, or covariance, less the reference's) along the
+common direction of the cases' mean deviations, averaged over the members
+(pdeformer.commands.study_tables.bias_matrix); a bias of order p in h has order p here
+while the fluctuation of a Monte Carlo draw keeps order 1/2. The size that orders refer to: h ~ 1/cells, 1/L, 1/H, 1/N, 1/steps per layer,
 the cfl number; for other parameters the value itself.
 
 Every case runs on all ranks of its group together: prompt groups (``[parallel]
@@ -79,10 +84,11 @@ import ufl
 from ..fem import _dolfinx as dfx
 from ..solvers.budget import check_memory
 from ..tools.errors import ConfigError, InputError, PdeformerError, status_of, within
-from ..tools.output import atomic_write, provenance, save_figure, write_csv, write_json
+from ..tools.output import provenance, write_json
 from ..tools.parallel import (Meter, PromptGroups, Timer, allgather_rows, describe_parallel, metered,
                               on_root, parallel_report)
-from .study import check_members_differ, describe_reference, exact_reference, prepare, size_of, study_inputs
+from .study import BIASES, check_members_differ, describe_reference, exact_reference, prepare, study_inputs
+from .study_tables import error_rows, write_study
 
 log = logging.getLogger("pdeformer")
 
@@ -167,7 +173,8 @@ class Case:
 
 def errors(case: Case, ref, kind: str, quantities, bandwidth: float) -> dict:
     """Error of every quantity of ``case`` against the reference: a Case, or the exact
-    solution (``kind`` exact or expectation)."""
+    solution (``kind`` exact or expectation). A bias quantity gives the signed deviation
+    instead, a list: every prompt's mean (or covariance) less the reference's, in turn."""
     comm = case.problem.comm
     out = {}
     S = len(case.problem.prompts)
@@ -175,7 +182,11 @@ def errors(case: Case, ref, kind: str, quantities, bandwidth: float) -> dict:
     for q in quantities:
         vals = []
         for s in range(S):
-            if q == "mean":
+            if q in BIASES:
+                ours, theirs = (case.means, ref.means) if q == "mean_bias" else (case.covs, ref.covs)
+                r = exact[s][0 if q == "mean_bias" else 1] if exact else theirs[s]
+                vals.extend(np.ravel(ours[s] - r).tolist())
+            elif q == "mean":
                 r = exact[s][0] if exact else ref.means[s]
                 vals.append(np.linalg.norm(case.means[s] - r))
             elif q == "cov":
@@ -196,7 +207,7 @@ def errors(case: Case, ref, kind: str, quantities, bandwidth: float) -> dict:
                 vals.append(_density_error(case, ref, exact, s, q))
             elif q == "mmd":
                 vals.append(_mmd(case, ref, s, bandwidth, comm))
-        out[q] = float(max(vals))
+        out[q] = vals if q in BIASES else float(max(vals))
     return out
 
 
@@ -248,16 +259,6 @@ def _mmd(case, ref, s, bandwidth, comm):
 
 # --------------------------------------------------------------------------- the study
 
-def orders(sizes, errs):
-    """Observed orders between successive cases: log(e_{i-1}/e_i) / log(h_{i-1}/h_i)."""
-    out = [math.nan]
-    for i in range(1, len(errs)):
-        a, b, sa, sb = errs[i - 1], errs[i], sizes[i - 1], sizes[i]
-        ok = a > 0 and b > 0 and sa > 0 and sb > 0 and sa != sb
-        out.append(math.log(a / b) / math.log(sa / sb) if ok else math.nan)
-    return out
-
-
 def run_study(study: dict, comm=None, walltime: float | None = None) -> dict:
     """Run the cases of a study (every member of its ensemble, and its reference),
     compare them, write the tables and summary.json; a PdeformerError still writes
@@ -287,7 +288,7 @@ def run_study(study: dict, comm=None, walltime: float | None = None) -> dict:
         meter = world.meter.snapshot()
         summary = _study_summary(study, status, info, world, sets, rows, fits, timer)
         summary["parallel"] = parallel_report(world, groups, meter, timer)
-        summary["files"] = on_root(world, _write_study, outdir, study, rows, fits, records, summary)
+        summary["files"] = on_root(world, write_study, outdir, study, rows, fits, records, summary)
         _log_results(study["parameter"], rows, fits)
         if world.rank == 0:
             log.info(describe_parallel(summary["parallel"]))
@@ -430,150 +431,8 @@ def _run_member(study: dict, j: int, member_cfgs: list, reference_cfgs, ref, run
             ref = case
             continue
         for q, e in errors(case, ref, kind, study["quantities"], study["bandwidth"]).items():
-            records.append({"case": i, "member": j, "quantity": q, "error": e, "seconds": case.seconds})
+            record = {"case": i, "member": j, "quantity": q, "error": e, "seconds": case.seconds}
+            if q in BIASES:       # the member's own |q - q_ref|; the deviation for the tables
+                record.update(error=float(np.linalg.norm(e)), deviation=e)
+            records.append(record)
     return False
-
-
-def ensemble_matrix(records: list, quantity: str) -> tuple[list, list, np.ndarray]:
-    """(cases, members, errors (cases x members)) of one quantity over the members that
-    have every case (a member the walltime guard cut short is left out; where none has
-    every case, the cases every member has)."""
-    have = {}
-    for r in records:
-        if r["quantity"] == quantity:
-            have.setdefault(r["member"], {})[r["case"]] = r["error"]
-    if not have:
-        return [], [], np.zeros((0, 0))
-    cases = sorted(set().union(*have.values()))
-    members = sorted(j for j, c in have.items() if len(c) == len(cases))
-    if not members:
-        cases = sorted(set.intersection(*(set(c) for c in have.values())))
-        members = sorted(have)
-    return cases, members, np.array([[have[j][i] for j in members] for i in cases]).reshape(len(cases), len(members))
-
-
-def error_rows(study: dict, records: list) -> tuple[list, dict]:
-    """One row per case and quantity (the mean error over the ensemble's members, its
-    95% interval, the observed order against the case before it) and per quantity the
-    order fitted over all cases (pdeformer.tools.stats)."""
-    from ..tools.stats import fit_order, mean_interval
-    param, values = study["parameter"], study["values"]
-    sizes = [size_of(param, v) for v in values]
-    seconds = {}
-    for r in records:
-        seconds.setdefault(r["case"], {})[r["member"]] = r["seconds"]
-    rows, fits = [], {}
-    for q in study["quantities"]:
-        cases, members, E = ensemble_matrix(records, q)
-        if not cases:
-            continue
-        ivs = [mean_interval(e) for e in E]
-        for i, iv, o in zip(cases, ivs, orders([sizes[i] for i in cases], [iv.mean for iv in ivs])):
-            rows.append({"case": i, "value": json.dumps(values[i]), "size": sizes[i], "quantity": q,
-                         "error": iv.mean, "sem": iv.sem, "ci_low": iv.low, "ci_high": iv.high,
-                         "seeds": iv.n, "order": o,
-                         "seconds": float(np.mean([seconds[i][j] for j in members]))})
-        fit = fit_order([sizes[i] for i in cases], E)
-        if math.isfinite(fit.order):
-            fits[q] = {"order": fit.order, "low": fit.low, "high": fit.high, "constant": fit.constant,
-                       "cases": fit.cases, "seeds": fit.members, "expected": study["expected_order"]}
-    return rows, fits
-
-
-COLUMNS = ("case", "value", "size", "quantity", "error", "sem", "ci_low", "ci_high", "seeds", "order", "seconds")
-
-
-def _write_study(outdir: str, study: dict, rows: list, fits: dict, records: list, summary: dict) -> list:
-    """convergence.csv, .md, .png, ensemble.csv and summary.json (rank 0); the files written."""
-    write_csv(os.path.join(outdir, "convergence.csv"), list(COLUMNS), [[r[k] for k in COLUMNS] for r in rows])
-    if study["seeds"] > 1:
-        write_csv(os.path.join(outdir, "ensemble.csv"), ["case", "value", "member", "quantity", "error"],
-                  [[r["case"], json.dumps(study["values"][r["case"]]), r["member"], r["quantity"], r["error"]]
-                   for r in records])
-    _markdown(os.path.join(outdir, "convergence.md"), study, rows, fits)
-    if not _plot(os.path.join(outdir, "convergence.png"), study, rows, fits):
-        summary["files"].remove("convergence.png")
-    write_json(os.path.join(outdir, "summary.json"), summary)
-    return summary["files"]
-
-
-def _markdown(filename, study, rows, fits):
-    n = study["seeds"]
-    keys = ", ".join(study["seed_keys"])
-    lines = [f"# Convergence: {study['parameter']} ({study['command']}, reference {study['reference']})", "",
-             f"Base run: `{os.path.relpath(study['run'], os.path.dirname(study['study_file']))}`"
-             + (f"; expected order {study['expected_order']:g}" if study["expected_order"] is not None else ""),
-             "", f"Reference: {describe_reference(study)}.", ""]
-    if n > 1:
-        lines += [f"Ensembles of {n} draws per case ({keys} = base + 0..{n - 1}): the error is the mean "
-                  "over the draws, with its 95% interval (Student's t).", ""]
-    lines += [f"| {study['parameter']} | size | quantity | error | 95% interval | order |",
-              "|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["quantity"], r["case"])):
-        o = "—" if math.isnan(r["order"]) else f"{r['order']:.2f}"
-        ci = f"[{r['ci_low']:.3e}, {r['ci_high']:.3e}]" if r["seeds"] > 1 else "—"
-        lines.append(f"| {r['value']} | {r['size']:.4g} | {r['quantity']} | {r['error']:.3e} | {ci} | {o} |")
-    if fits:
-        how = ("weighted least squares over all cases, 95% intervals by the members' jackknife"
-               if n > 1 else "least squares over all cases, one draw each; 95% intervals from "
-               "their scatter about the power law")
-        lines += ["", f"Orders fitted to error = C size^p ({how}):", "",
-                  "| quantity | order p | 95% interval | expected | C | members |", "|---|---|---|---|---|---|"]
-        for q, f in fits.items():
-            exp = "—" if f["expected"] is None else f"{f['expected']:g}"
-            ci = "—" if math.isnan(f["low"]) else f"[{f['low']:.3f}, {f['high']:.3f}]"
-            lines.append(f"| {q} | {f['order']:.3f} | {ci} | {exp} | {f['constant']:.3g} | {f['seeds']} |")
-    with atomic_write(filename) as f:
-        f.write("\n".join(lines) + "\n")
-
-
-def _plot(filename, study, rows, fits) -> bool:
-    """Log-log error against size, one line per quantity (the ensemble's 95% band, the
-    fitted power law), with the expected slope."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("warning: matplotlib is missing: no convergence.png (Debian: python3-matplotlib)")
-        return False
-    fig, ax = plt.subplots(figsize=(5.5, 4.2))
-    by_value = all(math.isnan(r["size"]) for r in rows)   # e.g. the DG degree: error per value
-    for q in sorted({r["quantity"] for r in rows}):
-        _plot_quantity(ax, [r for r in rows if r["quantity"] == q], q, fits.get(q), by_value)
-    sizes = sorted({r["size"] for r in rows if r["size"] > 0})
-    if study["expected_order"] is not None and len(sizes) >= 2:
-        top = max((r["error"] for r in rows), default=1.0)
-        s0 = sizes[-1]
-        xs = np.array([sizes[0], s0])
-        ax.loglog(xs, top * (xs / s0) ** study["expected_order"], "k--",
-                  label=f"slope {study['expected_order']:g}")
-    ax.set_xlabel(study["parameter"] if by_value else f"size ({study['parameter']})")
-    ax.set_ylabel("error" + (f" (mean of {study['seeds']}, 95% band)" if study["seeds"] > 1 else ""))
-    ax.set_title(f"{study['command']}: {study['parameter']}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    save_figure(filename, fig, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def _plot_quantity(ax, rows: list, q: str, fit: dict | None, by_value: bool) -> None:
-    """One quantity's line: its positive errors against size (log-log; against the value,
-    log-linear, where the parameter has no size), the ensemble's 95% band where every
-    case has one, and the fitted power law C size^p."""
-    sel = sorted((r for r in rows if r["error"] > 0),
-                 key=lambda r: float(json.loads(r["value"])) if by_value else r["size"])
-    if not sel:
-        return
-    x = np.array([float(json.loads(r["value"])) if by_value else r["size"] for r in sel])
-    y = np.array([r["error"] for r in sel])
-    label = q if fit is None else f"{q}: p = {fit['order']:.2f}" + (
-        "" if math.isnan(fit["low"]) else f" [{fit['low']:.2f}, {fit['high']:.2f}]")
-    line, = (ax.semilogy if by_value else ax.loglog)(x, y, "o-", label=label)
-    if all(r["seeds"] > 1 for r in sel):
-        lo = np.maximum([r["ci_low"] for r in sel], 1e-3 * y)
-        ax.fill_between(x, lo, [r["ci_high"] for r in sel], color=line.get_color(), alpha=0.2, lw=0)
-    if fit is not None and not by_value:
-        ax.loglog(x, fit["constant"] * x ** fit["order"], ":", color=line.get_color(), lw=1)

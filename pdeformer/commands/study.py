@@ -19,7 +19,8 @@ from ..tools.tomlfile import apply_override, parse_override, read_toml
 from ..tools.errors import ConfigError
 
 
-QUANTITIES = ("mean", "cov", "risk", "l2", "l1", "mmd", "gradient")
+QUANTITIES = ("mean", "cov", "risk", "l2", "l1", "mmd", "gradient", "mean_bias", "cov_bias")
+BIASES = ("mean_bias", "cov_bias")    # |E q - q_ref| over an ensemble (study_tables.bias_matrix)
 REFERENCES = ("exact", "expectation", "finest", "run", "paired", "draw", "atoms")
 DEFAULTS = {"forward": ["l2", "mean", "cov"], "particles": ["mean", "cov", "mmd"],
             "gradient": ["risk", "gradient"]}
@@ -189,13 +190,16 @@ def load_study(filename: str, overrides=()) -> dict:
                           "at most one group per member of the ensemble")
     allowed = {"forward": {"mean", "cov", "risk", "l2", "l1"},
                "particles": {"mean", "cov", "risk", "mmd", "gradient"},
-               "gradient": {"mean", "cov", "risk", "gradient"}}[study["command"]]
+               "gradient": {"mean", "cov", "risk", "gradient"}}[study["command"]] | set(BIASES)
     for q in study["quantities"]:
         if q not in allowed:
             raise ConfigError("study.quantities", f"{q!r} is not measured by command {study['command']!r}")
+        if q in BIASES and study["seeds"] < 3:
+            raise ConfigError("study.quantities", f"{q!r} is a mean over an ensemble: it needs "
+                              f"study.seeds >= 3 (got {study['seeds']})")
     if study["reference"] in ("exact", "expectation"):
         for q in study["quantities"]:
-            if q not in ("mean", "cov", "l2", "l1"):
+            if q not in ("mean", "cov", "l2", "l1") + BIASES:
                 raise ConfigError("study.quantities", f"{q!r} needs a reference run (reference = "
                                   f"{study['reference']!r} gives mean, cov, l2 and l1)")
     return study

@@ -90,29 +90,36 @@ def _power_law(h: np.ndarray, errors: np.ndarray) -> tuple[float, float]:
     return float(coef[1]), float(math.exp(coef[0]))
 
 
-def _usable(sizes, errors) -> tuple[np.ndarray, np.ndarray]:
-    """The cases with a positive size and positive errors: (h, errors (cases, members))."""
+def _usable(sizes, errors, signed: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """The cases with a positive size and positive errors (``signed``: a positive mean
+    of errors that may have either sign): (h, errors (cases, members))."""
     h = np.asarray(sizes, dtype=float)
     E = np.asarray(errors, dtype=float).reshape(h.size, -1)
-    ok = (h > 0) & np.isfinite(h) & np.all(E > 0, axis=1) & np.all(np.isfinite(E), axis=1)
+    positive = E.mean(axis=1) > 0 if signed else np.all(E > 0, axis=1)
+    ok = (h > 0) & np.isfinite(h) & positive & np.all(np.isfinite(E), axis=1)
     return h[ok], E[ok]
 
 
 def jackknife_se(estimate, errors: np.ndarray) -> float:
     """The leave-one-member-out standard error of ``estimate(errors)`` (errors: cases x
-    members), sqrt((n-1)/n sum_j (theta_(j) - mean)^2); nan for fewer than 3 members."""
+    members), sqrt((n-1)/n sum_j (theta_(j) - mean)^2); nan for fewer than 3 members, or
+    where a replicate has a case without a positive mean error."""
     n = errors.shape[1]
     if n < 3:
+        return math.nan
+    if np.any(errors.sum(axis=1, keepdims=True) - errors <= 0):
         return math.nan
     reps = np.array([estimate(np.delete(errors, j, axis=1)) for j in range(n)])
     return math.sqrt((n - 1) / n * float(((reps - reps.mean()) ** 2).sum()))
 
 
-def fit_order(sizes, errors, level: float = LEVEL) -> OrderFit:
+def fit_order(sizes, errors, level: float = LEVEL, signed: bool = False) -> OrderFit:
     """Fit E[e] = C h^p to ``errors`` (cases x members: every member's error in every case)
     by weighted least squares on the log means; the interval by the members' jackknife,
-    or for one member from the residuals (see the module docstring)."""
-    h, E = _usable(sizes, errors)
+    or for one member from the residuals (see the module docstring). ``signed``: the
+    members' errors may have either sign (a bias's deviations), their means are fitted
+    where positive."""
+    h, E = _usable(sizes, errors, signed)
     m, n = E.shape
     if m < 2 or np.ptp(np.log(h)) == 0:
         return OrderFit(math.nan, math.nan, math.nan, math.nan, m, n)
