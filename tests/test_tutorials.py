@@ -8,10 +8,11 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 
-from conftest import ROOT, requires_dolfinx, run_script
+from conftest import ROOT, requires_dolfinx
 
 pytestmark = [requires_dolfinx]
 
@@ -39,9 +40,15 @@ def stated_lines(path: str) -> list[str]:
 
 
 def run_tutorial(name: str, tmp_path, nprocs: int = 1) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    """The tutorial as a user runs it: a fresh ``python`` (under ``mpirun -n nprocs``), not
+    on the ranks kept between tests, whose imports earlier tests made."""
+    cmd = [sys.executable, os.path.join(TUTORIALS, f"{name}.py"), str(tmp_path / name)]
+    if nprocs > 1:
+        from pdeformer.tools.parallel import mpirun_command
+        cmd = mpirun_command(nprocs) + cmd
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("PDEFORMER_TUTORIAL_OUT", None)
-    return run_script(os.path.join(TUTORIALS, f"{name}.py"), [tmp_path / name], nprocs, cwd=tmp_path, env=env)
+    return subprocess.run(cmd, cwd=str(tmp_path), capture_output=True, text=True, timeout=300, env=env)
 
 
 def check(proc: subprocess.CompletedProcess, name: str):
