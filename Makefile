@@ -22,7 +22,7 @@ help:
 	@echo "make test       the test suite (serial and mpirun -n 2 cases; TEST_WORKERS=2 processes)"
 	@echo "make test-slow  the slow convergence studies"
 	@echo "make test-slurm runs/slurm.sh under a one-node SLURM set up here (root; not in make test)"
-	@echo "make verification  the convergence studies and the error budget -> docs/verification/ (about 30 min)"
+	@echo "make verification  the convergence studies and the error budget -> docs/verification/ (about 45 min)"
 	@echo "make training-studies  the teacher-student and SGD studies -> docs/training/ (about 1 h)"
 	@echo "make pictures   forward and train $(CONFIG), refresh the README's pictures in docs/pictures/"
 	@echo "make docs       the documentation as HTML -> docs/_build/html (Sphinx; warnings are errors)"
