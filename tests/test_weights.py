@@ -126,14 +126,28 @@ def test_a_params_file_s_weights_are_used_and_kept_by_training(tmp_path):
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["status"] == "completed"
 
 
-def test_ntk_refuses_the_run_s_weighted_heads(tmp_path):
-    """ntk's Gram matrix takes the 1/H mean of a layer's heads: with weighted run heads it
-    stops with one line naming ntk.heads (exit 2) rather than ignoring the weights."""
-    weighted, _ = models()
-    np.savez(tmp_path / "heads.npz", **weighted.params["attention"], weights=weighted.weights)
-    config = write_config(tmp_path, CONFIG.replace("PARAMS", str(tmp_path / "heads.npz")))
-    proc = run_cli(["ntk", config, "--set", 'ntk.heads="run"'], cwd=str(tmp_path), check=False)
-    check_one_line_error(proc, "ntk.heads: the run's heads are weighted")
+def test_ntk_of_weighted_heads_is_that_of_the_heads_repeated(tmp_path):
+    """ntk's Gram matrix of a layer of weighted run heads is sum_j w_j J_j J_j^T: heads
+    with weights 1/2, 1/4, 1/4 give the eigenvalues (1e-12) of the unweighted layer that
+    holds the first head twice, whose Gram is the 1/H mean; the weights are not ignored
+    (the same heads unweighted give other eigenvalues)."""
+    import json
+    rng = np.random.default_rng(3)
+    Q, K, V = (0.7 * rng.normal(size=(1, 3, 2, 2)) for _ in range(3))
+    repeat = [0, 0, 1, 2]
+    files = {"weighted": dict(Q=Q, K=K, V=V, weights=[[0.5, 0.25, 0.25]]),
+             "repeated": dict(Q=Q[:, repeat], K=K[:, repeat], V=V[:, repeat]),
+             "unweighted": dict(Q=Q, K=K, V=V)}
+    found = {}
+    for name, arrays in files.items():
+        np.savez(tmp_path / f"{name}.npz", **arrays)
+        config = write_config(tmp_path, CONFIG.replace("PARAMS", str(tmp_path / f"{name}.npz")), f"{name}.toml")
+        run_cli(["ntk", config, "--set", 'ntk.heads="run"', 'ntk.params="all"', f"output.dir={tmp_path}/{name}"],
+                cwd=str(tmp_path))
+        found[name] = np.array(json.loads((tmp_path / name / "ntk.json").read_text())["ntk"]["eigenvalues"])
+    assert found["weighted"][0] > 0
+    np.testing.assert_allclose(found["weighted"], found["repeated"], rtol=1e-12, atol=1e-14 * found["weighted"][0])
+    assert np.abs(found["weighted"] - found["unweighted"]).max() > 1e-3 * found["weighted"][0]
 
 
 # ------------------------------------------------------------------ head laws

@@ -9,9 +9,10 @@ affine functions of b. Two numerical checks:
    (n x S) matrix: sigma_min / sigma_max > tol means independent.
 2. **NTK Gram.** For data points (mu_i, x_p) -- every prompt with the same query points
    x_p, or prompt i with query i -- and a head measure (sampled heads, or the run's heads at a layer), the Gram
-   matrix G = (1/J) sum_j J_j J_j^T of the Jacobians of Gamma_theta[mu_i](x_p) = V m(A x_p)
-   with respect to the trained parameters (A only, V only, or all of Q, K, V); its
-   eigenvalues and lambda_min / lambda_max > tol^2 means injective on these data.
+   matrix G = (1/J) sum_j J_j J_j^T (sum_j w_j J_j J_j^T for weighted heads) of the
+   Jacobians of Gamma_theta[mu_i](x_p) = V m(A x_p) with respect to the trained
+   parameters (A only, V only, or all of Q, K, V); its eigenvalues and lambda_min /
+   lambda_max > tol^2 means injective on these data.
    With A trained, the Jacobian only sees Hess Lambda (the affine part drops out), which is
    why the two checks agree; training V also sees grad Lambda.
 
@@ -143,17 +144,20 @@ def head_jacobians(measure, x: np.ndarray, heads: dict, params: str, beta: float
 
 def ntk_gram(measures: list, x: np.ndarray, heads: dict, params: str = "A",
              matched: bool = False, beta: float = 1.0) -> dict:
-    """Spectrum of the NTK Gram matrix G = (1/J) sum_j J_j J_j^T on the data (mu_i, x_p):
-    every prompt with every query point, (S*P*d) x (S*P*d), or with ``matched`` prompt i
-    with query i only, (S*d) x (S*d). Its eigenvalues are the squared singular values of
-    the stacked Jacobians [J_1 ... J_J] / sqrt(J), computed by an SVD of those (accurate
-    far below the round-off level of G itself)."""
+    """Spectrum of the NTK Gram matrix G = (1/J) sum_j J_j J_j^T on the data (mu_i, x_p)
+    (G = sum_j w_j J_j J_j^T for heads with ``weights``): every prompt with every query
+    point, (S*P*d) x (S*P*d), or with ``matched`` prompt i with query i only, (S*d) x
+    (S*d). Its eigenvalues are the squared singular values of the stacked Jacobians
+    [J_1 ... J_J] / sqrt(J) (sqrt(w_j) J_j), computed by an SVD of those (accurate far
+    below the round-off level of G itself)."""
     J = np.concatenate([head_jacobians(m, x[i:i + 1] if matched else x, heads, params, beta)
                         for i, m in enumerate(measures)], axis=1)
     if not np.all(np.isfinite(J)):
         n = J.shape[1]
         return {"eigenvalues": np.full(n, np.nan), "ratio": math.nan, "size": n}
-    stacked = np.concatenate(list(J), axis=1) / np.sqrt(J.shape[0])      # (S*P*d, J*n_params)
+    w = heads.get("weights")
+    scale = np.full(J.shape[0], 1 / np.sqrt(J.shape[0])) if w is None else np.sqrt(np.asarray(w, float))
+    stacked = np.concatenate([s * Jj for s, Jj in zip(scale, J)], axis=1)    # (S*P*d, J*n_params)
     sv = np.linalg.svd(stacked, compute_uv=False)
     lam = np.zeros(stacked.shape[0])
     lam[:len(sv)] = sv**2
@@ -271,15 +275,16 @@ def ntk_heads(problem) -> tuple[dict, dict]:
                                scale=ntk.head_scale)
         return layer_slice(h.params, 0), {"heads": "sampled", "count": ntk.head_count,
                                           "scale": ntk.head_scale, "seed": ntk.seed, "beta": beta}
-    if heads.weights is not None:
-        raise ConfigError("ntk.heads", "the run's heads are weighted (model.params holds weights): "
-                                       "ntk takes the 1/H mean of its heads; use ntk.heads = 'sampled'")
     layer = ntk.layer
     if layer is None:
         layer = heads.layer_of(ntk.depth) if ntk.depth is not None else 0
     if layer >= heads.layers:
         raise ConfigError("ntk.layer", f"{layer} is not a layer of the model (0..{heads.layers - 1})")
-    return layer_slice(heads.params, layer), {"heads": "run", "layer": layer, "count": heads.heads, "beta": beta}
+    block = layer_slice(heads.params, layer)
+    if heads.weights is not None:       # G = sum_j w_j J_j J_j^T
+        block["weights"] = heads.weights[layer]
+    return block, {"heads": "run", "layer": layer, "count": heads.heads, "beta": beta,
+                   "weighted": heads.weights is not None}
 
 
 def query_points(ntk, d: int, prompts: int) -> np.ndarray:
