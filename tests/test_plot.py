@@ -660,13 +660,13 @@ def _pvbatch(script, png, cwd, *more):
     import random
     import time
     cmd = ["pvbatch", script, "--screenshot", png, *more]
-    for attempt in range(5):
+    for attempt in range(8):
         full = cmd if os.environ.get("DISPLAY") else \
             ["xvfb-run", "-a", "-n", str(random.randrange(100, 900)), "-s", "-screen 0 1280x1024x24"] + cmd
         proc = subprocess.run(full, cwd=cwd, capture_output=True, text=True, timeout=300)
         if proc.returncode == 0 or "X server" not in proc.stdout + proc.stderr:
             break
-        time.sleep(1 + attempt)
+        time.sleep(2 + 2 * attempt)     # up to a minute in all: the load that delays X may pass
     return proc
 
 
